@@ -1,0 +1,128 @@
+"""Configuration: the model's shape (read from config.json) and the engine's knobs."""
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The subset of a Hugging Face Qwen3 `config.json` that the decoder needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+            raise ValueError(
+                f"config.json: unsupported architecture (model_type={model_type!r}, "
+                f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM only")
+        scaling = raw.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"config.json: rope_scaling {scaling!r} is not supported")
+        params = raw.get("rope_parameters") or {}
+        if params.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json: rope_parameters {params!r} are not supported")
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
+        for name in required:
+            if name not in raw:
+                raise ValueError(f"config.json: missing field {name!r}")
+        rope_theta = raw.get("rope_theta", params.get("rope_theta"))
+        if rope_theta is None:
+            raise ValueError("config.json: missing field 'rope_theta'")
+        if raw.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window=true is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {raw['hidden_act']!r} is not supported")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=raw.get("num_key_value_heads", num_heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw["rms_norm_eps"],
+            rope_theta=float(rope_theta),
+            max_position_embeddings=raw["max_position_embeddings"],
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", False),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
+        with open(config_file) as f:
+            config = cls.from_dict(json.load(f))
+        generation_file = os.path.join(path, "generation_config.json")
+        if os.path.isfile(generation_file):
+            with open(generation_file) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                config.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        return config
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    device: str | None = None          # None: CUDA when available, else CPU
+    dtype: str | None = None           # None: bfloat16 on CUDA, float32 on CPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int | None = None   # None: the checkpoint's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None   # None: sized from GPU memory (CUDA) or cpu_kv_blocks
+    cpu_kv_blocks: int = 1024
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # Which fused kernels replace the eager PyTorch path: "auto" (all of them on CUDA when Triton
+    # is importable, none on CPU), "none", or a comma-separated subset of kernels.KERNEL_NAMES.
+    kernels: str = "auto"
+    enforce_eager: bool = False        # True: never use CUDA graphs
+    seed: int = 0
+    model_config: ModelConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.model_config is None:
+            self.model_config = ModelConfig.from_pretrained(self.model)
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        return cls(model=model, **kwargs)

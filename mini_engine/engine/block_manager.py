@@ -1,0 +1,119 @@
+"""The KV block pool: allocation, reference counts, and prefix caching.
+
+A full block is identified by a hash chained with its parent's, so equal hashes mean equal
+prefixes (the stored key is compared on a hit to rule out collisions). Free blocks sit in LRU
+order; a free block keeps its cached contents until it is actually handed out again.
+"""
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from mini_engine.engine.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    key: tuple | None = None        # (parent hash, token ids): what the hash stands for
+
+
+def block_key(parent_hash: int | None, token_ids: list[int]) -> tuple:
+    return (parent_hash, tuple(token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}     # hash -> block id
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """The longest chain of cached blocks that starts seq's tokens. The last token is never
+        served from the cache, so that the step computes it and has logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], None
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = self.cached_blocks.get(hash(key))
+            if block_id is None or self.blocks[block_id].key != key:
+                break
+            hits.append(block_id)
+            parent = self.blocks[block_id].hash
+        self.prefix_cache_queried_tokens += seq.num_tokens
+        self.prefix_cache_hit_tokens += len(hits) * bs
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
+        computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
+        needed = self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(cached_prefix)
+        # Cached blocks that nobody holds are still in the free list: taking them shrinks it.
+        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        return needed <= self.num_free_blocks - revived
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> None:
+        """Give seq the cached prefix blocks and enough new blocks to hold num_new_tokens more
+        tokens than it has computed (after the prefix), then cache the blocks this step fills."""
+        for block_id in cached_prefix:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        total = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        for _ in range(self.blocks_for(total) - len(seq.block_table)):
+            seq.block_table.append(self.take_free_block())
+        self.cache_full_blocks(seq, total)
+
+    def take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)       # least recently used
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached_blocks.get(block.hash) == block_id:
+            del self.cached_blocks[block.hash]                    # evicted only now, when reused
+        block.hash = block.key = None
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash every block of seq that the first num_tokens tokens fill. Safe to call before the
+        step computes them: nobody else is scheduled against the cache until the step is done."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else None
+            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash(key)
+            seq.block_hashes.append(h)
+            if self.enable_prefix_caching and h not in self.cached_blocks:
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.key = h, key
+                self.cached_blocks[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so that a sequence's prefix outlives its suffix in the LRU order.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.hash is None:                 # holds nothing reusable: hand it out first
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table.clear()
+        seq.block_hashes.clear()

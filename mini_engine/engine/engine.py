@@ -1,0 +1,145 @@
+"""The step loop: requests in, one scheduled batch through the model per step, tokens out."""
+import itertools
+from dataclasses import dataclass
+
+from mini_engine.config import EngineConfig
+from mini_engine.engine.block_manager import BlockManager
+from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
+from mini_engine.engine.sequence import Sequence
+from mini_engine.runner.model_runner import BatchRow, ModelRunner
+from mini_engine.sampling_params import SamplingParams
+from mini_engine.tokenizer import load_tokenizer
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self.request_counter = itertools.count()
+        self.last_step_prefill_tokens = 0    # prompt tokens (prompt or recomputed) the last step ran
+        self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
+
+    # ---- requests ----
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return list(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a request that could never run; it then touches no engine state."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        limit = self.config.max_model_len
+        if n + params.max_tokens > limit:
+            raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={limit}")
+        # The last sampled token is never computed, so the sequence holds at most this many slots.
+        blocks = self.block_manager.blocks_for(n + params.max_tokens - 1)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks but the pool holds "
+                             f"{self.block_manager.num_blocks}; it could never run")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        prompt_token_ids = self.tokenize(prompt)
+        self.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self.request_counter))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, prompt_token_ids, params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
+        if batch.is_empty:
+            return []
+        rows, order = self.build_rows(batch)
+        sampled = iter(self.runner.execute(rows))
+        outputs = []
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            self.last_step_decode_tokens += is_decode
+            self.last_step_prefill_tokens += 0 if is_decode else n
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue                                   # a prefill chunk: nothing sampled yet
+            token = next(sampled)
+            seq.token_ids.append(token)
+            reason = self.finish_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+            outputs.append(StepOutput(seq, [token], reason is not None))
+        return outputs
+
+    def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
+        """Rows in the runner's order (single-token rows first), and the batch indices in it."""
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        rows = []
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            sample = start + n == seq.num_tokens
+            p = seq.sampling_params
+            seed = hash((p.seed, seq.num_output_tokens)) & 0x7FFFFFFF if sample and p.seed is not None else None
+            rows.append(BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed))
+        return rows, order
+
+    def finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.sampling_params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    # ---- what it can report ----
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        return self.block_manager.prefix_cache_hit_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

@@ -1,0 +1,99 @@
+"""Continuous batching in vLLM v1's style: no prefill or decode phase. Each step every running
+sequence gets the tokens it needs to catch up (one for a decode, a chunk of its prompt for a
+prefill), under one token budget; then waiting sequences are admitted in FCFS order."""
+from collections import deque
+from dataclasses import dataclass, field
+
+from mini_engine.engine.block_manager import BlockManager
+from mini_engine.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)   # tokens each seq computes this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = self.running.pop()       # the newest; never one scheduled already
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, n)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+
+        # A step that had to preempt admits nobody: the pool is already short.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            num_computed = len(cached) * bm.block_size
+            n = min(seq.num_tokens - num_computed, budget)
+            if not bm.can_allocate(seq, n, cached):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, n, cached)
+            seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and send it to the head of the waiting queue, to be recomputed
+        (its prefix, prompt and output alike, may come back from the prefix cache)."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

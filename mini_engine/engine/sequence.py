@@ -1,0 +1,52 @@
+"""A request's state as the engine moves it through waiting, running and finished."""
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from mini_engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)    # prompt, then output tokens
+    # Tokens whose k/v are in the cache. After a decode step this is num_tokens - 1: the token
+    # just sampled is computed in the next step. Preemption resets it to 0.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # of those, found in the prefix cache at the last admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, cached block
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None    # "stop", "length" or "abort"
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

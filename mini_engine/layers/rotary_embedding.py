@@ -1,0 +1,27 @@
+import torch
+from torch import nn
+
+from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write_ref, rope_cos_sin_cache
+
+
+class QKNormRopeKVWrite(nn.Module):
+    """Everything between the QKV projection and attention: split q/k/v, Qwen3's per-head RMSNorm
+    on q and k, rotary embedding, and the KV-cache write. Returns q as [T, Hq, D]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 max_position: int, rope_theta: float, use_triton: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        self.q_norm_weight = nn.Parameter(torch.ones(head_dim))
+        self.k_norm_weight = nn.Parameter(torch.ones(head_dim))
+        # fp32 whatever the model's dtype: positions up to 40k need the precision before the cast.
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(head_dim, max_position, rope_theta),
+                             persistent=False)
+        self.impl = qk_norm_rope_kv_write_ref
+        if use_triton:
+            from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write
+            self.impl = qk_norm_rope_kv_write
+
+    def forward(self, qkv, positions, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        return self.impl(qkv, positions, self.cos_sin_cache, self.q_norm_weight, self.k_norm_weight, self.eps,
+                         k_cache, v_cache, slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,41 @@
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mini_engine.kernels.sampling import apply_top_k_top_p_ref, exponential_noise_ref, sample_ref
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters for one step, on the device."""
+
+    temperatures: torch.Tensor        # [B] fp32, 0 = greedy
+    top_k: torch.Tensor | None        # [B] int64, or None when no row restricts top-k
+    top_p: torch.Tensor | None        # [B] fp32, or None when no row restricts top-p
+    seeds: torch.Tensor               # [B] int64: per-row random stream for this step
+    row_seeds: list[int | None]       # host copy; None where the request gave no seed
+    all_greedy: bool
+
+
+class Sampler(nn.Module):
+    def __init__(self, use_triton: bool = False):
+        super().__init__()
+        self.use_triton = use_triton
+
+    def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        logits = logits.float()
+        if params.all_greedy:
+            return logits.argmax(-1)
+        if params.top_k is not None or params.top_p is not None:
+            # Temperature first, as vLLM does, so top-p's nucleus is that of the scaled distribution.
+            t = params.temperatures
+            logits = apply_top_k_top_p_ref(logits / torch.where(t > 0, t, 1.0)[:, None], params.top_k, params.top_p)
+            temperatures = torch.where(t > 0, 1.0, 0.0)
+        else:
+            temperatures = params.temperatures
+        if self.use_triton:
+            from mini_engine.kernels.sampling import sample
+            return sample(logits, temperatures, params.seeds)
+        noise = exponential_noise_ref(logits.shape[0], logits.shape[1], params.row_seeds, logits.device)
+        return sample_ref(logits, temperatures, noise)

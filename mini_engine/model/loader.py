@@ -1,0 +1,90 @@
+"""Loads a Hugging Face safetensors checkpoint into Qwen3ForCausalLM, packing q/k/v and gate/up."""
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map'")
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = [os.path.join(path, "model.safetensors")]
+    else:
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+    for file in files:
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"checkpoint shard {file} is missing")
+    return files
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    params = dict(model.named_parameters())       # tied lm_head shares embed_tokens.weight: listed once
+    tied = model.config.tie_word_embeddings
+    loaded: set[tuple[str, int]] = set()
+    needed = {(name, shard) for name, p in params.items()
+              for shard in range(len(getattr(module_of(model, name), "output_sizes", [0])))}
+    for file in checkpoint_files(path):
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+        with handle as f:
+            for ckpt_name in f.keys():
+                if tied and ckpt_name == "lm_head.weight":
+                    continue                      # some exporters write the tied copy too
+                name, shard = translate(model, ckpt_name)
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"{file}: unexpected tensor {ckpt_name!r} (no parameter {name!r} in Qwen3)")
+                tensor = f.get_tensor(ckpt_name)
+                module = module_of(model, name)
+                if shard is None:
+                    expected = tuple(param.shape)
+                else:
+                    expected = (module.output_sizes[shard], *param.shape[1:])
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"{file}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {expected}")
+                with torch.no_grad():
+                    if shard is None:
+                        param.copy_(tensor)
+                    else:
+                        module.load_shard(param, tensor, shard)
+                loaded.add((name, shard or 0))
+    missing = sorted(needed - loaded)
+    if missing:
+        names = [untranslate(model, name, shard) for name, shard in missing]
+        raise ValueError(f"{path}: checkpoint is missing tensors {names[:8]}" + (" ..." if len(names) > 8 else ""))
+
+
+def translate(model: nn.Module, ckpt_name: str) -> tuple[str, int | None]:
+    """Checkpoint tensor name -> (our parameter name, shard index in a packed parameter or None)."""
+    name = ckpt_name.removeprefix("model.")
+    for old, new in model.renamed_modules.items():
+        name = name.replace(old, new)
+    for part, (packed, shard) in model.packed_modules_mapping.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{packed}."), shard
+    return name, None
+
+
+def untranslate(model: nn.Module, name: str, shard: int) -> str:
+    for part, (packed, index) in model.packed_modules_mapping.items():
+        if f".{packed}." in name and index == shard:
+            name = name.replace(f".{packed}.", f".{part}.")
+            break
+    for old, new in model.renamed_modules.items():
+        name = name.replace(new, old)
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def module_of(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rpartition(".")[0])

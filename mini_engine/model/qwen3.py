@@ -1,0 +1,86 @@
+"""The Qwen3 decoder (transformers' Qwen3ForCausalLM), over a flat batch of tokens."""
+import torch
+from torch import nn
+
+from mini_engine.config import ModelConfig
+from mini_engine.layers.activation import SiluAndMul
+from mini_engine.layers.attention import Attention, AttentionMetadata
+from mini_engine.layers.layernorm import RMSNorm
+from mini_engine.layers.linear import PackedLinear
+from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str]):
+        super().__init__()
+        h, d = config.num_attention_heads, config.head_dim
+        hkv = config.num_key_value_heads
+        self.qkv_proj = PackedLinear(config.hidden_size, [h * d, hkv * d, hkv * d], bias=config.attention_bias)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.attention_bias)
+        self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, config.max_position_embeddings,
+                                              config.rope_theta, use_triton="rope_kv" in kernels)
+        self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q = self.qk_norm_rope(self.qkv_proj(x), positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        out = self.attn(q, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str]):
+        super().__init__()
+        i = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, [i, i], bias=False)
+        self.down_proj = nn.Linear(i, config.hidden_size, bias=False)
+        self.act = SiluAndMul(use_triton="silu_and_mul" in kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str]):
+        super().__init__()
+        use_norm_kernel = "rms_norm" in kernels
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_norm_kernel)
+        self.self_attn = Qwen3Attention(config, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_norm_kernel)
+        self.mlp = Qwen3MLP(config, kernels)
+
+    def forward(self, x, residual, positions, meta):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint name -> (packed parameter name, shard index)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint name -> our name, where a module moved
+    renamed_modules = {"self_attn.q_norm.": "self_attn.qk_norm_rope.q_norm_", "self_attn.k_norm.": "self_attn.qk_norm_rope.k_norm_"}
+
+    def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset()):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "rms_norm" in kernels)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states, [T, hidden]."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,69 @@
+"""Writes a randomly initialised Qwen3 checkpoint in Hugging Face's layout (config.json and
+model.safetensors), for benchmarks and tests: no weights can be downloaded here, and neither
+throughput nor the engine's agreement with transformers depends on the weights' values."""
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+# Qwen3-0.6B's config.json, as published.
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+    "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+
+
+def qwen3_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (v, h)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (hq * d, h), p + "self_attn.k_proj.weight": (hkv * d, h),
+            p + "self_attn.v_proj.weight": (hkv * d, h), p + "self_attn.o_proj.weight": (h, hq * d),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+        }
+        if config.get("attention_bias", False):
+            shapes |= {p + "self_attn.q_proj.bias": (hq * d,), p + "self_attn.k_proj.bias": (hkv * d,),
+                       p + "self_attn.v_proj.bias": (hkv * d,), p + "self_attn.o_proj.bias": (h,)}
+    return shapes
+
+
+def write_random_checkpoint(path: str, config: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                            device: str = "cpu") -> str:
+    """Norm weights near 1, everything else N(0, 0.02): activations stay in a sane range."""
+    os.makedirs(path, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in qwen3_tensor_shapes(config).items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+        else:
+            t = 0.02 * torch.randn(shape, generator=gen, device=device)
+        tensors[name] = t.to(dtype).cpu().contiguous()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config | {"torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+    return path
+
+
+def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str:
+    """The embedded default: Qwen3-0.6B's shape with random bf16 weights, written once and reused."""
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mini_engine")
+    path = os.path.join(cache_dir, "qwen3-0.6b-random")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        tmp = path + ".partial"
+        write_random_checkpoint(tmp, QWEN3_0_6B, device=device)
+        os.replace(tmp, path) if not os.path.exists(path) else None
+    return path

@@ -1,0 +1,173 @@
+"""Owns the model and the KV pool on the device: turns a scheduled batch into tensors, runs the
+forward pass and the sampler, and sizes the pool from measured memory."""
+import random
+from dataclasses import dataclass
+
+import torch
+
+from mini_engine.config import EngineConfig
+from mini_engine.kernels import resolve_kernels
+from mini_engine.layers.attention import AttentionMetadata
+from mini_engine.layers.sampler import Sampler, SamplingTensors
+from mini_engine.model.loader import load_model
+from mini_engine.model.qwen3 import Qwen3ForCausalLM
+from mini_engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class BatchRow:
+    """One sequence's share of a step: its new tokens and where their context lives."""
+    token_ids: list[int]        # the tokens computed this step
+    start_position: int         # position of token_ids[0]
+    block_table: list[int]
+    sample: bool                # does this row produce a token (its last token is the newest)?
+    params: SamplingParams | None = None
+    seed: int | None = None     # this step's seed for the row, where the request gave one
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if config.dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, config.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype {config.dtype!r} is not a torch floating-point dtype")
+    return device, dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = mc = config.model_config
+        self.device, self.dtype = resolve_device_dtype(config)
+        self.kernels = resolve_kernels(config.kernels, self.device.type)
+        self.block_size = config.block_size
+        self.rng = random.Random(config.seed)
+        torch.manual_seed(config.seed)
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = Qwen3ForCausalLM(mc, self.kernels)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler(use_triton="sampler" in self.kernels)
+
+        # One slot's K and V across all layers, in bytes.
+        self.kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.dtype.itemsize
+        self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
+        self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
+
+    # ---- the KV pool ----
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        mc = self.model_config
+        kv_cache = torch.empty(2, mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
+                               mc.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache = kv_cache[0, i]
+            layer.self_attn.attn.v_cache = kv_cache[1, i]
+        return kv_cache
+
+    def profile_num_kv_blocks(self) -> int:
+        if self.device.type != "cuda":
+            return self.config.cpu_kv_blocks
+        # Run the largest steps the config allows against a scratch pool, measure the peak, and
+        # give the pool what gpu_memory_utilization leaves after weights and that peak.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
+        self.allocate_kv_cache(blocks_per_seq)
+        for rows in self.warmup_batches(list(range(blocks_per_seq))):
+            self.execute(rows)
+        torch.cuda.synchronize(self.device)
+        for layer in self.model.layers:
+            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_transient = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - peak_transient
+        num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
+        if num_blocks < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
+                               "raise gpu_memory_utilization or lower max_num_batched_tokens/max_num_seqs")
+        return num_blocks
+
+    def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
+        """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
+        max_model_len. Every row shares one block table: only memory use matters here."""
+        cfg, greedy = self.config, SamplingParams(temperature=1.0, max_tokens=1)
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
+        prefill = [BatchRow([0] * per_seq, 0, block_table, True, greedy) for _ in range(num_seqs)]
+        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, greedy) for _ in range(cfg.max_num_seqs)]
+        return [prefill, decode]
+
+    # ---- one step ----
+
+    @torch.inference_mode()
+    def execute(self, rows: list[BatchRow]) -> list[int]:
+        """Runs one step; returns the sampled token of each row with sample=True, in order.
+        Rows of one token must come first (they take the batched decode path)."""
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(rows)
+        hidden = self.model(input_ids, positions, meta)
+        sample_rows = [r for r in rows if r.sample]
+        if not sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[logits_indices])
+        tokens = self.sampler(logits, self.prepare_sampling(sample_rows))
+        return tokens.tolist()      # the step's one host synchronisation
+
+    def prepare_inputs(self, rows: list[BatchRow]):
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
+        bs = self.block_size
+        for row in rows:
+            n, start = len(row.token_ids), row.start_position
+            input_ids.extend(row.token_ids)
+            positions.extend(range(start, start + n))
+            table = row.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+            if row.sample:
+                logits_indices.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(r.block_table) for r in rows)
+        block_tables = [r.block_table + [-1] * (max_blocks - len(r.block_table)) for r in rows]
+        num_decodes = 0
+        while num_decodes < len(rows) and len(rows[num_decodes].token_ids) == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(
+            slot_mapping=self.to_device(slot_mapping, torch.int64),
+            query_start_loc=self.to_device(query_start_loc, torch.int32),
+            seq_lens=self.to_device(seq_lens, torch.int32),
+            block_tables=self.to_device(block_tables, torch.int32),
+            num_decodes=num_decodes,
+            max_query_len=max(len(r.token_ids) for r in rows),
+            max_seq_len=max(seq_lens),
+        )
+        return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta,
+                self.to_device(logits_indices, torch.int64))
+
+    def prepare_sampling(self, rows: list[BatchRow]) -> SamplingTensors:
+        params = [r.params for r in rows]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        # Seeded rows draw from their own stream; the rest get a fresh seed every step.
+        seeds = [r.seed if r.seed is not None else self.rng.getrandbits(31) for r in rows]
+        return SamplingTensors(
+            temperatures=self.to_device([p.temperature for p in params], torch.float32),
+            top_k=self.to_device(top_k, torch.int64) if any(top_k) else None,
+            top_p=self.to_device(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            seeds=self.to_device(seeds, torch.int64),
+            row_seeds=[r.seed for r in rows],
+            all_greedy=all(p.temperature == 0 for p in params),
+        )
+
+    def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
