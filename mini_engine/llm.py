@@ -69,4 +69,5 @@ class LLM:
             outputs=[CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason)],
             finished=True,
             num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
         )

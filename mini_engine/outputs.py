@@ -16,4 +16,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0      # prompt tokens served by the prefix cache (at the last admission)
+    num_preemptions: int = 0

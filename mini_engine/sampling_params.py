@@ -11,6 +11,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None       # reproducible sampling for this request alone
+    logprobs: int | None = None   # return the sampled token's log-probability and this many top ones
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -26,6 +27,9 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

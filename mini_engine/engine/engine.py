@@ -6,6 +6,7 @@ from mini_engine.config import EngineConfig
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import Sequence
+from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.runner.model_runner import BatchRow, ModelRunner
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.tokenizer import load_tokenizer
@@ -16,13 +17,15 @@ class StepOutput:
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
+    logprobs: list[SampleLogprobs] | None = None    # one per new token, where the request asked
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        """`runner` lets tests drive the scheduling logic with a stand-in for the model."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
-        self.runner = ModelRunner(config)
+        self.runner = runner or ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
@@ -90,7 +93,9 @@ class LLMEngine:
         if batch.is_empty:
             return []
         rows, order = self.build_rows(batch)
-        sampled = iter(self.runner.execute(rows))
+        tokens = self.runner.execute(rows)
+        sampled = iter(tokens)
+        row_logprobs = iter(getattr(self.runner, "last_logprobs", None) or [None] * len(tokens))
         outputs = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -100,13 +105,15 @@ class LLMEngine:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:
                 continue                                   # a prefill chunk: nothing sampled yet
-            token = next(sampled)
+            token, logprobs = next(sampled), next(row_logprobs)
             seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
             reason = self.finish_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, [token], reason is not None))
+            outputs.append(StepOutput(seq, [token], reason is not None, None if logprobs is None else [logprobs]))
         return outputs
 
     def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:

@@ -26,6 +26,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None    # "stop", "length" or "abort"
     num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
 
     def __post_init__(self):
         if not self.token_ids:

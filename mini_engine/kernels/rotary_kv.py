@@ -45,3 +45,101 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
     k = apply_rope_ref(k, cos, sin)
     write_kv_cache_ref(k, v.reshape(T, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
     return q
+
+
+# ---- Triton ----
+
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+
+
+@triton.jit
+def _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr):
+    """Per-head RMSNorm then neox rotation of a [heads, HEAD_DIM/2] pair of halves, given in the
+    model dtype. Math in fp32, rounded to the model dtype wherever the reference (transformers)
+    rounds: after the norm, after the weight, and after each product and sum of the rotation."""
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+    inv_rms = tl.rsqrt(variance + eps)[:, None]
+    x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+    x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_kv_write_kernel(
+        qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr,
+        k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
+        stride_qkv, stride_cos_sin, stride_cache_block, stride_cache_offset, stride_cache_head,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr):
+    """One program per token, all of its heads at once: q and k are loaded as [heads, D/2] halves
+    (the two operands of the neox rotation), normed per head, rotated with this position's cos and
+    sin (loaded once for all heads), q stored to q_out, k and v stored into the paged cache at
+    slot_mapping[token] (a slot of -1 stores nothing)."""
+    token = tl.program_id(0).to(tl.int64)
+    half = tl.arange(0, HEAD_DIM // 2)
+    pos = tl.load(positions_ptr + token)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + half)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HEAD_DIM // 2 + half)[None, :]
+    row = qkv_ptr + token * stride_qkv
+
+    # q: heads [0, NUM_HEADS) of the packed row
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    mq = hq < NUM_HEADS
+    q_offs = hq * HEAD_DIM + half[None, :]
+    q1 = tl.load(row + q_offs, mask=mq, other=0.0)
+    q2 = tl.load(row + q_offs + HEAD_DIM // 2, mask=mq, other=0.0)
+    q1, q2 = _rms_norm_rope(q1, q2, tl.load(q_norm_ptr + half)[None, :], tl.load(q_norm_ptr + HEAD_DIM // 2 + half)[None, :],
+                            cos, sin, eps, HEAD_DIM)
+    q_out = q_out_ptr + token * NUM_HEADS * HEAD_DIM + q_offs
+    tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=mq)
+    tl.store(q_out + HEAD_DIM // 2, q2.to(q_out_ptr.dtype.element_ty), mask=mq)
+
+    # k and v: the next 2 * NUM_KV_HEADS heads, written to the cache slot
+    hk = tl.arange(0, BLOCK_HKV)[:, None]
+    mk = hk < NUM_KV_HEADS
+    k_offs = NUM_HEADS * HEAD_DIM + hk * HEAD_DIM + half[None, :]
+    k1 = tl.load(row + k_offs, mask=mk, other=0.0)
+    k2 = tl.load(row + k_offs + HEAD_DIM // 2, mask=mk, other=0.0)
+    k1, k2 = _rms_norm_rope(k1, k2, tl.load(k_norm_ptr + half)[None, :], tl.load(k_norm_ptr + HEAD_DIM // 2 + half)[None, :],
+                            cos, sin, eps, HEAD_DIM)
+    v_offs = k_offs + NUM_KV_HEADS * HEAD_DIM
+    v1 = tl.load(row + v_offs, mask=mk, other=0.0)
+    v2 = tl.load(row + v_offs + HEAD_DIM // 2, mask=mk, other=0.0)
+
+    slot = tl.load(slot_mapping_ptr + token)
+    # A padded token (slot -1) stores no head. (Written as a head count, not `mk & (slot >= 0)`:
+    # the interpreter rejects a mask built from a scalar.)
+    mk = hk < tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    slot = tl.maximum(slot, 0)      # keeps the masked-off address in range
+    cache_offs = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+                  + hk * stride_cache_head + half[None, :])
+    tl.store(k_cache_ptr + cache_offs, k1.to(k_cache_ptr.dtype.element_ty), mask=mk)
+    tl.store(k_cache_ptr + cache_offs + HEAD_DIM // 2, k2.to(k_cache_ptr.dtype.element_ty), mask=mk)
+    tl.store(v_cache_ptr + cache_offs, v1.to(v_cache_ptr.dtype.element_ty), mask=mk)
+    tl.store(v_cache_ptr + cache_offs + HEAD_DIM // 2, v2.to(v_cache_ptr.dtype.element_ty), mask=mk)
+
+
+def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                          q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Fused qk_norm_rope_kv_write_ref, one launch. qkv: [T, (Hq + 2 Hkv) D] with contiguous rows;
+    caches [num_blocks, block_size, Hkv, D] with contiguous heads. Returns q as [T, Hq, D]."""
+    num_tokens = qkv.shape[0]
+    assert qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens:
+        _qk_norm_rope_kv_write_kernel[(num_tokens,)](
+            qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, q, k_cache, v_cache, slot_mapping, eps,
+            qkv.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+            num_warps=4)
+    return q

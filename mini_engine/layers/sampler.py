@@ -18,6 +18,30 @@ class SamplingTensors:
     all_greedy: bool
 
 
+@dataclass(slots=True)
+class SampleLogprobs:
+    """A sampled token's log-probability and its row's most likely tokens, best first."""
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def gather_logprobs(tokens: torch.Tensor, logprobs: torch.Tensor, rows: list[int],
+                    num_top: list[int]) -> tuple[list[int], list[SampleLogprobs | None]]:
+    """tokens: [B] sampled ids; logprobs: [len(rows), V] log-softmax of the rows that asked.
+    Copies everything to the host behind one synchronisation, like tokens.tolist() alone."""
+    k = max(num_top)
+    sampled = logprobs.gather(-1, tokens[rows][:, None]).squeeze(-1)
+    top_values, top_ids = logprobs.topk(k, dim=-1)          # k may be 0: the sampled token alone
+    host = [t.to("cpu", non_blocking=True) for t in (tokens, sampled, top_values, top_ids)]
+    if tokens.is_cuda:
+        torch.cuda.current_stream(tokens.device).synchronize()
+    token_ids, sampled, top_values, top_ids = (t.tolist() for t in host)
+    out: list[SampleLogprobs | None] = [None] * len(token_ids)
+    for j, (row, n) in enumerate(zip(rows, num_top)):
+        out[row] = SampleLogprobs(sampled[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+    return token_ids, out
+
+
 class Sampler(nn.Module):
     def __init__(self, use_triton: bool = False):
         super().__init__()

@@ -41,8 +41,9 @@ def qwen3_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_random_checkpoint(path: str, config: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                            device: str = "cpu") -> str:
-    """Norm weights near 1, everything else N(0, 0.02): activations stay in a sane range."""
+                            device: str = "cpu", std: float = 0.02) -> str:
+    """Norm weights near 1, everything else N(0, std): activations stay in a sane range. Tests
+    use a larger std so that a tiny model's greedy outputs vary instead of repeating one token."""
     os.makedirs(path, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
@@ -50,7 +51,7 @@ def write_random_checkpoint(path: str, config: dict, dtype: torch.dtype = torch.
         if name.endswith("norm.weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
         else:
-            t = 0.02 * torch.randn(shape, generator=gen, device=device)
+            t = std * torch.randn(shape, generator=gen, device=device)
         tensors[name] = t.to(dtype).cpu().contiguous()
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -8,7 +8,7 @@ import torch
 from mini_engine.config import EngineConfig
 from mini_engine.kernels import resolve_kernels
 from mini_engine.layers.attention import AttentionMetadata
-from mini_engine.layers.sampler import Sampler, SamplingTensors
+from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
 from mini_engine.sampling_params import SamplingParams
@@ -113,13 +113,22 @@ class ModelRunner:
     def execute(self, rows: list[BatchRow]) -> list[int]:
         """Runs one step; returns the sampled token of each row with sample=True, in order.
         Rows of one token must come first (they take the batched decode path)."""
+        self.last_logprobs = None   # or one SampleLogprobs | None per returned token
         input_ids, positions, meta, logits_indices = self.prepare_inputs(rows)
         hidden = self.model(input_ids, positions, meta)
         sample_rows = [r for r in rows if r.sample]
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[logits_indices])
+        # Log-probabilities of the raw logits (before temperature, as vLLM reports them), and
+        # only for the rows that asked.
+        want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
+        logprobs = torch.log_softmax(logits[want].float(), dim=-1) if want else None
         tokens = self.sampler(logits, self.prepare_sampling(sample_rows))
+        if want:
+            tokens, self.last_logprobs = gather_logprobs(tokens, logprobs, want,
+                                                         [sample_rows[i].params.logprobs for i in want])
+            return tokens
         return tokens.tolist()      # the step's one host synchronisation
 
     def prepare_inputs(self, rows: list[BatchRow]):

@@ -1,0 +1,69 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Decoding a token alone is wrong for byte-level BPE: one character of UTF-8 may span several
+tokens, and a lone piece decodes to U+FFFD. So we decode a short window of tokens and emit only
+what the window adds once it ends on a whole character (the prefix/read offsets of vLLM's
+detokenizer). When the request ends, the full decode of every output token is the reference:
+whatever the window held back is emitted then, so the streamed text equals the offline text.
+
+Stop strings are matched on the text; the matched string and everything after it are dropped,
+and while a request runs the last len(longest stop) - 1 characters are held back, since they may
+be the start of a stop string that the next token completes.
+"""
+from tokenizers import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0      # the window's first token: context for the tokens after it
+        self.read_offset = 0        # tokens before this are in self.text
+        self.text = ""              # decoded so far (stop strings cut off)
+        self.num_sent = 0           # characters of self.text already returned
+        self.stopped = False        # a stop string matched
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def update(self, new_token_ids: list[int], finished: bool) -> str:
+        """Adds tokens; returns the text that may now be sent. After a stop string matched,
+        self.stopped is set and later calls return nothing."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(new_token_ids)
+        if finished:
+            full = self.decode(self.token_ids)
+            # The full decode only ever extends the windowed text; if a tokenizer breaks that,
+            # keep what was already sent rather than contradict it.
+            new_text = full[len(self.text):] if full.startswith(self.text) else ""
+            self.read_offset = len(self.token_ids)
+        else:
+            prefix_text = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+            window_text = self.decode(self.token_ids[self.prefix_offset:])
+            if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
+                new_text = ""       # an incomplete character: wait for the next token
+            else:
+                new_text = window_text[len(prefix_text):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.append(new_text)
+        end = len(self.text) if finished or self.stopped else len(self.text) - self.holdback
+        if end <= self.num_sent:
+            return ""
+        out = self.text[self.num_sent:end]
+        self.num_sent = end
+        return out
+
+    def append(self, new_text: str) -> None:
+        if not new_text:
+            return
+        start = max(0, len(self.text) - self.holdback)  # a match may begin in the held-back tail
+        self.text += new_text
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True

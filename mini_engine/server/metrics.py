@@ -1,0 +1,57 @@
+"""Prometheus metrics, named like vLLM's (vllm:* there, mini_engine:* here). Each server has
+its own registry, so several can live in one process (tests). Written by the engine thread."""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mini_engine.engine.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(f"mini_engine:{name}", doc, list(labels), registry=r).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(f"mini_engine:{name}", doc, list(labels), registry=r).labels(**labels)
+
+        def histogram(name, doc):
+            return Histogram(f"mini_engine:{name}", doc, list(labels), buckets=LATENCY_BUCKETS,
+                             registry=r).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests scheduled on the engine.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        self.kv_blocks_used = gauge("kv_cache_blocks_used", "KV cache blocks held by requests.")
+        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens served by the prefix cache, "
+                                     "over prompt tokens looked up, since start.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = gauge("num_preemptions", "Preemptions since start.")
+        finished = Counter("mini_engine:request_success", "Finished requests, by finish reason.",
+                           ["model_name", "finished_reason"], registry=r)
+        self.finished = lambda reason: finished.labels(model_name=model_name, finished_reason=reason).inc()
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
+        self.tpot = histogram("time_per_output_token_seconds", "Per request: (last token - first token) "
+                              "/ (output tokens - 1).")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+
+    def update_engine_state(self, engine: LLMEngine) -> None:
+        bm = engine.block_manager
+        self.num_requests_running.set(len(engine.scheduler.running))
+        self.num_requests_waiting.set(len(engine.scheduler.waiting))
+        used = bm.num_blocks - bm.num_free_blocks
+        self.kv_blocks_used.set(used)
+        self.kv_blocks_total.set(bm.num_blocks)
+        self.kv_usage.set(used / bm.num_blocks)
+        queried = bm.prefix_cache_queried_tokens
+        self.prefix_hit_rate.set(bm.prefix_cache_hit_tokens / queried if queried else 0.0)
+        self.num_preemptions.set(engine.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""OpenAI's request and response shapes (the subset we serve), as pydantic models.
+
+Requests forbid unknown fields, and the parameters OpenAI defines but we do not implement are
+accepted only at their neutral value: a client that asks for something we cannot do gets a 400,
+never a silently different answer.
+"""
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20
+
+
+class ProtocolError(ValueError):
+    """A request we reject: becomes OpenAI's error JSON with this status."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status_code, self.param, self.code = status_code, param, code
+
+
+def error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = {404: "not_found_error"}.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status_code}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = True      # OpenAI's default is False; we always end with usage unless told not to
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat share."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                     # extension (vLLM's): -1 or 0 is off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)  # extension
+    ignore_eos: bool = False            # extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None             # accepted and ignored, as OpenAI's own
+    # Accepted only at their neutral values (checked in unsupported()).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.n != 1:
+            return "n"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
+        if self.logit_bias:
+            return "logit_bias"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        return None
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is None or self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported()
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")    # name, tool_calls, ...: passed to the template
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True          # extension
+    chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. {"enable_thinking": false}
+
+    def unsupported(self) -> str | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs"
+        return super().unsupported()
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
+                 total_tokens=num_prompt_tokens + num_output_tokens).model_dump()
+
+
+def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict | None,
+                    chunk: bool = False, chat: bool = False) -> dict:
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    body = {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def model_card(name: str, max_model_len: int) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mini_engine",
+            "max_model_len": max_model_len}
+

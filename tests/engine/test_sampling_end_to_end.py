@@ -1,0 +1,38 @@
+from mini_engine import LLM, SamplingParams
+
+
+def test_seeded_request_reproduces_whatever_the_batch(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=128)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=42, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)
+    prompt = [5, 17, 33, 2, 9]
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowded = llm.generate([[40, 41], prompt, [7] * 9], [other, seeded, other], use_tqdm=False)
+    assert crowded[1].outputs[0].token_ids == alone
+    unseeded = {tuple(o.outputs[0].token_ids) for o in
+                llm.generate([prompt] * 6, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+                             use_tqdm=False)}
+    assert len(unseeded) > 1
+
+
+def test_stop_tokens_and_eos_end_a_request(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=128)
+    prompt = [5, 17, 33, 2, 9]
+    free_run = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
+    stop_at = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_at)
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                  stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free_run.token_ids[:first + 1]
+    # The checkpoint's EOS ends a request unless ignore_eos. Pretend the model's EOS is stop_at.
+    engine = llm.engine
+    assert engine.eos_token_ids == {2}                      # read from config.json
+    engine.eos_token_ids = frozenset({stop_at})
+    eos = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert eos.finish_reason == "stop" and eos.token_ids == free_run.token_ids[:first + 1]
+    ignored = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == free_run.token_ids
+    assert engine.num_free_blocks == engine.block_manager.num_blocks

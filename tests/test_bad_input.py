@@ -1,0 +1,104 @@
+"""Bad input gets a clear error, and costs the other requests nothing."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.engine.engine import LLMEngine
+from mini_engine.config import EngineConfig
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(seed=-1), "seed"), (dict(stop_token_ids=[-3]), "stop_token_ids"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_too_long_is_rejected_and_others_carry_on(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", max_model_len=64, num_kv_blocks=64))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    good = engine.add_request(list(range(3, 20)), params)
+    engine.step()
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(list(range(3, 63)), params)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], params)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([5, 100000], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert good.num_output_tokens == 8 and engine.num_free_blocks == 64
+
+
+def test_request_larger_than_the_pool_is_rejected(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=4, block_size=4))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request(list(range(3, 20)), SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+
+
+def test_generate_validates_everything_before_running(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", max_model_len=32, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1: .*max_model_len"):
+        llm.generate([[5, 6, 7], list(range(3, 40)), [8, 9]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.num_free_blocks == 64
+    out = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)     # the engine still serves
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+
+
+def test_string_prompt_without_tokenizer_is_a_clear_error(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_malformed_checkpoints(tiny_checkpoint, tmp_path):
+    tensors = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
+
+    missing = copy_checkpoint(tiny_checkpoint, tmp_path / "missing")
+    save_file({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, missing / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        LLM(str(missing), device="cpu", num_kv_blocks=8)
+
+    extra = copy_checkpoint(tiny_checkpoint, tmp_path / "extra")
+    save_file(tensors | {"model.layers.0.mystery.weight": torch.zeros(3)}, extra / "model.safetensors")
+    with pytest.raises(ValueError, match="mystery"):
+        LLM(str(extra), device="cpu", num_kv_blocks=8)
+
+    shape = copy_checkpoint(tiny_checkpoint, tmp_path / "shape")
+    save_file(tensors | {"model.layers.0.self_attn.k_proj.weight": torch.zeros(5, 64)}, shape / "model.safetensors")
+    with pytest.raises(ValueError, match=r"k_proj.weight.*shape"):
+        LLM(str(shape), device="cpu", num_kv_blocks=8)
+
+    garbage = copy_checkpoint(tiny_checkpoint, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(garbage), device="cpu", num_kv_blocks=8)
+
+    llama = copy_checkpoint(tiny_checkpoint, tmp_path / "llama")
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps(config | {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="architecture"):
+        LLM(str(llama), device="cpu", num_kv_blocks=8)
+
+    scaled = copy_checkpoint(tiny_checkpoint, tmp_path / "scaled")
+    (scaled / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        LLM(str(scaled), device="cpu", num_kv_blocks=8)
+
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
