@@ -11,6 +11,7 @@ from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
+from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -59,8 +60,16 @@ class ModelRunner:
 
         # One slot's K and V across all layers, in bytes.
         self.kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.dtype.itemsize
+        # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
+        self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                                and "attention" in self.kernels)
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
+        self.graph_runner = None
+        if self.use_cuda_graphs:
+            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
+                                                self.block_size, self.device)
+            self.graph_runner.capture()
 
     # ---- the KV pool ----
 
@@ -76,21 +85,27 @@ class ModelRunner:
     def profile_num_kv_blocks(self) -> int:
         if self.device.type != "cuda":
             return self.config.cpu_kv_blocks
-        # Run the largest steps the config allows against a scratch pool, measure the peak, and
-        # give the pool what gpu_memory_utilization leaves after weights and that peak.
+        # Run the largest steps the config allows against a scratch pool, measure the peaks, and
+        # give the pool what gpu_memory_utilization leaves after weights and those peaks.
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
         blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
         self.allocate_kv_cache(blocks_per_seq)
+        base = torch.cuda.memory_allocated(self.device)
+        peaks = []
         for rows in self.warmup_batches(list(range(blocks_per_seq))):
+            torch.cuda.reset_peak_memory_stats(self.device)
             self.execute(rows)
-        torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)
+            peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
         for layer in self.model.layers:
             layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        peak_transient = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        budget = total * self.config.gpu_memory_utilization - (total - free) - peak_transient
+        peak_transient = max(peaks)
+        # CUDA graphs keep a private pool about as large as the biggest decode step's activations
+        # (peaks[1]), which the eager path cannot reuse: reserve it too.
+        graph_reserve = peaks[1] if self.use_cuda_graphs else 0
+        budget = total * self.config.gpu_memory_utilization - (total - free) - peak_transient - graph_reserve
         num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
         if num_blocks < 1:
             raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
@@ -115,11 +130,18 @@ class ModelRunner:
         Rows of one token must come first (they take the batched decode path)."""
         self.last_logprobs = None   # or one SampleLogprobs | None per returned token
         input_ids, positions, meta, logits_indices = self.prepare_inputs(rows)
-        hidden = self.model(input_ids, positions, meta)
         sample_rows = [r for r in rows if r.sample]
+        if self.graph_runner is not None and self.graph_runner.can_run(len(rows), meta.max_query_len):
+            logits = self.graph_runner.run(input_ids, positions, meta)
+            if len(sample_rows) < len(rows):
+                logits = logits[logits_indices]
+        else:
+            hidden = self.model(input_ids, positions, meta)
+            if not sample_rows:
+                return []
+            logits = self.model.compute_logits(hidden[logits_indices])
         if not sample_rows:
             return []
-        logits = self.model.compute_logits(hidden[logits_indices])
         # Log-probabilities of the raw logits (before temperature, as vLLM reports them), and
         # only for the rows that asked.
         want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]

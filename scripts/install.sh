@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs what mini_engine needs, skipping what is already importable (the GPU machine has its own
+# CUDA torch and no network). Usage: install.sh [engine|test]; test adds the test suite's needs.
+# torch is pinned to the CPU build: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+specs=(triton safetensors tokenizers tqdm numpy)
+if [[ "${1:-engine}" == test ]]; then
+    specs+=(pytest hypothesis transformers fastapi uvicorn jinja2 prometheus_client:prometheus-client
+            openai httpx matplotlib)
+fi
+need=()
+python3 -c "import torch" 2>/dev/null || need+=("torch==2.13.0")
+for spec in "${specs[@]}"; do
+    module=${spec%%:*}; package=${spec##*:}
+    python3 -c "import $module" 2>/dev/null || need+=("$package")
+done
+if ((${#need[@]})); then
+    python3 -m pip install --quiet --disable-pip-version-check "${need[@]}"
+fi
