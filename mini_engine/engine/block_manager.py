@@ -7,6 +7,8 @@ order; a free block keeps its cached contents until it is actually handed out ag
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from mini_engine.engine.sequence import Sequence
 
 
@@ -23,8 +25,10 @@ def block_key(parent_hash: int | None, token_ids: list[int]) -> tuple:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_blocks_per_seq: int | None = None):
         self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -71,6 +75,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> None:
         """Give seq the cached prefix blocks and enough new blocks to hold num_new_tokens more
         tokens than it has computed (after the prefix), then cache the blocks this step fills."""
+        num_before = len(seq.block_table)
         for block_id in cached_prefix:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -81,6 +86,10 @@ class BlockManager:
         total = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         for _ in range(self.blocks_for(total) - len(seq.block_table)):
             seq.block_table.append(self.take_free_block())
+        if len(seq.block_table) > num_before:
+            if seq.block_table_array is None:
+                seq.block_table_array = np.full(self.max_blocks_per_seq, -1, dtype=np.int32)
+            seq.block_table_array[num_before:len(seq.block_table)] = seq.block_table[num_before:]
         self.cache_full_blocks(seq, total)
 
     def take_free_block(self) -> int:
@@ -115,5 +124,7 @@ class BlockManager:
                 self.free_blocks[block_id] = None
                 if block.hash is None:                 # holds nothing reusable: hand it out first
                     self.free_blocks.move_to_end(block_id, last=False)
+        if seq.block_table_array is not None:
+            seq.block_table_array[:len(seq.block_table)] = -1
         seq.block_table.clear()
         seq.block_hashes.clear()

@@ -26,7 +26,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.runner = runner or ModelRunner(config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
@@ -126,7 +127,8 @@ class LLMEngine:
             sample = start + n == seq.num_tokens
             p = seq.sampling_params
             seed = hash((p.seed, seq.num_output_tokens)) & 0x7FFFFFFF if sample and p.seed is not None else None
-            rows.append(BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed))
+            rows.append(BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed,
+                                 seq.block_table_array))
         return rows, order
 
     def finish_reason(self, seq: Sequence, token: int) -> str | None:

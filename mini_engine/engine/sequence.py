@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import numpy as np
+
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -22,6 +24,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # of those, found in the prefix cache at the last admission
     block_table: list[int] = field(default_factory=list)
+    # The same table as a fixed-width array padded with -1, kept in step by the block manager, so
+    # that a step's block tables are one np.stack and not a Python loop over every block.
+    block_table_array: np.ndarray | None = field(default=None, repr=False)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, cached block
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None    # "stop", "length" or "abort"

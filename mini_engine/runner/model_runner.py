@@ -3,6 +3,7 @@ forward pass and the sampler, and sizes the pool from measured memory."""
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mini_engine.config import EngineConfig
@@ -24,6 +25,7 @@ class BatchRow:
     sample: bool                # does this row produce a token (its last token is the newest)?
     params: SamplingParams | None = None
     seed: int | None = None     # this step's seed for the row, where the request gave one
+    block_table_array: np.ndarray | None = None   # block_table padded with -1, if the caller keeps one
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -154,20 +156,28 @@ class ModelRunner:
         return tokens.tolist()      # the step's one host synchronisation
 
     def prepare_inputs(self, rows: list[BatchRow]):
+        """The step's flat input tensors and attention metadata. A decode row costs a few list
+        appends; block tables are one np.stack of the rows' fixed-width arrays."""
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
         bs = self.block_size
+        num_tokens = 0
         for row in rows:
-            n, start = len(row.token_ids), row.start_position
-            input_ids.extend(row.token_ids)
-            positions.extend(range(start, start + n))
-            table = row.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_start_loc.append(query_start_loc[-1] + n)
+            n, start, table = len(row.token_ids), row.start_position, row.block_table
+            if n == 1:
+                input_ids.append(row.token_ids[0])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(row.token_ids)
+                positions.extend(range(start, start + n))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            num_tokens += n
+            query_start_loc.append(num_tokens)
             seq_lens.append(start + n)
             if row.sample:
-                logits_indices.append(query_start_loc[-1] - 1)
+                logits_indices.append(num_tokens - 1)
         max_blocks = max(len(r.block_table) for r in rows)
-        block_tables = [r.block_table + [-1] * (max_blocks - len(r.block_table)) for r in rows]
+        block_tables = np.stack([self.padded_block_table(r, max_blocks) for r in rows])
         num_decodes = 0
         while num_decodes < len(rows) and len(rows[num_decodes].token_ids) == 1:
             num_decodes += 1
@@ -182,6 +192,14 @@ class ModelRunner:
         )
         return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta,
                 self.to_device(logits_indices, torch.int64))
+
+    @staticmethod
+    def padded_block_table(row: BatchRow, width: int) -> np.ndarray:
+        if row.block_table_array is not None and row.block_table_array.shape[0] >= width:
+            return row.block_table_array[:width]
+        table = np.full(width, -1, dtype=np.int32)
+        table[:len(row.block_table)] = row.block_table
+        return table
 
     def prepare_sampling(self, rows: list[BatchRow]) -> SamplingTensors:
         params = [r.params for r in rows]
@@ -198,7 +216,9 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0 for p in params),
         )
 
-    def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def to_device(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
         if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+            return host.to(dtype)
+        # Pinned, so the copy is a true asynchronous DMA that does not stall the host.
+        return host.to(dtype).pin_memory().to(self.device, non_blocking=True)

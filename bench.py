@@ -1,0 +1,216 @@
+"""The origin document's benchmark: nano-vllm's workload (256 random-token prompts of 100-1024
+tokens, 100-1024 output tokens each, ignore_eos, max_model_len=2048: 142,827 input and 133,966
+output tokens), run through mini_engine, vLLM or transformers' continuous batching, reported
+against the memory-traffic floor, and appended as one JSON line to benchmarks/results.jsonl.
+
+    python bench.py --engine mini --model ~/models/Qwen3-0.6B
+    python bench.py --engine mini --kernels none --enforce-eager --label "eager baseline"
+    python bench.py --engine hf --num-seqs 64
+
+With no --model it uses a random bf16 checkpoint of Qwen3-0.6B's exact shape, written once to a
+cache folder. On a machine without a GPU the default is the CPU smoke workload: fewer, shorter
+requests on a tiny random model, labelled "cpu-smoke" in the JSON line.
+"""
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+MAX_MODEL_LEN = 2048
+# nano-vllm's bench.py, and the scaled-down stand-in for machines without a GPU.
+WORKLOADS = {
+    "full": dict(num_requests=256, min_len=100, max_input_len=1024, max_output_len=1024),
+    "cpu-smoke": dict(num_requests=256, min_len=32, max_input_len=256, max_output_len=128),
+}
+# A tiny Qwen3 for the CPU smoke workload; its vocabulary covers the prompts' token ids (0-10000).
+TINY_QWEN3 = dict(vocab_size=10240, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=MAX_MODEL_LEN,
+                  bos_token_id=10238, eos_token_id=10239)
+
+
+def make_workload(num_seqs: int | None = 256, num_requests: int = 256, min_len: int = 100,
+                  max_input_len: int = 1024, max_output_len: int = 1024) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's workload, draw for draw (random.Random(0) is the stream random.seed(0) gives):
+    all prompts first, then all max_tokens. num_seqs takes the first requests of the whole
+    workload, so a smaller run is a prefix of the full one (None: all of them)."""
+    num_seqs = num_requests if num_seqs is None else num_seqs
+    if not 1 <= num_seqs <= num_requests:
+        raise ValueError(f"num_seqs must be in [1, {num_requests}], got {num_seqs}")
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(min_len, max_input_len))]
+               for _ in range(num_requests)]
+    max_tokens = [rng.randint(min_len, max_output_len) for _ in range(num_requests)]
+    return prompts[:num_seqs], max_tokens[:num_seqs]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["mini", "vllm", "hf"], default="mini")
+    p.add_argument("--model", help="checkpoint folder (default: the cached random Qwen3-0.6B, or the tiny "
+                                   "model for the CPU smoke workload)")
+    p.add_argument("--workload", choices=["auto", "full", "cpu-smoke"], default="auto",
+                   help="auto: full on a GPU, cpu-smoke without one")
+    p.add_argument("--num-seqs", type=int, help="run only the first N requests of the workload")
+    p.add_argument("--label", default="", help="free-text note saved in the JSON line")
+    p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results.jsonl"))
+    p.add_argument("--cache-dir", help="where the random checkpoints are kept (default ~/.cache/mini_engine)")
+    p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's bench samples at 0.6")
+    engine = p.add_argument_group("engine options (passed through; vLLM/transformers take what they can)")
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int)
+    engine.add_argument("--block-size", type=int)
+    engine.add_argument("--gpu-memory-utilization", type=float)
+    engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--hf-attn", default="paged|sdpa", help="hf only: attn_implementation to load with")
+    args = p.parse_args(argv)
+    args.max_model_len = MAX_MODEL_LEN
+    return args
+
+
+def tiny_checkpoint(cache_dir: str | None) -> str:
+    from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mini_engine")
+    path = os.path.join(cache_dir, "qwen3-tiny-random")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        tmp = f"{path}.partial-{os.getpid()}"
+        write_random_checkpoint(tmp, QWEN3_0_6B | TINY_QWEN3)
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+    return path
+
+
+def run_mini(model: str, prompts, max_tokens, opts) -> dict:
+    from mini_engine import LLM, SamplingParams
+    from benchmarks.peers import WARMUP_PROMPTS, WARMUP_TOKENS
+    kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
+                  enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching)
+    for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
+        if getattr(opts, name) is not None:
+            kwargs[name] = getattr(opts, name)
+    llm = LLM(model, **kwargs)
+    engine = llm.engine
+    llm.generate(WARMUP_PROMPTS, SamplingParams(temperature=opts.temperature, max_tokens=WARMUP_TOKENS), use_tqdm=False)
+    params = [SamplingParams(temperature=opts.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)   # returns once every token is on the host
+    wall = time.perf_counter() - start
+    config = {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)
+              if f.name != "model_config"}
+    runner = engine.runner
+    config |= {"kernels_resolved": sorted(runner.kernels), "num_kv_blocks": runner.num_kv_blocks,
+               "dtype_resolved": str(runner.dtype).removeprefix("torch."),
+               "cuda_graphs": getattr(runner, "use_cuda_graphs", None)}
+    return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
+            "kv_blocks_free": engine.num_free_blocks == engine.block_manager.num_blocks,
+            "dtype_bytes": runner.dtype.itemsize, "engine_version": None, "engine_config": config,
+            "engine_stats": {"num_preemptions": engine.num_preemptions,
+                             "prefix_cache_hit_tokens": engine.prefix_cache_hit_tokens}}
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    try:
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, check=True).stdout
+        return commit, bool(status.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    if opts.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        sys.exit("bench.py --engine vllm: vllm is not installed here (pip install vllm); nothing was run")
+    import torch
+    from benchmarks.floor import checkpoint_num_params, copy_bandwidth, floor_report, kv_bytes_per_token, workload_floor
+    from benchmarks.peers import run_hf, run_vllm
+
+    has_cuda = torch.cuda.is_available()
+    workload = opts.workload if opts.workload != "auto" else ("full" if has_cuda else "cpu-smoke")
+    if opts.model:
+        model = os.path.expanduser(opts.model)
+    elif workload == "cpu-smoke":
+        model = tiny_checkpoint(opts.cache_dir)
+    else:
+        from mini_engine.model.random_checkpoint import default_checkpoint
+        model = default_checkpoint(opts.cache_dir, device="cuda" if has_cuda else "cpu")
+    prompts, max_tokens = make_workload(opts.num_seqs, **WORKLOADS[workload])
+    input_tokens, output_tokens = sum(map(len, prompts)), sum(max_tokens)
+
+    # Measure the copy bandwidth before any engine takes the GPU's memory for its KV pool.
+    device = torch.device("cuda" if has_cuda else "cpu")
+    bandwidth = copy_bandwidth(device)
+    print(f"{opts.engine}: {workload} workload, {len(prompts)} requests, {input_tokens:,} input and "
+          f"{output_tokens:,} output tokens; model {model}", flush=True)
+    run = {"mini": run_mini, "vllm": run_vllm, "hf": run_hf}[opts.engine]
+    result = run(model, prompts, max_tokens, opts)
+
+    wall = result["wall_s"]
+    with open(os.path.join(model, "config.json")) as f:
+        model_config = json.load(f)
+    dtype_bytes = result["dtype_bytes"]
+    floor = floor_report(workload_floor([len(p) for p in prompts], max_tokens,
+                                        checkpoint_num_params(model) * dtype_bytes,
+                                        kv_bytes_per_token(model_config, dtype_bytes)), bandwidth, wall)
+    exact = result["output_counts"] == max_tokens
+    commit, dirty = git_commit()
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    record = {
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "engine": opts.engine,
+        "label": opts.label, "workload": workload, "cpu_smoke": workload == "cpu-smoke",
+        "git_commit": commit, "git_dirty": dirty,
+        "device": torch.cuda.get_device_name(device) if has_cuda else "cpu",
+        "torch": torch.__version__, "triton": triton_version, "engine_version": result["engine_version"],
+        "model": model, "num_seqs": len(prompts), "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "wall_s": wall, "output_tok_s": output_tokens / wall, "total_tok_s": (input_tokens + output_tokens) / wall,
+        **floor,
+        "checks": {"exact_max_tokens": exact, "kv_blocks_free": result["kv_blocks_free"]},
+        "config": {k: v for k, v in vars(opts).items() if k not in ("results", "cache_dir")},
+        "engine_config": result["engine_config"], "engine_stats": result.get("engine_stats", {}),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(opts.results)), exist_ok=True)
+    with open(opts.results, "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+
+    print(f"wall {wall:.2f} s | output {record['output_tok_s']:,.1f} tok/s | total {record['total_tok_s']:,.1f} tok/s")
+    print(f"floor {floor['floor_s']:.3f} s: KV {fmt_bytes(floor['kv_read_bytes'])} + weights "
+          f"{fmt_bytes(floor['weight_bytes'])} x {floor['decode_steps']} steps = {fmt_bytes(floor['floor_bytes'])} "
+          f"at {floor['copy_bandwidth_GBps']:,.0f} GB/s copy bandwidth (device-to-device copy, read + write)")
+    print(f"achieved {floor['floor_fraction']:.1%} of the floor: {floor['achieved_GBps']:,.1f} GB/s of floor traffic")
+    print(f"checks: every request got exactly its max_tokens: {exact}; "
+          f"KV blocks all free after the run: {result['kv_blocks_free']}")
+    print(f"logged to {opts.results}" + (" (CPU smoke workload: not the benchmark)" if record["cpu_smoke"] else ""))
+    failures = []
+    if not exact:
+        bad = [i for i, (got, want) in enumerate(zip(result["output_counts"], max_tokens)) if got != want]
+        failures.append(f"{len(bad)} requests did not get exactly their max_tokens (first: {bad[:5]})")
+    if result["kv_blocks_free"] is False:
+        failures.append("KV blocks leaked: free blocks != total blocks after the run")
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

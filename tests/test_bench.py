@@ -1,0 +1,127 @@
+"""bench.py: the workload is nano-vllm's to the token, the floor arithmetic is what NOTES.md says,
+and the CPU smoke path runs end to end and logs a complete JSON line."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bench import REPO, WORKLOADS, make_workload
+from benchmarks.floor import (checkpoint_num_params, context_tokens_read, floor_report, kv_bytes_per_token,
+                              workload_floor)
+from mini_engine.model.random_checkpoint import QWEN3_0_6B, qwen3_tensor_shapes
+
+
+def test_workload_is_nano_vllms():
+    prompts, max_tokens = make_workload(256)
+    assert len(prompts) == len(max_tokens) == 256
+    assert sum(map(len, prompts)) == 142_827
+    assert sum(max_tokens) == 133_966
+    assert max(max_tokens) == 1024 and min(max_tokens) >= 100
+    assert all(100 <= len(p) <= 1024 and all(0 <= t <= 10000 for t in p) for p in prompts)
+    assert max(len(p) + m for p, m in zip(prompts, max_tokens)) <= 2048      # fits max_model_len
+    assert make_workload(None) == (prompts, max_tokens)
+
+
+def test_num_seqs_takes_the_first_requests():
+    prompts, max_tokens = make_workload(256)
+    assert make_workload(10) == (prompts[:10], max_tokens[:10])
+    assert make_workload(1) == (prompts[:1], max_tokens[:1])
+    with pytest.raises(ValueError):
+        make_workload(257)
+    with pytest.raises(ValueError):
+        make_workload(0)
+
+
+def test_floor_arithmetic_by_hand():
+    # A 2-token prompt making 3 tokens reads contexts 2, 3, 4; a 1-token prompt making 1 reads 1.
+    assert context_tokens_read([2, 1], [3, 1]) == 2 + 3 + 4 + 1
+    floor = workload_floor([2, 1], [3, 1], weight_bytes=100, kv_bytes_per_tok=7)
+    assert floor["decode_steps"] == 3
+    assert floor["kv_read_bytes"] == 7 * 10
+    assert floor["weight_read_bytes"] == 100 * 3
+    assert floor["floor_bytes"] == 370
+    report = floor_report(floor, bandwidth_bytes_s=370.0, wall_s=2.0)
+    assert report["floor_s"] == pytest.approx(1.0)
+    assert report["floor_fraction"] == pytest.approx(0.5)
+    assert report["achieved_GBps"] == pytest.approx(185 / 1e9)
+
+
+def test_floor_of_the_real_workload():
+    assert kv_bytes_per_token(QWEN3_0_6B, 2) == 28 * 2 * 8 * 128 * 2 == 114_688
+    weight_bytes = 2 * sum(math.prod(s) for s in qwen3_tensor_shapes(QWEN3_0_6B).values())
+    assert weight_bytes == pytest.approx(1.19e9, rel=0.01)
+    prompts, max_tokens = make_workload(256)
+    floor = workload_floor([len(p) for p in prompts], max_tokens, weight_bytes, 114_688)
+    assert floor["kv_read_bytes"] == pytest.approx(13.87e12, rel=1e-3)
+    assert floor["weight_read_bytes"] == pytest.approx(1.22e12, rel=1e-2)
+    assert floor["floor_bytes"] / 4.2e12 == pytest.approx(3.6, abs=0.05)   # at ~4.2 TB/s
+
+
+def test_param_count_skips_a_stored_tied_lm_head(tmp_path):
+    embed = torch.zeros(10, 4)
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone(),
+               "model.norm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert checkpoint_num_params(str(tmp_path)) == 44
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    assert checkpoint_num_params(str(tmp_path)) == 84
+
+
+def run_bench(*args, timeout=120):
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cpu_smoke_end_to_end(tmp_path):
+    results = tmp_path / "results.jsonl"
+    args = ["--num-seqs", "4", "--results", str(results), "--cache-dir", str(tmp_path / "cache"),
+            "--label", "test run", "--kernels", "none", "--enforce-eager", "--no-prefix-caching",
+            "--block-size", "8", "--max-num-batched-tokens", "512"]
+    proc = run_bench(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "of the floor" in proc.stdout and "CPU smoke" in proc.stdout
+    run_bench(*args[:6], "--label", "second")   # appends, reuses the checkpoint
+    lines = results.read_text().splitlines()
+    assert len(lines) == 2
+    record = json.loads(lines[0])
+    prompts, max_tokens = make_workload(4, **WORKLOADS["cpu-smoke"])
+    assert record["engine"] == "mini" and record["label"] == "test run"
+    assert record["workload"] == "cpu-smoke" and record["cpu_smoke"] is True and record["device"] == "cpu"
+    assert record["num_seqs"] == 4
+    assert record["input_tokens"] == sum(map(len, prompts)) and record["output_tokens"] == sum(max_tokens)
+    assert record["checks"] == {"exact_max_tokens": True, "kv_blocks_free": True}
+    for key in ("git_commit", "torch", "triton", "time", "model"):
+        assert key in record
+    wall = record["wall_s"]
+    assert wall > 0
+    assert record["output_tok_s"] == pytest.approx(record["output_tokens"] / wall)
+    assert record["total_tok_s"] == pytest.approx((record["input_tokens"] + record["output_tokens"]) / wall)
+    assert record["copy_bandwidth_GBps"] > 0
+    assert record["floor_s"] == pytest.approx(record["floor_bytes"] / (record["copy_bandwidth_GBps"] * 1e9))
+    assert record["floor_fraction"] == pytest.approx(record["floor_s"] / wall)
+    assert record["achieved_GBps"] == pytest.approx(record["floor_bytes"] / wall / 1e9)
+    assert record["decode_steps"] == max(max_tokens)
+    config = record["config"]
+    assert config["enforce_eager"] is True and config["no_prefix_caching"] is True and config["kernels"] == "none"
+    assert config["max_num_seqs"] == 256 and config["max_model_len"] == 2048
+    engine = record["engine_config"]           # the options reached the engine
+    assert engine["block_size"] == 8 and engine["max_num_batched_tokens"] == 512
+    assert engine["enforce_eager"] is True and engine["enable_prefix_caching"] is False
+    assert engine["kernels_resolved"] == [] and engine["max_model_len"] == 2048
+    assert json.loads(lines[1])["label"] == "second"
+
+
+def test_help_and_missing_vllm():
+    proc = run_bench("--help", timeout=60)
+    assert proc.returncode == 0 and "--num-seqs" in proc.stdout and "--kernels" in proc.stdout
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        proc = run_bench("--engine", "vllm", "--results", os.devnull, timeout=60)
+        assert proc.returncode != 0 and "vllm is not installed" in proc.stderr
