@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "
+                   "table by batch size, write steps.jsonl and profile.png to DIR")
     engine.add_argument("--hf-attn", default="paged|sdpa", help="hf only: attn_implementation to load with")
     args = p.parse_args(argv)
     args.max_model_len = MAX_MODEL_LEN
@@ -100,9 +102,17 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     engine = llm.engine
     llm.generate(WARMUP_PROMPTS, SamplingParams(temperature=opts.temperature, max_tokens=WARMUP_TOKENS), use_tqdm=False)
     params = [SamplingParams(temperature=opts.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    profiler = None
+    if opts.profile:
+        from benchmarks.step_profile import StepProfiler
+        profiler = StepProfiler(engine)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)   # returns once every token is on the host
     wall = time.perf_counter() - start
+    if profiler:
+        profiler.print_summary()
+        print("profile picture:", profiler.save(opts.profile, f"mini_engine, {len(prompts)} requests, "
+                                                f"wall {wall:.2f} s (profiled: one event pair per step)"))
     config = {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)
               if f.name != "model_config"}
     runner = engine.runner
@@ -124,6 +134,10 @@ def fmt_bytes(n: float) -> str:
 
 
 def git_commit() -> tuple[str | None, bool | None]:
+    """HEAD and whether tracked files differ from it. Where the tree travels without .git (the GPU
+    machine), the commit comes from MINI_ENGINE_GIT_COMMIT, set by whoever sent the tree."""
+    if os.environ.get("MINI_ENGINE_GIT_COMMIT"):
+        return os.environ["MINI_ENGINE_GIT_COMMIT"], None
     try:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()

@@ -1,0 +1,132 @@
+"""Per-step profile of a run (bench.py --profile DIR): wall time against GPU time per step, by
+batch size, and one picture of the run over time.
+
+Wall time is the host's whole step: schedule, build tensors, launch, wait for the sampled tokens,
+update the sequences. GPU time runs from a CUDA event recorded once the step's inputs are built
+(what comes before it is host work the GPU waits for) to the step's end; for graph replays that is
+the device's own time, for eager steps it also holds the launch gaps the host leaves.
+"""
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class StepRecord:
+    start_s: float          # since the run began
+    wall_ms: float
+    gpu_ms: float | None
+    num_seqs: int           # rows in the batch
+    prefill_tokens: int
+    decode_tokens: int
+    running: int            # after the step
+    waiting: int
+
+
+class StepProfiler:
+    """Wraps an LLMEngine's step and its runner's input preparation to time every step."""
+
+    def __init__(self, engine):
+        import torch
+        self.engine, self.records, self.t0 = engine, [], None
+        self.cuda = engine.runner.device.type == "cuda"
+        self.start_event = None
+        runner, step, prepare = engine.runner, engine.step, engine.runner.prepare_inputs
+
+        def timed_prepare(rows):
+            out = prepare(rows)
+            if self.cuda:
+                self.start_event = torch.cuda.Event(enable_timing=True)
+                self.start_event.record()
+            self.num_rows = len(rows)
+            return out
+
+        def timed_step():
+            self.t0 = self.t0 or time.perf_counter()
+            self.start_event, self.num_rows = None, 0
+            t = time.perf_counter()
+            out = step()
+            wall = time.perf_counter() - t
+            gpu = None
+            if self.start_event is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                end.synchronize()        # already done: the step waited for its tokens
+                gpu = self.start_event.elapsed_time(end)
+            if self.num_rows:
+                s = engine.scheduler
+                self.records.append(StepRecord(t - self.t0, wall * 1e3, gpu, self.num_rows,
+                                               engine.last_step_prefill_tokens, engine.last_step_decode_tokens,
+                                               len(s.running), len(s.waiting)))
+            return out
+
+        runner.prepare_inputs = timed_prepare
+        engine.step = timed_step
+
+    def summary(self) -> list[dict]:
+        """Decode-only and mixed steps, by batch-size bucket: mean wall, mean GPU, their ratio."""
+        buckets = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 256), (257, 10**9)]
+        rows = []
+        for kind in ("decode", "mixed/prefill"):
+            for lo, hi in buckets:
+                sel = [r for r in self.records if lo <= r.num_seqs <= hi
+                       and (r.prefill_tokens == 0) == (kind == "decode")]
+                if not sel:
+                    continue
+                wall = sum(r.wall_ms for r in sel) / len(sel)
+                gpus = [r.gpu_ms for r in sel if r.gpu_ms is not None]
+                gpu = sum(gpus) / len(gpus) if gpus else None
+                rows.append(dict(kind=kind, batch=f"{lo}-{hi}" if lo != hi else str(lo), steps=len(sel),
+                                 wall_ms=wall, gpu_ms=gpu, wall_over_gpu=wall / gpu if gpu else None,
+                                 total_wall_s=sum(r.wall_ms for r in sel) / 1e3))
+        return rows
+
+    def print_summary(self) -> None:
+        print(f"{'step kind':14s} {'batch':>8s} {'steps':>6s} {'wall ms':>8s} {'GPU ms':>8s} {'wall/GPU':>8s} {'total s':>8s}")
+        for r in self.summary():
+            gpu = f"{r['gpu_ms']:8.3f}" if r["gpu_ms"] is not None else f"{'-':>8s}"
+            ratio = f"{r['wall_over_gpu']:8.2f}" if r["wall_over_gpu"] is not None else f"{'-':>8s}"
+            print(f"{r['kind']:14s} {r['batch']:>8s} {r['steps']:6d} {r['wall_ms']:8.3f} {gpu} {ratio} {r['total_wall_s']:8.2f}")
+
+    def save(self, out_dir: str, title: str) -> str:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "steps.jsonl"), "w") as f:
+            for r in self.records:
+                f.write(json.dumps(asdict(r)) + "\n")
+        with open(os.path.join(out_dir, "step_summary.json"), "w") as f:
+            json.dump(self.summary(), f, indent=1)
+        return plot(self.records, os.path.join(out_dir, "profile.png"), title)
+
+
+def plot(records: list[StepRecord], path: str, title: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t = [r.start_s for r in records]
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    ax = axes[0]
+    ax.plot(t, [r.running for r in records], label="running sequences", color="tab:blue")
+    ax.plot(t, [r.waiting for r in records], label="waiting sequences", color="tab:orange")
+    ax.set_ylabel("sequences")
+    ax.legend(loc="upper right")
+    ax.set_title(title)
+    ax = axes[1]
+    ax.bar(t, [r.prefill_tokens for r in records], width=[r.wall_ms / 1e3 for r in records], align="edge",
+           label="prefill tokens", color="tab:red", alpha=0.6)
+    ax.plot(t, [r.decode_tokens for r in records], label="decode tokens", color="tab:green")
+    ax.set_ylabel("tokens per step")
+    ax.set_yscale("symlog", linthresh=256)
+    ax.legend(loc="upper right")
+    ax = axes[2]
+    ax.plot(t, [r.wall_ms for r in records], label="wall time per step", color="black", linewidth=0.8)
+    if any(r.gpu_ms is not None for r in records):
+        ax.plot(t, [r.gpu_ms for r in records], label="GPU time per step", color="tab:purple", linewidth=0.8)
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds since the run began")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
