@@ -1,7 +1,11 @@
 """End-to-end checks that need the GPU (run on the H200; exits early without CUDA):
 
 1. bf16 greedy outputs of mini_engine (eager path and kernel path) against transformers'
-   Qwen3ForCausalLM on the GPU, loading the same safetensors, and their prefill logits.
+   Qwen3ForCausalLM on the GPU, loading the same safetensors, and their prefill logits. The
+   reference is transformers in fp32; transformers' own bf16 run is the control that says how far
+   bf16 rounding alone moves things. A random model's top two logits are often within bf16 noise,
+   so token agreement is judged teacher-forced: every token we chose must be the fp32 model's
+   argmax or within `--margin` of it, given the same prefix; exact agreement is reported too.
 2. The kernel path against the eager path: logits close, token sequences equal for a stretch.
 3. CUDA graphs against no graphs: identical outputs for batch sizes that hit a captured size
    exactly and ones that need padding, with sequences finishing mid-batch and a preemption.
@@ -22,7 +26,8 @@ import torch
 
 def free_gpu():
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def common_prefix(a, b):
@@ -36,31 +41,57 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="folder for a JSON of the results")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--eager-only", action="store_true", help="only the eager path against transformers")
+    ap.add_argument("--margin", type=float, default=0.25,
+                    help="largest fp32 logit gap allowed between the token chosen and the argmax")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="run the script's logic on the CPU with a tiny model (checks the script, not the GPU)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_correctness.py needs CUDA")
+    if not torch.cuda.is_available() and not args.cpu_dry_run:
+        sys.exit("gpu_correctness.py needs CUDA (or --cpu-dry-run)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     from transformers import Qwen3ForCausalLM as HFQwen3
     from mini_engine import LLM, SamplingParams
     from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
 
-    path = write_random_checkpoint(os.path.join(tempfile.gettempdir(), "qwen3-0.6b-std006"), QWEN3_0_6B,
-                                   std=0.06, seed=1, device="cuda")
+    config = QWEN3_0_6B
+    if args.cpu_dry_run:
+        config = QWEN3_0_6B | dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    path = write_random_checkpoint(os.path.join(tempfile.gettempdir(), f"qwen3-std006-{config['hidden_size']}"),
+                                   config, std=0.06, seed=1, device=dev)
     rng = random.Random(0)
-    prompts = [[rng.randrange(151_000) for _ in range(n)] for n in (5, 17, 64, 200, 333, 1000, 31, 128)]
+    vocab = config["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 64, 200, 333, 1000, 31, 128)]
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     results, failures = {}, []
 
-    # transformers on the GPU, bf16
-    hf = HFQwen3.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    # transformers on the GPU: fp32 (the reference) and bf16 (the control)
+    hf32 = HFQwen3.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
+    hf16 = HFQwen3.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
     with torch.inference_mode():
-        hf_out = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=args.tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-        hf_last_logits = [hf(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu() for p in prompts]
-    del hf
+        hf_out = [hf16.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        ref_logits = [hf32(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts]
+        hf16_logits = [hf16(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts]
+    del hf16
     free_gpu()
+
+    @torch.inference_mode()
+    def margins(outputs):
+        """For each generated token: fp32 max logit minus the fp32 logit of the token chosen,
+        given the same prefix (0 where we chose the fp32 argmax)."""
+        out = []
+        for p, gen in zip(prompts, outputs):
+            logits = hf32(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
+            chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
+            out.append((logits.max(-1).values - chosen).tolist())
+        return out
 
     def run(label, prompts_, params, **kw):
         llm = LLM(path, gpu_memory_utilization=0.5, **kw)
+        # As if the pool were uninitialised memory: stale slots must never reach an output.
+        llm.engine.runner.kv_cache.fill_(float("nan"))
         outs = llm.generate(prompts_, params, use_tqdm=False)
         engine = llm.engine
         leaked = engine.block_manager.num_blocks - engine.num_free_blocks
@@ -81,8 +112,6 @@ def main():
         return [o.outputs[0].token_ids for o in outs], logits, info
 
     eager, eager_logits, _ = run("eager", prompts, greedy, kernels="none", enforce_eager=True)
-    kern, kern_logits, _ = run("kernels", prompts, greedy, kernels="auto", enforce_eager=True)
-    graph, _, _ = run("graphs", prompts, greedy, kernels="auto")
 
     def compare(name, got, ref, need):
         agree = [common_prefix(g, r) for g, r in zip(got, ref)]
@@ -91,32 +120,52 @@ def main():
         if not ok:
             failures.append(f"{name}: agreeing prefix lengths {agree}, need >= {need}")
 
-    def compare_logits(name, got, ref):
+    def compare_logits(name, got, ref, limit):
         rel = [((g - r).norm() / r.norm()).item() for g, r in zip(got, ref)]
-        results[name] = dict(rel_err=rel, ok=max(rel) < 0.05)
-        if max(rel) >= 0.05:
-            failures.append(f"{name}: relative logits error {max(rel):.3g}")
+        results[name] = dict(rel_err=[round(x, 5) for x in rel], limit=limit, ok=max(rel) <= limit)
+        if max(rel) > limit:
+            failures.append(f"{name}: relative logits error {max(rel):.3g} > {limit:.3g}")
 
-    # bf16 runs diverge once two candidates are within rounding: require the first 8 tokens.
-    compare("eager vs transformers", eager, hf_out, 8)
-    compare("kernels vs transformers", kern, hf_out, 8)
-    compare("kernels vs eager", kern, eager, 8)
-    compare_logits("eager logits vs transformers", eager_logits, hf_last_logits[:4])
-    compare_logits("kernel logits vs eager", kern_logits, eager_logits)
+    def teacher_forced(name, outputs):
+        m = margins(outputs)
+        worst = max(max(x) for x in m)
+        off_argmax = sum(x > 0 for row in m for x in row)
+        results[name] = dict(worst_margin=round(worst, 4), tokens_not_fp32_argmax=off_argmax,
+                             tokens=sum(map(len, m)), limit=args.margin, ok=worst <= args.margin)
+        if worst > args.margin:
+            failures.append(f"{name}: chose a token {worst:.3f} below the fp32 argmax (limit {args.margin})")
+
+    # How far bf16 alone moves the logits: transformers' bf16 against its fp32. Ours may be up to
+    # twice that (different but equally valid rounding order), never more.
+    compare_logits("transformers bf16 logits vs fp32 (control)", hf16_logits, ref_logits, 1.0)
+    bf16_noise = 2 * max(results["transformers bf16 logits vs fp32 (control)"]["rel_err"])
+    teacher_forced("transformers bf16 greedy vs fp32 (control)", hf_out)
+    compare_logits("eager logits vs transformers fp32", eager_logits, ref_logits[:4], bf16_noise)
+    teacher_forced("eager greedy, teacher-forced vs fp32", eager)
+    results["eager vs transformers bf16, exact prefix"] = dict(agree=[common_prefix(g, r) for g, r in zip(eager, hf_out)])
+    if args.eager_only:
+        return report(results, failures, args.out)
+    kern, kern_logits, _ = run("kernels", prompts, greedy, kernels="auto", enforce_eager=True)
+    graph, _, _ = run("graphs", prompts, greedy, kernels="auto")
+    compare_logits("kernel logits vs transformers fp32", kern_logits, ref_logits[:4], bf16_noise)
+    teacher_forced("kernels greedy, teacher-forced vs fp32", kern)
+    results["kernels vs eager, exact prefix"] = dict(agree=[common_prefix(g, r) for g, r in zip(kern, eager)])
+    compare_logits("kernel logits vs eager logits", kern_logits, eager_logits, bf16_noise)
+    # Graphs replay the same kernels: the same tokens, exactly.
     compare("graphs vs kernels (no graphs)", graph, kern, args.tokens)
 
     # Graph batch sizes: 16 is captured exactly, 13 and 37 pad; max_tokens differ so sequences
     # finish mid-batch and the batch shrinks across captured sizes.
     for n in (16, 13, 37):
-        ps = [[rng.randrange(151_000) for _ in range(rng.randrange(10, 300))] for _ in range(n)]
+        ps = [[rng.randrange(vocab) for _ in range(rng.randrange(10, 300))] for _ in range(n)]
         params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 48), ignore_eos=True) for _ in ps]
         a, _, _ = run(f"graphs bs={n}", ps, params, kernels="auto")
         b, _, _ = run(f"no graphs bs={n}", ps, params, kernels="auto", enforce_eager=True)
-        results[f"graphs vs no graphs, batch {n}"] = dict(equal=a == b)
+        results[f"graphs vs no graphs, batch {n}"] = dict(equal=a == b, first_diff=next(((i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
         if a != b:
             failures.append(f"graphs vs no graphs, batch {n}: outputs differ")
     # Preemption during decode: a pool too small for all 24 sequences at once.
-    ps = [[rng.randrange(151_000) for _ in range(100)] for _ in range(24)]
+    ps = [[rng.randrange(vocab) for _ in range(100)] for _ in range(24)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     small, _, info = run("graphs, small pool", ps, params, kernels="auto", num_kv_blocks=120)
     roomy, _, _ = run("graphs, roomy pool", ps, params, kernels="auto")
@@ -126,11 +175,15 @@ def main():
     if small != roomy:
         failures.append("outputs changed under preemption")
 
+    report(results, failures, args.out)
+
+
+def report(results, failures, out):
     for name, r in results.items():
         print(f"{name:40s} {'PASS' if r.get('ok', r.get('equal', True)) else 'FAIL'}  {r}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_correctness.json"), "w") as f:
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gpu_correctness.json"), "w") as f:
             json.dump(dict(results=results, failures=failures), f, indent=1)
     print("FAILURES:" if failures else "ALL PASSED", *failures, sep="\n  ")
     sys.exit(1 if failures else 0)

@@ -51,6 +51,329 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     k = k_cache[blocks].flatten(1, 2).transpose(1, 2)     # [B, Hkv, L, D]
     v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    # Slots past a sequence's end hold whatever was there, and a masked score or weight does not
+    # cancel a stale NaN (NaN - inf and 0 * NaN are NaN): clear them.
+    stale = ~mask[:, None, :, None]
+    k, v = k.masked_fill(stale, 0), v.masked_fill(stale, 0)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+# ---- Triton ----
+#
+# Both kernels read K and V straight from the block pool: a tile of TILE_N context tokens looks up
+# each token's block in the block table (token // block_size), so a tile may span several blocks
+# (block_size 16, tile 64) or part of one (block_size 256), and any block_size >= 1 works. Each
+# program owns one KV head and all the query heads that share it (GQA), so every K/V tile is loaded
+# once per group. The query rows of a program are (token, head) pairs, row r = token * QH + head,
+# padded to BLOCK_M >= 16 rows (tl.dot's minimum); softmax is online, in base 2. K and V are
+# converted to q's dtype as they load (a no-op today; where an fp8 cache would dequantise).
+
+import functools  # noqa: E402
+import math  # noqa: E402
+
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+
+
+@triton.jit
+def _rows_mask(row_valid, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Mask of a [rows, BLOCK_D] tile: the valid rows, and where BLOCK_D pads head_dim up to a
+    power of two >= 16 (tl.dot's minimum), the columns < HEAD_DIM. Decided at compile time, so
+    the usual head_dim 128 gets a row mask only."""
+    if BLOCK_D == HEAD_DIM:
+        return row_valid[:, None]
+    else:
+        return row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, seq_len,
+                 query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
+                 stride_v_block, stride_v_offset, stride_v_head,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Folds context tokens [tile_start, tile_start + TILE_N) into the running softmax state
+    (m_i, l_i, acc) of the query rows q [BLOCK_M, D]. Tokens past seq_len, behind a -1 block-table
+    entry, or (CAUSAL) after a row's position are masked and never read."""
+    offs_n = tile_start + tl.arange(0, TILE_N)
+    in_context = offs_n < seq_len
+    block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=-1)
+    valid = block >= 0
+    block = tl.maximum(block, 0).to(tl.int64)
+    offset = (offs_n % BLOCK_SIZE).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
+    k = tl.load(k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None]
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None]
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+
+    s = tl.dot(q, tl.trans(k)) * qk_scale                  # [BLOCK_M, TILE_N], log2 units
+    keep = valid[None, :]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= query_pos[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
+        stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+        stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr):
+    """Flash-decoding, first half. Program (seq, kv_head, split): the one query token of sequence
+    seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
+    shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
+    depends only on the batch shape (CUDA-graph safe) and a short context just leaves some splits
+    empty. With one split the result is final and goes straight to out; otherwise the unnormalised
+    accumulator, running max and sum go to the partial buffers for _paged_decode_reduce_kernel."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
+    q = tl.load(q_ptr + token * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    for tile in range(tile_lo, tile_hi):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+                                     tile * TILE_N, seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
+                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, False)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # partial buffers: [num_seqs, NUM_HEADS, NUM_SPLITS] (+ [BLOCK_D] for the accumulator)
+        part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(partial_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, out_ptr,
+        stride_out_token, stride_out_head,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_SPLITS: tl.constexpr):
+    """Flash-decoding, second half. Program (seq, head): rescales each split's partial result by
+    exp2(its max - the overall max) and divides by the rescaled total sum. Empty splits carry
+    max -inf and sum 0 and drop out; a row with no context at all gets zeros."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_valid = splits < NUM_SPLITS
+    part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(partial_max_ptr + part, mask=split_valid, other=float("-inf"))
+    l = tl.load(partial_sum_ptr + part, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(weight * l, axis=0)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(partial_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=split_valid[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+        qk_scale, num_seqs, stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+        stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SEQS: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr):
+    """The whole variable-length batch in one launch (prefill chunks, prefix hits, and decode rows as
+    queries of length 1). Program (q_block, kv_head): BLOCK_Q consecutive query tokens of one
+    sequence times the QUERIES_PER_KV heads of kv_head, against that sequence's context up to the
+    block's last query position, with the causal mask. Sequence b owns the program ids from
+    query_start_loc[b] // BLOCK_Q + b on, enough for its query blocks; the grid is the upper
+    bound T // BLOCK_Q + num_seqs, and each program finds its sequence by counting how many
+    sequences start at or before it (no host sync). Spare programs exit at once."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seqs = tl.arange(0, BLOCK_SEQS)
+    first_block = tl.load(query_start_loc_ptr + seqs, mask=seqs < num_seqs, other=0) // BLOCK_Q + seqs
+    seq = tl.sum(((first_block <= pid) & (seqs < num_seqs)).to(tl.int32), axis=0) - 1
+    q_block = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len           # tokens cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = q_block * BLOCK_Q + rows // QUERIES_PER_KV      # index within the sequence's queries
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_index < q_len)
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    token = (q_start + q_index).to(tl.int64)
+    query_pos = context_len + q_index
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    # Keys up to the last query position of this block (masked rows hold smaller positions).
+    kv_len = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    for tile in range(0, tl.cdiv(kv_len, TILE_N)):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+                                     tile * TILE_N, kv_len, query_pos, qk_scale, stride_k_block, stride_k_offset,
+                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, True)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4    # the interpreter: any small number, so tests exercise several splits
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
+    """How many programs share one (sequence, KV head): enough for about two programs per SM
+    (small batches split long contexts; 256 sequences x 8 KV heads need no split), never more
+    than the longest context has tiles. Host ints only, so a captured graph keeps its grid."""
+    programs = num_seqs * num_kv_heads
+    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
+
+
+def _dot_in_fp32(q: torch.Tensor) -> bool:
+    # Triton 3.9's interpreter (CPU tensors) multiplies bf16/fp16 tl.dot operands wrongly; there the
+    # kernels feed tl.dot fp32 copies. On the GPU the dots stay in the model dtype.
+    return q.device.type == "cpu"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _check_shapes(q, k_cache, v_cache, block_tables):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    return num_heads, num_kv_heads, head_dim
+
+
+def _cache_strides(k_cache, v_cache):
+    return (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                           scale: float, max_seq_len: int, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
+                           num_stages: int = 3) -> torch.Tensor:
+    """Flash-decoding for batches of one query token per sequence. The tile, split and launch
+    knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults."""
+    num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        return out
+    queries_per_kv = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
+    if num_splits > 1:
+        partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+        partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_max = partial_sum = out     # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n, NUM_SPLITS=num_splits,
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+            partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None, block_m: int = 64, tile_n: int = 64,
+                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """One launch for a mixed variable-length batch (any query lengths)."""
+    num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
+    out = torch.empty_like(q) if out is None else out
+    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    queries_per_kv = num_heads // num_kv_heads
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * math.log2(math.e), num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_SEQS=triton.next_power_of_2(num_seqs),
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
+    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch. Every host
+    choice depends on shapes and the two host ints only, so the decode path can be graph-captured
+    (pass max_seq_len = max_model_len there)."""
+    if max_query_len == 1:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      max_seq_len, out)
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)

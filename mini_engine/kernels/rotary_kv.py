@@ -94,8 +94,9 @@ def _qk_norm_rope_kv_write_kernel(
     q_offs = hq * HEAD_DIM + half[None, :]
     q1 = tl.load(row + q_offs, mask=mq, other=0.0)
     q2 = tl.load(row + q_offs + HEAD_DIM // 2, mask=mq, other=0.0)
-    q1, q2 = _rms_norm_rope(q1, q2, tl.load(q_norm_ptr + half)[None, :], tl.load(q_norm_ptr + HEAD_DIM // 2 + half)[None, :],
-                            cos, sin, eps, HEAD_DIM)
+    q_w1 = tl.load(q_norm_ptr + half)[None, :]
+    q_w2 = tl.load(q_norm_ptr + HEAD_DIM // 2 + half)[None, :]
+    q1, q2 = _rms_norm_rope(q1, q2, q_w1, q_w2, cos, sin, eps, HEAD_DIM)
     q_out = q_out_ptr + token * NUM_HEADS * HEAD_DIM + q_offs
     tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=mq)
     tl.store(q_out + HEAD_DIM // 2, q2.to(q_out_ptr.dtype.element_ty), mask=mq)
@@ -106,8 +107,9 @@ def _qk_norm_rope_kv_write_kernel(
     k_offs = NUM_HEADS * HEAD_DIM + hk * HEAD_DIM + half[None, :]
     k1 = tl.load(row + k_offs, mask=mk, other=0.0)
     k2 = tl.load(row + k_offs + HEAD_DIM // 2, mask=mk, other=0.0)
-    k1, k2 = _rms_norm_rope(k1, k2, tl.load(k_norm_ptr + half)[None, :], tl.load(k_norm_ptr + HEAD_DIM // 2 + half)[None, :],
-                            cos, sin, eps, HEAD_DIM)
+    k_w1 = tl.load(k_norm_ptr + half)[None, :]
+    k_w2 = tl.load(k_norm_ptr + HEAD_DIM // 2 + half)[None, :]
+    k1, k2 = _rms_norm_rope(k1, k2, k_w1, k_w2, cos, sin, eps, HEAD_DIM)
     v_offs = k_offs + NUM_KV_HEADS * HEAD_DIM
     v1 = tl.load(row + v_offs, mask=mk, other=0.0)
     v2 = tl.load(row + v_offs + HEAD_DIM // 2, mask=mk, other=0.0)

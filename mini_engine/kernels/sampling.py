@@ -45,3 +45,52 @@ def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Te
     probs = (logits / safe_t[:, None]).softmax(-1)
     raced = (probs / noise).argmax(-1)
     return torch.where(temperatures > 0, raced, greedy)
+
+
+# ---- Triton ----
+
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, temperatures_ptr, seeds_ptr, tokens_ptr, vocab_size, stride_logits,
+                   BLOCK_V: tl.constexpr):
+    """One program per row, one pass over the vocabulary in BLOCK_V chunks. Each lane keeps the best
+    key it has seen and its column (strict > keeps the first, as torch.argmax does); the lanes are
+    reduced once at the end. Greedy rows (temperature 0) race on the logits themselves; the others
+    on l / T + Gumbel noise, -log(E) with E = -log(U) ~ Exp(1), where U = tl.rand(seed, column):
+    the noise is a pure function of (seed, column), made in registers and never stored. -inf logits
+    stay -inf, so masked tokens never win."""
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperatures_ptr + row)
+    seed = tl.load(seeds_ptr + row)
+    inv_temperature = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
+    best_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK_V], tl.int32)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        key = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf"))
+        if temperature > 0.0:
+            exp_noise = -tl.log(tl.rand(seed, cols))         # Exp(1); inf when U == 0: key -inf
+            key = key * inv_temperature - tl.log(exp_noise)
+        better = key > best_key
+        best_key = tl.where(better, key, best_key)
+        best_col = tl.where(better, cols, best_col)
+    top = tl.max(best_key, axis=0)
+    token = tl.min(tl.where(best_key == top, best_col, vocab_size), axis=0)   # first column among ties
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Fused sample_ref with in-kernel noise: logits [B, V] fp32, temperatures [B] fp32 (0 = greedy),
+    seeds [B] int64 (< 2**31; each row's random stream for this step) -> tokens [B] int64. The same
+    (logits, temperature, seed) always gives the same token. A row of all -inf returns column 0."""
+    assert logits.stride(-1) == 1
+    num_rows, vocab_size = logits.shape
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows:
+        block_v = min(triton.next_power_of_2(vocab_size), 4096)
+        _sample_kernel[(num_rows,)](logits, temperatures, seeds, tokens, vocab_size, logits.stride(0),
+                                    BLOCK_V=block_v, num_warps=8)
+    return tokens

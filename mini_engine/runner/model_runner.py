@@ -65,9 +65,9 @@ class ModelRunner:
         # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.kernels)
+        self.graph_runner = None
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
-        self.graph_runner = None
         if self.use_cuda_graphs:
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
                                                 self.block_size, self.device)
@@ -77,7 +77,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         mc = self.model_config
-        kv_cache = torch.empty(2, mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
+        # Zeroed, not empty: attention reads whole blocks and masks the slots past a sequence's
+        # end, and a masked weight of 0 times a NaN left in uninitialised memory is still NaN.
+        kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
                                mc.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = kv_cache[0, i]

@@ -99,3 +99,14 @@ def test_block_sizes(tiny_checkpoint, block_size):
     prompts = mixed_prompts()
     got, _ = generate(tiny_checkpoint, prompts, num_kv_blocks=4096 // block_size, block_size=block_size)
     assert got == expected(tiny_checkpoint, prompts)
+
+
+def test_stale_cache_contents_never_leak_in(tiny_checkpoint):
+    """Attention reads whole blocks; whatever sits past a sequence's end (here NaN, as in
+    uninitialised memory) must not reach the output."""
+    prompts = mixed_prompts()
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, block_size=8)
+    llm.engine.runner.kv_cache.fill_(float("nan"))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected(tiny_checkpoint, prompts)

@@ -1,0 +1,70 @@
+"""`python -m mini_engine.serve --model PATH [engine options] --host 127.0.0.1 --port 8000`:
+the OpenAI-compatible server. Engine options mirror EngineConfig's fields (--max-num-seqs,
+--num-kv-blocks, --no-enable-prefix-caching, ...); with no --model, the embedded default
+checkpoint (Qwen3-0.6B's shape, random weights, no tokenizer: prompts as token ids)."""
+import argparse
+import logging
+import types
+import typing
+from dataclasses import MISSING, fields
+
+from mini_engine.config import EngineConfig
+
+SKIPPED_FIELDS = {"model", "model_config"}
+
+
+def option_type(annotation) -> type:
+    """int | None -> int, and so on: the non-None member of a union."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (EngineConfig)")
+    for f in fields(EngineConfig):
+        if f.name in SKIPPED_FIELDS:
+            continue
+        default = None if f.default is MISSING else f.default
+        flag = "--" + f.name.replace("_", "-")
+        kind = option_type(f.type)
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default: {default}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mini_engine.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a Hugging Face Qwen3 checkpoint folder "
+                        "(default: the embedded random Qwen3-0.6B)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from mini_engine.engine.engine import LLMEngine
+    from mini_engine.model.random_checkpoint import default_checkpoint
+    from mini_engine.server.app import build_app
+
+    model = args.model or default_checkpoint()
+    name = args.served_model_name or args.model or "qwen3-0.6b-random"
+    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in SKIPPED_FIELDS}
+    engine = LLMEngine(EngineConfig.from_kwargs(model, **options))
+    logging.getLogger("mini_engine.server").info(
+        "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name,
+        engine.block_manager.num_blocks, engine.config.block_size, engine.config.max_model_len)
+    uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP API: routes, request checks, and response shapes.
+
+Each request is checked and tokenized on the event loop, then handed to the AsyncEngine; its
+tokens come back as RequestDeltas. Anything wrong with a request is a 4xx with OpenAI's error
+JSON before it reaches the engine, so one bad request never disturbs the others. A client that
+goes away gets its request aborted, which frees its KV blocks before the engine's next step.
+"""
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mini_engine.engine.engine import LLMEngine
+from mini_engine.sampling_params import SamplingParams
+from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
+from mini_engine.server.chat_template import ChatTemplate
+from mini_engine.server.metrics import ServerMetrics
+from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ProtocolError,
+                                         SamplingRequest, completion_body, error_body, model_card, random_id,
+                                         usage)
+
+logger = logging.getLogger("mini_engine.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+
+
+def error_response(message: str, status_code: int = 400, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class AbortOnCloseResponse(StreamingResponse):
+    """A streaming response that aborts its request however it ends: finished, client gone
+    (Starlette cancels the stream), or failed while writing."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServer:
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ServerMetrics(model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics)
+        self.chat_template = ChatTemplate.from_pretrained(engine.config.model)
+
+    # ---- from an OpenAI request to the engine's ----
+
+    def check(self, req: SamplingRequest) -> None:
+        if req.model != self.model_name:
+            raise ProtocolError(f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                                404, "model", "model_not_found")
+        param = req.unsupported()
+        if param is not None:
+            raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, max_tokens=max_tokens,
+                                  ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids, seed=req.seed,
+                                  logprobs=logprobs)
+        except ValueError as e:     # the message starts with the parameter's name
+            raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ProtocolError("a list of several prompts is not supported: send one request per prompt",
+                                    param="prompt")
+            prompt = prompt[0]
+        try:
+            return self.engine.tokenize(prompt)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="prompt") from None
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            stop: list[str]) -> RequestStream:
+        try:
+            return self.async_engine.add_request(request_id, prompt_token_ids, params, stop)
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(str(e)) from None
+
+    def remaining_tokens(self, prompt_token_ids: list[int]) -> int:
+        left = self.engine.config.max_model_len - len(prompt_token_ids)
+        if left < 1:
+            raise ProtocolError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
+                                f"within max_model_len={self.engine.config.max_model_len}", param="messages")
+        return left
+
+    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        if self.chat_template is None:
+            raise ProtocolError("this model has no chat template (tokenizer_config.json): use /v1/completions")
+        messages = []
+        for m in req.messages:
+            message = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                if any(part.type != "text" for part in m.content):
+                    raise ProtocolError("only text content parts are supported", param="messages")
+                message["content"] = "".join(part.text or "" for part in m.content)
+            messages.append(message)
+        text = self.chat_template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        return self.tokenize(text)
+
+    # ---- from the engine's deltas to OpenAI's responses ----
+
+    def token_text(self, token_id: int) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok else f"token_id:{token_id}"
+
+    def completion_logprobs(self, delta: RequestDelta, text_offset: int) -> dict | None:
+        if delta.logprobs is None:
+            return None
+        return {
+            "tokens": [self.token_text(t) for t in delta.token_ids],
+            "token_logprobs": [lp.logprob for lp in delta.logprobs],
+            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in delta.logprobs],
+            "text_offset": [text_offset] * len(delta.token_ids),
+        }
+
+    def choice(self, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None,
+               chunk: bool = False) -> dict:
+        if not chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        key, message = ("delta", {"content": text}) if chunk else ("message", {"role": "assistant", "content": text})
+        return {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
+
+    async def stream_events(self, stream: RequestStream, request_id: str, chat: bool,
+                            include_usage: bool) -> AsyncIterator[str]:
+        if chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield sse(completion_body(request_id, self.model_name, [first], None, chunk=True, chat=True))
+        offset, last = 0, None
+        async for delta in stream:
+            last = delta
+            if delta.finish_reason == "error":
+                yield sse(error_body(delta.error or "the request failed", 500))
+                break
+            if not delta.token_ids and delta.finish_reason is None:
+                continue
+            choice = self.choice(delta.text, delta.finish_reason, chat, self.completion_logprobs(delta, offset), True)
+            offset += len(delta.text)
+            yield sse(completion_body(request_id, self.model_name, [choice], None, chunk=True, chat=chat))
+        if include_usage and last is not None:
+            u = usage(last.num_prompt_tokens, last.num_output_tokens)
+            yield sse(completion_body(request_id, self.model_name, [], u, chunk=True, chat=chat))
+        yield sse("[DONE]")
+
+    async def collect(self, stream: RequestStream, request_id: str, chat: bool) -> JSONResponse:
+        texts, logprobs, last = [], None, None
+        async for delta in stream:
+            last = delta
+            if delta.logprobs is not None:
+                lp = self.completion_logprobs(delta, sum(map(len, texts)))
+                logprobs = lp if logprobs is None else {k: logprobs[k] + lp[k] for k in lp}
+            texts.append(delta.text)
+        if last.finish_reason == "error":
+            return error_response(last.error or "the request failed", 500)
+        choice = self.choice("".join(texts), last.finish_reason, chat, logprobs)
+        u = usage(last.num_prompt_tokens, last.num_output_tokens)
+        return JSONResponse(completion_body(request_id, self.model_name, [choice], u, chat=chat))
+
+    async def respond(self, raw: Request, stream: RequestStream, request_id: str, chat: bool,
+                      streaming: bool, include_usage: bool) -> Response:
+        abort = lambda: None if stream.finished else self.async_engine.abort(request_id)   # noqa: E731
+        if streaming:
+            return AbortOnCloseResponse(self.stream_events(stream, request_id, chat, include_usage), abort)
+        # Not streaming: nothing is written until the end, so watch for the client leaving.
+        collector = asyncio.ensure_future(self.collect(stream, request_id, chat))
+        watcher = asyncio.ensure_future(wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if collector.done():
+                return collector.result()
+            collector.cancel()
+            return error_response("the client disconnected", 499)
+        finally:
+            watcher.cancel()
+            abort()
+
+    # ---- routes ----
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        prompt_token_ids = self.tokenize(req.prompt)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, req.logprobs)
+        request_id = random_id("cmpl")
+        stream = self.add(request_id, prompt_token_ids, params, req.stop_list)
+        return await self.respond(raw, stream, request_id, False, req.stream, req.include_usage)
+
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check(req)
+        prompt_token_ids = self.render_chat(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = self.remaining_tokens(prompt_token_ids)
+        params = self.sampling_params(req, max_tokens, None)
+        request_id = random_id("chatcmpl")
+        stream = self.add(request_id, prompt_token_ids, params, req.stop_list)
+        return await self.respond(raw, stream, request_id, True, req.stream, req.include_usage)
+
+
+def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
+    server = OpenAIServer(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.async_engine.start()
+        yield
+        server.async_engine.shutdown()
+
+    app = FastAPI(title="mini_engine", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, e: ProtocolError):
+        return error_response(str(e), e.status_code, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+        if first.get("type") == "extra_forbidden":
+            message = f"{where} is not a supported parameter"
+        return error_response(message, param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return error_response(str(e.detail), e.status_code)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await server.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await server.chat_completions(req, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(model_name, engine.config.max_model_len)]}
+
+    @app.get("/health")
+    async def health():
+        if not server.async_engine.is_alive:
+            return error_response("the engine loop is not running", 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,108 @@
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from mini_engine.kernels.paged_attention import (  # noqa: E402
+    paged_attention, paged_attention_ref, paged_decode_attention, paged_prefill_attention)
+
+HEAD_DIM = 32
+TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, block_size, device, dtype=torch.bfloat16, seed=0,
+               head_dim=HEAD_DIM):
+    """A paged batch: each sequence's blocks are scattered over a shuffled pool (with spare blocks
+    nobody owns), block tables padded with -1, and K/V for every slot already in the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    pool = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = pool[used:used + n]
+        used += n
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return (q, k_cache, v_cache, block_tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc.to(device))
+
+
+def check(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
+    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(out, ref, **TOL[q.dtype])
+
+
+# Ragged contexts: length 1, block boundaries (b - 1, b, b + 1 for b = 16), many blocks.
+DECODE_SEQ_LENS = [1, 15, 16, 17, 33, 130]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])     # GQA ratios 1, 2, 8
+@pytest.mark.parametrize("block_size", [1, 16, 256])                             # 256 > every context
+def test_decode_matches_reference(device, num_heads, num_kv_heads, block_size):
+    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, num_heads, num_kv_heads, block_size, device)
+    out = paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=max(DECODE_SEQ_LENS))
+    check(out, *batch)
+
+
+@pytest.mark.parametrize("num_splits,tile_n", [(1, 16), (3, 16), (8, 32), (40, 16)])  # 40: most splits empty
+def test_decode_splits_match_reference(device, num_splits, tile_n):
+    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 4, device)
+    out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS),
+                                 num_splits=num_splits, tile_n=tile_n)
+    check(out, *batch)
+
+
+def test_decode_with_graph_upper_bound(device):
+    """Under CUDA graphs max_seq_len is max_model_len, far above every real context: the split
+    count comes from it, and the short contexts leave most splits empty."""
+    batch = make_batch([1, 1], [40, 3], 4, 2, 16, device)
+    out = paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=4096)
+    check(out, *batch)
+
+
+# Mixed batch: decode rows, a fresh prefill, chunks that follow cached context (prefix hits,
+# earlier chunks), chunks crossing block boundaries, and a decode row after the prefills.
+MIXED_QUERY_LENS = [1, 1, 9, 17, 5, 1, 33]
+MIXED_SEQ_LENS = [7, 40, 9, 30, 16 + 5, 50, 33 + 48]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_mixed_batch_matches_reference(device, num_heads, num_kv_heads, block_size):
+    batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, num_heads, num_kv_heads, block_size, device, seed=1)
+    out = paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=max(MIXED_QUERY_LENS),
+                          max_seq_len=max(MIXED_SEQ_LENS))
+    check(out, *batch)
+
+
+@pytest.mark.parametrize("block_m,tile_n", [(16, 16), (32, 64)])
+def test_prefill_small_query_blocks(device, block_m, tile_n):
+    """Several query blocks per sequence (block_m 16 with 8 heads per KV head: 2 tokens a block)."""
+    batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, 8, 1, 4, device, seed=2)
+    out = paged_prefill_attention(*batch, HEAD_DIM ** -0.5, block_m=block_m, tile_n=tile_n)
+    check(out, *batch)
+
+
+@pytest.mark.parametrize("max_query_len", [1, 9])
+def test_fp32_and_out_argument(device, max_query_len):
+    query_lens = [1, 1, 1] if max_query_len == 1 else [1, 9, 3]
+    batch = make_batch(query_lens, [20, 12, 64], 4, 2, 16, device, dtype=torch.float32, seed=3)
+    out = torch.full_like(batch[0], float("nan"))
+    result = paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=max_query_len, max_seq_len=64, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    check(out, *batch)
+
+
+@pytest.mark.parametrize("head_dim", [8, 80])       # below tl.dot's 16, and not a power of two
+@pytest.mark.parametrize("max_query_len", [1, 9])
+def test_head_dim_padded(device, head_dim, max_query_len):
+    query_lens = [1, 1, 1] if max_query_len == 1 else [1, 9, 3]
+    batch = make_batch(query_lens, [20, 12, 64], 4, 2, 16, device, seed=4, head_dim=head_dim)
+    out = paged_attention(*batch, head_dim ** -0.5, max_query_len=max_query_len, max_seq_len=64)
+    check(out, *batch)
+    if max_query_len == 1:      # and through the split path's partial buffers
+        check(paged_decode_attention(*batch, head_dim ** -0.5, max_seq_len=64, num_splits=3, tile_n=16), *batch)

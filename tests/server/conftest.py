@@ -1,0 +1,149 @@
+"""The server under test: a tiny random Qwen3 with a small byte-level BPE tokenizer (trained here,
+so multi-byte UTF-8 is exercised) and a ChatML template, served by `python -m mini_engine.serve`
+on a free loopback port in a subprocess."""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mini_engine.model.random_checkpoint import write_random_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL_NAME = "tiny-qwen3"
+MAX_MODEL_LEN = 512
+NUM_KV_BLOCKS = 1024
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "Größe, Straße, café, naïve, déjà vu: accents take two bytes in UTF-8.",
+    "你好，世界。今天天气很好。我们一起去公园散步吧。",
+    "Emoji take four bytes: 😀 🚀 🎉 👍 and so do some rare CJK characters like 𠜎.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+] * 20
+
+
+def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    return tok
+
+
+def write_tiny_model(path: str) -> str:
+    tok = train_tokenizer()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+        "vocab_size": tok.get_vocab_size(), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": MAX_MODEL_LEN,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, "attention_bias": False,
+        "bos_token_id": tok.token_to_id("<|endoftext|>"), "eos_token_id": eos,
+    }
+    # A larger std than the default, so that greedy outputs vary instead of repeating one token.
+    write_random_checkpoint(path, config, dtype=torch.float32, std=0.3)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+                   "pad_token": "<|endoftext|>"}, f)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen3-served")))
+
+
+class ServerHandle:
+    def __init__(self, base_url: str, process: subprocess.Popen, log_path):
+        self.base_url = base_url
+        self.process = process
+        self.log_path = log_path
+
+    def metrics(self) -> dict[str, float]:
+        """Every unlabelled-by-reason sample of /metrics, keyed by name (and finish reason)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            m = re.match(r'^(mini_engine:[a-z_]+)\{([^}]*)\} ([0-9.e+-]+|NaN)$', line)
+            if m:
+                reason = re.search(r'finished_reason="(\w+)"', m.group(2))
+                values[m.group(1) + (f":{reason.group(1)}" if reason else "")] = float(m.group(3))
+        return values
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Waits until no request holds a KV block; returns the metrics then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["mini_engine:kv_cache_blocks_used"] == 0 and m["mini_engine:num_requests_running"] == 0
+                    and m["mini_engine:num_requests_waiting"] == 0):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV blocks still in use after {timeout} s: {m}")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    port = free_port()
+    cmd = [sys.executable, "-m", "mini_engine.serve", "--model", tiny_model, "--served-model-name", MODEL_NAME,
+           "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_KV_BLOCKS),
+           "--max-num-seqs", "128", "--log-level", "warning"]
+    log_path = tmp_path_factory.mktemp("server-log") / "server.log"
+    log = open(log_path, "w")      # a file, not a pipe: nobody reads a pipe while tests run
+    process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the server did not become healthy:\n{log_path.read_text()}")
+        time.sleep(0.2)
+    handle = ServerHandle(base_url, process, log_path)
+    try:
+        yield handle
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+        log.close()
+
+
+@pytest.fixture
+def served(server):
+    """The server, checked after the test: every KV block free, and still alive."""
+    yield server
+    server.wait_idle()
+    assert server.process.poll() is None, "the server died"

@@ -1,0 +1,148 @@
+"""The server through the official openai client: completions and chat, streamed and not,
+against each other and against LLM.generate; stop strings, stop tokens, logprobs, seeds."""
+import httpx
+import openai
+import pytest
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.server.chat_template import ChatTemplate
+from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS
+
+PROMPTS = ["Hello world", "Größe 你好 😀", [5, 17, 300, 42, 7]]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Straße? 你好 🚀"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS)
+
+
+def reference(llm, prompt, **params):
+    out = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    return out.text, out.token_ids, out.finish_reason
+
+
+def stream_completion(client, **kwargs):
+    chunks = list(client.completions.create(model=MODEL_NAME, stream=True, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
+    assert chunks[-1].usage is not None and not chunks[-1].choices, "the last chunk carries the usage"
+    return text, reasons[-1], chunks[-1].usage, chunks
+
+
+def test_models_health_metrics(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(served.base_url + "/health").status_code == 200
+    r = httpx.get(served.base_url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "prefix_cache_hit_rate",
+                 "generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "time_per_output_token_seconds_bucket"]:
+        assert f"mini_engine:{name}" in r.text
+    assert served.metrics()["mini_engine:kv_cache_blocks_total"] == NUM_KV_BLOCKS
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["ascii", "multibyte", "token-ids"])
+def test_completion_streamed_equals_unstreamed_equals_llm(served, client, llm, prompt):
+    params = dict(max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, **params)
+    text, reason, usage, _ = stream_completion(client, prompt=prompt, **params)
+    ref_text, ref_ids, _ = reference(llm, prompt, temperature=0, max_tokens=40, ignore_eos=True)
+    assert full.choices[0].text == text == ref_text
+    assert len(text) > 5 and len(set(ref_ids)) > 3, "degenerate outputs prove nothing: raise the weights' std"
+    assert full.choices[0].finish_reason == reason == "length"
+    assert full.usage.completion_tokens == usage.completion_tokens == 40
+    assert full.usage.prompt_tokens == usage.prompt_tokens == len(llm.engine.tokenize(prompt))
+
+
+def test_chat_streamed_equals_unstreamed_equals_llm(served, client, llm, tiny_model):
+    params = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**params)
+    chunks = list(client.chat.completions.create(stream=True, **params))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    prompt = ChatTemplate.from_pretrained(tiny_model).render(MESSAGES)
+    ref_text, _, _ = reference(llm, prompt, temperature=0, max_tokens=30, ignore_eos=True)
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == text == ref_text
+    assert full.choices[0].finish_reason == [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == chunks[-1].usage.completion_tokens == 30
+    assert full.usage.prompt_tokens == len(llm.engine.tokenize(prompt))
+
+
+def test_chat_default_max_tokens_fills_the_context(served, client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == 512
+
+
+def test_stop_strings(served, client, llm):
+    prompt = "Hello world"
+    ref_text, _, _ = reference(llm, prompt, temperature=0, max_tokens=60, ignore_eos=True)
+    # A stop string from the middle of the greedy text, made of whole characters.
+    start = next(i for i in range(12, len(ref_text) - 3) if "\ufffd" not in ref_text[i:i + 3])
+    stop = ref_text[start:start + 3]
+    expected = ref_text[:ref_text.find(stop)]
+    params = dict(prompt=prompt, max_tokens=60, temperature=0, stop=[stop, "never appears ~~~"],
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(model=MODEL_NAME, **params)
+    text, reason, usage, _ = stream_completion(client, **params)
+    assert full.choices[0].text == text == expected
+    assert full.choices[0].finish_reason == reason == "stop"
+    assert full.usage.completion_tokens == usage.completion_tokens < 60
+    # A stop string that never appears changes nothing.
+    text, reason, usage, _ = stream_completion(client, prompt=prompt, max_tokens=60, temperature=0,
+                                               stop="never appears ~~~", extra_body={"ignore_eos": True})
+    assert (text, reason, usage.completion_tokens) == (ref_text, "length", 60)
+
+
+def test_stop_token_ids(served, client, llm):
+    prompt = "Größe"
+    _, ref_ids, _ = reference(llm, prompt, temperature=0, max_tokens=30, ignore_eos=True)
+    stop_id = ref_ids[6]
+    ref_text, stopped_ids, ref_reason = reference(llm, prompt, temperature=0, max_tokens=30, ignore_eos=True,
+                                                  stop_token_ids=[stop_id])
+    assert ref_reason == "stop" and stopped_ids == ref_ids[:ref_ids.index(stop_id) + 1]
+    text, reason, usage, _ = stream_completion(client, prompt=prompt, max_tokens=30, temperature=0,
+                                               extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert (text, reason, usage.completion_tokens) == (ref_text, "stop", len(stopped_ids))
+
+
+def test_logprobs(served, client):
+    params = dict(prompt="Hello", max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    full = client.completions.create(model=MODEL_NAME, **params).choices[0].logprobs
+    assert len(full.tokens) == len(full.token_logprobs) == len(full.top_logprobs) == 8
+    for sampled, top in zip(full.token_logprobs, full.top_logprobs):
+        assert sampled <= 0 and 1 <= len(top) <= 3
+        assert sampled == pytest.approx(max(top.values()), abs=1e-5), "greedy samples the most likely token"
+    _, _, _, chunks = stream_completion(client, **params)
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(full.token_logprobs, abs=1e-5)
+    # logprobs=0: the sampled token's log-probability alone.
+    zero = client.completions.create(model=MODEL_NAME, **(params | {"logprobs": 0})).choices[0].logprobs
+    assert len(zero.token_logprobs) == 8 and all(top == {} for top in zero.top_logprobs)
+
+
+def test_seeded_sampling_is_reproducible(served, client):
+    params = dict(model=MODEL_NAME, prompt="Hello world", max_tokens=20, temperature=1.0, seed=7,
+                  extra_body={"ignore_eos": True})
+    first, second = (client.completions.create(**params).choices[0].text for _ in range(2))
+    assert first == second
+    other = client.completions.create(**(params | {"seed": 8})).choices[0].text
+    greedy = client.completions.create(**(params | {"temperature": 0})).choices[0].text
+    assert len({first, other, greedy}) > 1
+
+
+def test_top_k_top_p_accepted(served, client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, temperature=0.8, top_p=0.9,
+                                  extra_body={"top_k": 5, "ignore_eos": True})
+    assert r.usage.completion_tokens == 5

@@ -1,0 +1,105 @@
+"""Each bad request gets its 4xx with OpenAI's error JSON, and the server keeps serving, the
+requests already running included."""
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME
+
+OK = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4}
+CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+BAD_COMPLETIONS = {
+    "prompt beyond max_model_len": (OK | {"prompt": [1] * (MAX_MODEL_LEN + 10)}, 400, "max_model_len"),
+    "prompt plus max_tokens beyond max_model_len": (OK | {"prompt": [1] * 500, "max_tokens": 20}, 400,
+                                                    "max_model_len"),
+    "negative max_tokens": (OK | {"max_tokens": -1}, 400, "max_tokens"),
+    "zero max_tokens": (OK | {"max_tokens": 0}, 400, "max_tokens"),
+    "unknown model": (OK | {"model": "gpt-4"}, 404, "does not exist"),
+    "n > 1": (OK | {"n": 2}, 400, "n=2 is not supported"),
+    "best_of": (OK | {"best_of": 3}, 400, "best_of"),
+    "echo": (OK | {"echo": True}, 400, "echo"),
+    "penalties": (OK | {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    "logit_bias": (OK | {"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    "unknown parameter": (OK | {"frobnicate": 1}, 400, "frobnicate is not a supported parameter"),
+    "too many logprobs": (OK | {"logprobs": 50}, 400, "logprobs"),
+    "negative temperature": (OK | {"temperature": -1}, 400, "temperature"),
+    "top_p zero": (OK | {"top_p": 0}, 400, "top_p"),
+    "bad top_k": (OK | {"top_k": -5}, 400, "top_k"),
+    "negative seed": (OK | {"seed": -3}, 400, "seed"),
+    "negative stop token": (OK | {"stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    "empty prompt": (OK | {"prompt": ""}, 400, "empty"),
+    "token id beyond the vocabulary": (OK | {"prompt": [10 ** 7]}, 400, "prompt token ids"),
+    "several prompts": (OK | {"prompt": ["a", "b"]}, 400, "several prompts"),
+    "prompt of the wrong type": (OK | {"prompt": 5}, 400, "prompt"),
+    "missing prompt": ({"model": MODEL_NAME}, 400, "prompt"),
+    "wrong max_tokens type": (OK | {"max_tokens": "many"}, 400, "max_tokens"),
+}
+BAD_CHAT = {
+    "image content": (CHAT_OK | {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "text content"),
+    "chat logprobs": (CHAT_OK | {"logprobs": True}, 400, "logprobs"),
+    "missing messages": ({"model": MODEL_NAME}, 400, "messages"),
+    "chat n > 1": (CHAT_OK | {"n": 3}, 400, "n=3"),
+    "chat unknown model": (CHAT_OK | {"model": "nope"}, 404, "does not exist"),
+    "bad stream_options": (CHAT_OK | {"stream": True, "stream_options": {"bogus": 1}}, 400, "bogus"),
+}
+
+
+def check_error(r: httpx.Response, status: int, words: str):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"]
+
+
+@pytest.mark.parametrize("name", list(BAD_COMPLETIONS))
+def test_bad_completion_request(served, name):
+    body, status, words = BAD_COMPLETIONS[name]
+    check_error(httpx.post(served.base_url + "/v1/completions", json=body, timeout=10), status, words)
+
+
+@pytest.mark.parametrize("name", list(BAD_CHAT))
+def test_bad_chat_request(served, name):
+    body, status, words = BAD_CHAT[name]
+    check_error(httpx.post(served.base_url + "/v1/chat/completions", json=body, timeout=10), status, words)
+
+
+def test_malformed_json_and_unknown_routes(served):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(served.base_url + path, content=b'{"model": "tiny-qwen3", "prompt": ',
+                       headers={"content-type": "application/json"}, timeout=10)
+        check_error(r, 400, "not valid JSON")
+    check_error(httpx.get(served.base_url + "/v1/nothing-here", timeout=10), 404, "Not Found")
+
+
+def test_openai_client_raises_the_right_errors(served):
+    with openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.completions.create(model="gpt-4", prompt="x")
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=-1)
+        with pytest.raises(openai.BadRequestError, match="max_model_len"):
+            client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x" * 3000}])
+
+
+def test_bad_requests_do_not_disturb_running_ones(served):
+    results = []
+
+    def good():
+        with openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            chunks = list(c.completions.create(model=MODEL_NAME, prompt="Steady", max_tokens=150, stream=True,
+                                               extra_body={"ignore_eos": True}))
+            results.append(chunks[-1].usage.completion_tokens)
+
+    threads = [threading.Thread(target=good) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for body, status, words in list(BAD_COMPLETIONS.values()) * 2:
+        check_error(httpx.post(served.base_url + "/v1/completions", json=body, timeout=10), status, words)
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [150] * 4
+    r = httpx.post(served.base_url + "/v1/completions", json=OK, timeout=10)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
