@@ -89,7 +89,7 @@ def main():
         return out
 
     def run(label, prompts_, params, **kw):
-        llm = LLM(path, gpu_memory_utilization=0.5, **kw)
+        llm = LLM(path, gpu_memory_utilization=0.5, **({"max_num_seqs": 64} | kw))
         # As if the pool were uninitialised memory: stale slots must never reach an output.
         llm.engine.runner.kv_cache.fill_(float("nan"))
         outs = llm.generate(prompts_, params, use_tqdm=False)
