@@ -65,17 +65,23 @@ class BlockManager:
         self.prefix_cache_hit_tokens += len(hits) * bs
         return hits
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
-        computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
-        needed = self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(cached_prefix)
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
+        """Give seq the cached prefix blocks and enough new blocks to hold num_new_tokens more
+        tokens than it has computed (after the prefix), then cache the blocks this step fills.
+        Returns False, changing nothing, when the free pool is too short."""
+        bs = self.block_size
+        total = seq.num_computed_tokens + len(cached_prefix) * bs + num_new_tokens
+        num_before = len(seq.block_table)
+        needed = (total + bs - 1) // bs - num_before - len(cached_prefix)
+        if needed <= 0 and not cached_prefix:
+            # The common decode step: the token fits in the last block. Hash it if it fills it.
+            if total // bs > len(seq.block_hashes):
+                self.cache_full_blocks(seq, total)
+            return True
         # Cached blocks that nobody holds are still in the free list: taking them shrinks it.
         revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
-        return needed <= self.num_free_blocks - revived
-
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> None:
-        """Give seq the cached prefix blocks and enough new blocks to hold num_new_tokens more
-        tokens than it has computed (after the prefix), then cache the blocks this step fills."""
-        num_before = len(seq.block_table)
+        if needed > self.num_free_blocks - revived:
+            return False
         for block_id in cached_prefix:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -83,14 +89,13 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-        total = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
-        for _ in range(self.blocks_for(total) - len(seq.block_table)):
+        for _ in range(needed):
             seq.block_table.append(self.take_free_block())
-        if len(seq.block_table) > num_before:
-            if seq.block_table_array is None:
-                seq.block_table_array = np.full(self.max_blocks_per_seq, -1, dtype=np.int32)
-            seq.block_table_array[num_before:len(seq.block_table)] = seq.block_table[num_before:]
+        if seq.block_table_array is None:
+            seq.block_table_array = np.full(self.max_blocks_per_seq, -1, dtype=np.int32)
+        seq.block_table_array[num_before:len(seq.block_table)] = seq.block_table[num_before:]
         self.cache_full_blocks(seq, total)
+        return True
 
     def take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)       # least recently used

@@ -48,14 +48,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.can_allocate(seq, n):
+            while not bm.allocate_slots(seq, n):
                 victim = self.running.pop()       # the newest; never one scheduled already
                 self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq, n)
                 out.seqs.append(seq)
                 out.num_new_tokens.append(n)
                 budget -= n
@@ -67,10 +66,9 @@ class Scheduler:
             cached = bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             n = min(seq.num_tokens - num_computed, budget)
-            if not bm.can_allocate(seq, n, cached):
+            if not bm.allocate_slots(seq, n, cached):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, n, cached)
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -307,10 +307,12 @@ def _cache_strides(k_cache, v_cache):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 3) -> torch.Tensor:
+                           num_splits: int | None = None, tile_n: int = 128, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
-    knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults."""
+    knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults, the
+    fastest of its sweep on the H200 (256 sequences x ~1000 tokens: tile 128, 2 stages, 88.6% of
+    copy bandwidth, against 81.6% for tile 64, 3 stages)."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]

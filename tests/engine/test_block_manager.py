@@ -11,8 +11,7 @@ def admit(bm: BlockManager, s: Sequence):
     """What the scheduler does for a waiting sequence: prefix lookup, then allocation."""
     cached = bm.find_cached_prefix(s)
     n = s.num_tokens - len(cached) * bm.block_size
-    assert bm.can_allocate(s, n, cached)
-    bm.allocate(s, n, cached)
+    assert bm.allocate_slots(s, n, cached)
     s.num_computed_tokens = s.num_tokens
     return cached
 
@@ -80,3 +79,24 @@ def test_prefix_caching_off_never_hits():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
     admit(bm, seq([1, 2, 3, 4, 5], "a"))
     assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5], "b")) == [] and not bm.cached_blocks
+
+
+def test_allocation_that_does_not_fit_changes_nothing():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq([1, 2, 3, 4, 5], "a")
+    admit(bm, a)                          # 3 of 4 blocks
+    b = seq([1, 2, 9, 9, 9], "b")         # a's first block is shared, but 2 more are needed
+    cached = bm.find_cached_prefix(b)
+    assert cached == a.block_table[:1]
+    assert not bm.allocate_slots(b, b.num_tokens - 2, cached)
+    assert b.block_table == [] and bm.num_free_blocks == 1 and bm.blocks[cached[0]].ref_count == 1
+
+
+def test_a_decode_token_that_fills_a_block_caches_it():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq([1, 2, 3], "a")
+    admit(bm, a)
+    a.token_ids.append(4)                 # sampled; computed in the next step
+    assert bm.allocate_slots(a, 1)        # no new block: the token fits in the second one
+    assert len(a.block_table) == 2 and len(a.block_hashes) == 2
+    assert len(bm.find_cached_prefix(seq([1, 2, 3, 4, 7], "b"))) == 2

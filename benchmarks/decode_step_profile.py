@@ -1,0 +1,69 @@
+"""Where a decode step's GPU time goes: one decode batch per size (contexts ~U(ctx/2, 3ctx/2)),
+timed as a CUDA-graph replay, then the same step under torch.profiler with kernels listed by
+total device time. Needs CUDA.
+
+    PYTHONPATH=. python benchmarks/decode_step_profile.py --batch 1 64 256 --ctx 1000
+"""
+import argparse
+import random
+import sys
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--ctx", type=int, default=1000)
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--kernels", default="auto")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_step_profile.py needs CUDA")
+    from torch.profiler import ProfilerActivity, profile
+    from mini_engine import LLM
+    from mini_engine.model.random_checkpoint import default_checkpoint
+    from mini_engine.runner.model_runner import BatchRow
+    from mini_engine.sampling_params import SamplingParams
+
+    llm = LLM(default_checkpoint(device="cuda"), max_model_len=2048, max_num_seqs=max(args.batch),
+              kernels=args.kernels, gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.6, max_tokens=1)
+    bs = runner.block_size
+    for batch in args.batch:
+        rows, next_block = [], 0
+        for _ in range(batch):
+            ctx = rng.randint(args.ctx // 2, 3 * args.ctx // 2)
+            n = -(-(ctx + 1) // bs)
+            blocks = list(range(next_block, next_block + n))
+            next_block += n
+            rows.append(BatchRow([rng.randrange(1000)], ctx, blocks, True, params))
+        for _ in range(3):
+            runner.execute(rows)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n_iter = 20
+        start.record()
+        for _ in range(n_iter):
+            runner.execute(rows)
+        end.record()
+        end.synchronize()
+        step_ms = start.elapsed_time(end) / n_iter
+        # Profile without the graph, so each kernel shows by name.
+        graph_runner, runner.graph_runner = runner.graph_runner, None
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.execute(rows)
+            torch.cuda.synchronize()
+        runner.graph_runner = graph_runner
+        kv_gb = sum(r.start_position + 1 for r in rows) * runner.kv_bytes_per_token / 1e9
+        print(f"\n=== decode batch {batch}, mean context {sum(r.start_position for r in rows) / batch:.0f}: "
+              f"{step_ms:.3f} ms per step back to back (graphs: {runner.graph_runner is not None}); "
+              f"KV {kv_gb:.2f} GB -> {kv_gb / 4.25:.3f} ms at 4.25 TB/s, weights 0.28 ms")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
