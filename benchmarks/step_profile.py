@@ -1,10 +1,11 @@
 """Per-step profile of a run (bench.py --profile DIR): wall time against GPU time per step, by
 batch size, and one picture of the run over time.
 
-Wall time is the host's whole step: schedule, build tensors, launch, wait for the sampled tokens,
-update the sequences. GPU time runs from a CUDA event recorded once the step's inputs are built
-(what comes before it is host work the GPU waits for) to the step's end; for graph replays that is
-the device's own time, for eager steps it also holds the launch gaps the host leaves.
+Wall time per step is the time between the ends of consecutive engine steps: what the run pays
+for each step. GPU time runs from a CUDA event recorded once the step's inputs are built to one
+after its last kernel: for graph replays that is the device's own time (an event queued behind
+the previous step completes when that step does), for eager steps it also holds the launch gaps
+the host leaves. Wall close to GPU means the host's work is hidden or small.
 """
 import json
 import os
@@ -25,44 +26,60 @@ class StepRecord:
 
 
 class StepProfiler:
-    """Wraps an LLMEngine's step and its runner's input preparation to time every step."""
+    """Times every step of an LLMEngine: wall time between the ends of consecutive steps, and the
+    device time of each launch, between a CUDA event recorded once its inputs are built and one
+    recorded after its last kernel. The events are read after the run, so timing never makes a
+    step wait (with async scheduling a step returns while the device still runs it)."""
 
     def __init__(self, engine):
         import torch
-        self.engine, self.records, self.t0 = engine, [], None
-        self.cuda = engine.runner.device.type == "cuda"
-        self.start_event = None
-        runner, step, prepare = engine.runner, engine.step, engine.runner.prepare_inputs
+        self.engine, self.records, self.events = engine, [], []
+        self.t0 = self.last_end = None
+        cuda = engine.runner.device.type == "cuda"
+        runner, step, prepare, launch = engine.runner, engine.step, engine.runner.prepare_inputs, engine.runner.launch
+        self.launched = None
 
         def timed_prepare(rows):
             out = prepare(rows)
-            if self.cuda:
-                self.start_event = torch.cuda.Event(enable_timing=True)
-                self.start_event.record()
+            if cuda:
+                self.launched = [torch.cuda.Event(enable_timing=True), None]
+                self.launched[0].record()
             self.num_rows = len(rows)
             return out
 
+        def timed_launch(rows):
+            handle = launch(rows)
+            if cuda:
+                self.launched[1] = torch.cuda.Event(enable_timing=True)
+                self.launched[1].record()
+            return handle
+
         def timed_step():
-            self.t0 = self.t0 or time.perf_counter()
-            self.start_event, self.num_rows = None, 0
-            t = time.perf_counter()
+            now = time.perf_counter()
+            if self.t0 is None:
+                self.t0 = self.last_end = now
+            self.launched, self.num_rows = None, 0
             out = step()
-            wall = time.perf_counter() - t
-            gpu = None
-            if self.start_event is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                end.synchronize()        # already done: the step waited for its tokens
-                gpu = self.start_event.elapsed_time(end)
+            end = time.perf_counter()
             if self.num_rows:
                 s = engine.scheduler
-                self.records.append(StepRecord(t - self.t0, wall * 1e3, gpu, self.num_rows,
-                                               engine.last_step_prefill_tokens, engine.last_step_decode_tokens,
-                                               len(s.running), len(s.waiting)))
+                self.records.append(StepRecord(self.last_end - self.t0, (end - self.last_end) * 1e3, None,
+                                               self.num_rows, engine.last_step_prefill_tokens,
+                                               engine.last_step_decode_tokens, len(s.running), len(s.waiting)))
+                self.events.append(self.launched)
+            self.last_end = end
             return out
 
         runner.prepare_inputs = timed_prepare
+        runner.launch = timed_launch
         engine.step = timed_step
+
+    def finish(self) -> None:
+        """Reads the events once the run is over."""
+        for record, events in zip(self.records, self.events):
+            if events is not None:
+                events[1].synchronize()
+                record.gpu_ms = events[0].elapsed_time(events[1])
 
     def summary(self) -> list[dict]:
         """Decode-only and mixed steps, by batch-size bucket: mean wall, mean GPU, their ratio."""
@@ -83,6 +100,7 @@ class StepProfiler:
         return rows
 
     def print_summary(self) -> None:
+        self.finish()
         print(f"{'step kind':14s} {'batch':>8s} {'steps':>6s} {'wall ms':>8s} {'GPU ms':>8s} {'wall/GPU':>8s} {'total s':>8s}")
         for r in self.summary():
             gpu = f"{r['gpu_ms']:8.3f}" if r["gpu_ms"] is not None else f"{'-':>8s}"

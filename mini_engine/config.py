@@ -100,6 +100,9 @@ class EngineConfig:
     # is importable, none on CPU), "none", or a comma-separated subset of kernels.KERNEL_NAMES.
     kernels: str = "auto"
     enforce_eager: bool = False        # True: never use CUDA graphs
+    # Schedule step n+1 while the device runs step n (see LLMEngine.step). False: every step
+    # waits for its own tokens first.
+    async_scheduling: bool = True
     seed: int = 0
     model_config: ModelConfig | None = field(default=None, repr=False)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mini_engine.engine.sequence import Sequence
+from mini_engine.engine.sequence import PENDING_TOKEN, Sequence
 
 
 @dataclass(slots=True, eq=False)
@@ -110,6 +110,8 @@ class BlockManager:
         """Hash every block of seq that the first num_tokens tokens fill. Safe to call before the
         step computes them: nobody else is scheduled against the cache until the step is done."""
         bs = self.block_size
+        if seq.token_ids[-1] == PENDING_TOKEN:
+            num_tokens = min(num_tokens, seq.num_tokens - 1)     # hashed once the token is known
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else None
             key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])

@@ -5,11 +5,19 @@ from dataclasses import dataclass
 from mini_engine.config import EngineConfig
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
-from mini_engine.engine.sequence import Sequence
+from mini_engine.engine.sequence import PENDING_TOKEN, Sequence
 from mini_engine.layers.sampler import SampleLogprobs
-from mini_engine.runner.model_runner import BatchRow, ModelRunner
+from mini_engine.runner.model_runner import BatchRow, ModelRunner, StepHandle
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.tokenizer import load_tokenizer
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: the sequences whose tokens it samples, in the runner's row order, and
+    where in each sequence's token_ids the token goes."""
+    handle: StepHandle
+    samples: list[tuple[Sequence, int]]
 
 
 @dataclass
@@ -28,7 +36,9 @@ class LLMEngine:
         self.runner = runner or ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
+                                   config.max_model_len)
+        self.in_flight: InFlightStep | None = None
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.request_counter = itertools.count()
@@ -82,39 +92,65 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+            while seq.token_ids[-1] == PENDING_TOKEN:     # tokens still in flight are dropped
+                seq.token_ids.pop()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # ---- the step ----
 
     def step(self) -> list[StepOutput]:
+        """Schedules and launches step n, then waits for step n-1's tokens and returns them.
+
+        With async_scheduling the host's work for step n (scheduling, block allocation, input
+        tensors) overlaps the device's step n-1: a token step n-1 samples is a PENDING_TOKEN on
+        the host until it arrives, and the device feeds it to step n itself. A sequence that step
+        n-1 ends by a stop token has computed one token too many in step n, which is dropped; one
+        that reaches its length is not scheduled again. Without async_scheduling each step waits
+        for its own tokens before returning."""
         batch = self.scheduler.schedule()
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
-        if batch.is_empty:
-            return []
+        launched = self.launch(batch) if not batch.is_empty else None
+        previous, self.in_flight = self.in_flight, launched
+        outputs = self.resolve(previous) if previous else []
+        if not self.config.async_scheduling and launched is not None:
+            self.in_flight = None
+            outputs += self.resolve(launched)
+        return outputs
+
+    def launch(self, batch: SchedulerOutput) -> InFlightStep:
         rows, order = self.build_rows(batch)
-        tokens = self.runner.execute(rows)
-        sampled = iter(tokens)
-        row_logprobs = iter(getattr(self.runner, "last_logprobs", None) or [None] * len(tokens))
-        outputs = []
+        handle = self.runner.launch(rows)
+        samples = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             self.last_step_decode_tokens += is_decode
             self.last_step_prefill_tokens += 0 if is_decode else n
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue                                   # a prefill chunk: nothing sampled yet
-            token, logprobs = next(sampled), next(row_logprobs)
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            reason = self.finish_reason(seq, token)
+            if seq.num_computed_tokens == seq.num_tokens:          # not a prefill chunk: it samples
+                seq.pending_sample_index = len(samples)
+                samples.append((seq, seq.num_tokens))
+                seq.token_ids.append(PENDING_TOKEN)
+        return InFlightStep(handle, samples)
+
+    def resolve(self, step: InFlightStep) -> list[StepOutput]:
+        tokens, logprobs = step.handle.result()
+        logprobs = logprobs or [None] * len(tokens)
+        outputs = []
+        for (seq, position), token, lp in zip(step.samples, tokens, logprobs):
+            if seq.is_finished:
+                continue                          # aborted, or ended by the step before
+            seq.token_ids[position] = token
+            if lp is not None:
+                seq.logprobs.append(lp)
+            reason = self.finish_reason(seq, token, position + 1)
             if reason:
+                del seq.token_ids[position + 1:]     # a token computed past a stop is dropped
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, [token], reason is not None, None if logprobs is None else [logprobs]))
+            outputs.append(StepOutput(seq, [token], reason is not None, None if lp is None else [lp]))
         return outputs
 
     def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
@@ -127,15 +163,19 @@ class LLMEngine:
             sample = start + n == seq.num_tokens
             p = seq.sampling_params
             seed = hash((p.seed, seq.num_output_tokens)) & 0x7FFFFFFF if sample and p.seed is not None else None
-            rows.append(BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed,
-                                 seq.block_table_array))
+            row = BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed,
+                           seq.block_table_array)
+            if row.token_ids[-1] == PENDING_TOKEN:        # sampled by the step still in flight
+                row.prev_token_index = seq.pending_sample_index
+            rows.append(row)
         return rows, order
 
-    def finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Why seq ends with token, its num_tokens-th (pending tokens after it don't count)."""
         p = seq.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 

@@ -24,8 +24,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
+                 max_model_len: int):
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -47,6 +49,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.reached_length(seq):
+                i += 1                # its last token is still on the device: it ends when that arrives
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate_slots(seq, n):
                 victim = self.running.pop()       # the newest; never one scheduled already
@@ -76,6 +81,10 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
         return out
+
+    def reached_length(self, seq: Sequence) -> bool:
+        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.max_model_len)
 
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and send it to the head of the waiting queue, to be recomputed

@@ -7,6 +7,11 @@ import numpy as np
 from mini_engine.sampling_params import SamplingParams
 
 
+# Stands in token_ids for a token sampled by a step still running on the device: the engine
+# schedules the next step before it knows the token (the runner feeds it from the device).
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -31,6 +36,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None    # "stop", "length" or "abort"
     num_preemptions: int = 0
+    pending_sample_index: int = -1      # where the in-flight step's samples hold this seq's token
     logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
 
     def __post_init__(self):

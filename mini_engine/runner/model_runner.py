@@ -26,6 +26,36 @@ class BatchRow:
     params: SamplingParams | None = None
     seed: int | None = None     # this step's seed for the row, where the request gave one
     block_table_array: np.ndarray | None = None   # block_table padded with -1, if the caller keeps one
+    prev_token_index: int = -1  # >= 0: the input token is sample [this] of the previous launch
+
+
+class StepHandle:
+    """A launched step's sampled tokens, on their way to the host."""
+
+    def __init__(self, tokens: list[int] | None = None, logprobs: list | None = None,
+                 host: torch.Tensor | None = None, ready: torch.cuda.Event | None = None):
+        self.tokens, self.logprobs, self.host, self.ready = tokens, logprobs, host, ready
+
+    @classmethod
+    def done(cls, tokens: list[int], logprobs: list | None) -> "StepHandle":
+        return cls(tokens, logprobs)
+
+    @classmethod
+    def copying(cls, tokens: torch.Tensor) -> "StepHandle":
+        if not tokens.is_cuda:
+            return cls(tokens.tolist())
+        # Into pinned memory without blocking; an event marks when the copy (and so the step) is done.
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(host=host, ready=ready)
+
+    def result(self) -> tuple[list[int], list | None]:
+        if self.tokens is None:
+            self.ready.synchronize()              # the step's one host synchronisation
+            self.tokens = self.host.tolist()
+        return self.tokens, self.logprobs
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -66,6 +96,8 @@ class ModelRunner:
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.kernels)
         self.graph_runner = None
+        self.prev_sampled_tokens: torch.Tensor | None = None   # the last launch's samples, on the device
+        self.last_logprobs = None
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
@@ -128,11 +160,19 @@ class ModelRunner:
 
     # ---- one step ----
 
-    @torch.inference_mode()
     def execute(self, rows: list[BatchRow]) -> list[int]:
-        """Runs one step; returns the sampled token of each row with sample=True, in order.
-        Rows of one token must come first (they take the batched decode path)."""
-        self.last_logprobs = None   # or one SampleLogprobs | None per returned token
+        """Runs one step and waits for it: the sampled token of each row with sample=True."""
+        tokens, logprobs = self.launch(rows).result()
+        self.last_logprobs = logprobs
+        return tokens
+
+    @torch.inference_mode()
+    def launch(self, rows: list[BatchRow]) -> "StepHandle":
+        """Enqueues one step on the device and returns at once; the handle's result() waits for
+        the sampled tokens (one per row with sample=True, in order). Rows of one token must come
+        first (they take the batched decode path). A row whose prev_token_index is set takes its
+        input token from the previous launch's samples, still on the device: the host need not
+        know it, so the engine can schedule step n+1 while step n runs."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(rows)
         sample_rows = [r for r in rows if r.sample]
         if self.graph_runner is not None and self.graph_runner.can_run(len(rows), meta.max_query_len):
@@ -141,30 +181,32 @@ class ModelRunner:
                 logits = logits[logits_indices]
         else:
             hidden = self.model(input_ids, positions, meta)
-            if not sample_rows:
-                return []
-            logits = self.model.compute_logits(hidden[logits_indices])
+            logits = self.model.compute_logits(hidden[logits_indices]) if sample_rows else None
         if not sample_rows:
-            return []
-        # Log-probabilities of the raw logits (before temperature, as vLLM reports them), and
-        # only for the rows that asked.
-        want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
-        logprobs = torch.log_softmax(logits[want].float(), dim=-1) if want else None
+            return StepHandle.done([], None)
         tokens = self.sampler(logits, self.prepare_sampling(sample_rows))
+        self.prev_sampled_tokens = tokens
+        # Log-probabilities of the raw logits (before temperature, as vLLM reports them), and
+        # only for the rows that asked: such a step waits for its results here.
+        want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
         if want:
-            tokens, self.last_logprobs = gather_logprobs(tokens, logprobs, want,
-                                                         [sample_rows[i].params.logprobs for i in want])
-            return tokens
-        return tokens.tolist()      # the step's one host synchronisation
+            logprobs = torch.log_softmax(logits[want].float(), dim=-1)
+            return StepHandle.done(*gather_logprobs(tokens, logprobs, want,
+                                                    [sample_rows[i].params.logprobs for i in want]))
+        return StepHandle.copying(tokens)
 
     def prepare_inputs(self, rows: list[BatchRow]):
         """The step's flat input tensors and attention metadata. A decode row costs a few list
         appends; block tables are one np.stack of the rows' fixed-width arrays."""
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
+        from_prev_dst, from_prev_src = [], []      # input tokens still on the device
         bs = self.block_size
         num_tokens = 0
         for row in rows:
             n, start, table = len(row.token_ids), row.start_position, row.block_table
+            if row.prev_token_index >= 0:
+                from_prev_dst.append(num_tokens)
+                from_prev_src.append(row.prev_token_index)
             if n == 1:
                 input_ids.append(row.token_ids[0])
                 positions.append(start)
@@ -192,8 +234,11 @@ class ModelRunner:
             max_query_len=max(len(r.token_ids) for r in rows),
             max_seq_len=max(seq_lens),
         )
-        return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta,
-                self.to_device(logits_indices, torch.int64))
+        input_ids = self.to_device(input_ids, torch.int64)
+        if from_prev_dst:
+            input_ids[self.to_device(from_prev_dst, torch.int64)] = \
+                self.prev_sampled_tokens[self.to_device(from_prev_src, torch.int64)]
+        return input_ids, self.to_device(positions, torch.int64), meta, self.to_device(logits_indices, torch.int64)
 
     @staticmethod
     def padded_block_table(row: BatchRow, width: int) -> np.ndarray:

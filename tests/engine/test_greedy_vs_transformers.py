@@ -110,3 +110,11 @@ def test_stale_cache_contents_never_leak_in(tiny_checkpoint):
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected(tiny_checkpoint, prompts)
+
+
+def test_without_async_scheduling(tiny_checkpoint):
+    """Each step waits for its own tokens: the simple loop must give the same tokens."""
+    prompts = mixed_prompts()
+    got, engine = generate(tiny_checkpoint, prompts, num_kv_blocks=16, block_size=4, async_scheduling=False)
+    assert engine.num_preemptions > 0
+    assert got == expected(tiny_checkpoint, prompts)

@@ -4,6 +4,8 @@ from hypothesis import given, settings, strategies as st
 
 from mini_engine.config import EngineConfig, ModelConfig
 from mini_engine.engine.engine import LLMEngine
+from mini_engine.engine.sequence import PENDING_TOKEN
+from mini_engine.runner.model_runner import StepHandle
 from mini_engine.sampling_params import SamplingParams
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
@@ -15,18 +17,27 @@ MODEL = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_hidde
 class FakeRunner:
     def __init__(self, num_kv_blocks, config, check):
         self.num_kv_blocks, self.config, self.check = num_kv_blocks, config, check
-        self.steps = []
+        self.steps, self.prev = [], []
 
-    def execute(self, rows):
+    def launch(self, rows):
         self.check(rows)
         self.steps.append(rows)
-        return [(r.start_position + len(r.token_ids)) % 61 + 1 for r in rows if r.sample]
+        # A row's input token may still be "on the device" (pending): the runner takes it from
+        # the previous launch's samples, here a plain list.
+        for r in rows:
+            if r.prev_token_index >= 0:
+                assert r.token_ids == [PENDING_TOKEN]
+                assert self.prev[r.prev_token_index] is not None
+            else:
+                assert PENDING_TOKEN not in r.token_ids
+        self.prev = [(r.start_position + len(r.token_ids)) % 61 + 1 for r in rows if r.sample]
+        return StepHandle.done(list(self.prev), None)
 
 
-def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching=True):
+def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_scheduling=True):
     config = EngineConfig("unused", device="cpu", block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=budget, max_model_len=256, enable_prefix_caching=prefix_caching,
-                          model_config=MODEL)
+                          async_scheduling=async_scheduling, model_config=MODEL)
     engine = LLMEngine.__new__(LLMEngine)
 
     def check(rows):
@@ -60,10 +71,10 @@ requests = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(requests=requests, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4, 16]),
        max_num_seqs=st.integers(1, 6), budget=st.integers(1, 64), prefix_caching=st.booleans(),
-       arrival_gap=st.integers(0, 3))
+       arrival_gap=st.integers(0, 3), async_scheduling=st.booleans())
 def test_random_streams_finish_exactly_and_free_everything(requests, num_blocks, block_size, max_num_seqs,
-                                                           budget, prefix_caching, arrival_gap):
-    engine = make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching)
+                                                           budget, prefix_caching, arrival_gap, async_scheduling):
+    engine = make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_scheduling)
     pending = list(enumerate(requests))
     seqs = {}
     for step in range(10_000):
@@ -85,5 +96,38 @@ def test_random_streams_finish_exactly_and_free_everything(requests, num_blocks,
     for i, seq in seqs.items():
         assert seq.num_output_tokens == requests[i][1]
         assert seq.finish_reason == "length"
+        assert PENDING_TOKEN not in seq.token_ids
     assert engine.num_free_blocks == num_blocks
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=st.lists(st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=40), st.integers(1, 25),
+                                   st.lists(st.integers(1, 61), max_size=3)), min_size=1, max_size=8),
+       num_blocks=st.integers(10, 40), block_size=st.sampled_from([1, 4, 16]), budget=st.integers(4, 64),
+       async_scheduling=st.booleans())
+def test_stop_tokens_end_requests_exactly(requests, num_blocks, block_size, budget, async_scheduling):
+    """The stand-in samples token (p % 61) + 1 after position p - 1, so each request's output is
+    known in advance: it must stop at its first stop token, inclusive, even when the engine had
+    already scheduled the next step (async scheduling drops the token computed past the stop)."""
+    engine = make_engine(num_blocks, block_size, 4, budget, True, async_scheduling)
+    seqs = []
+    for prompt, max_tokens, stops in requests:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops)
+        try:
+            seqs.append((engine.add_request(prompt, params), prompt, max_tokens, stops))
+        except ValueError:
+            pass
+    for _ in range(5_000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    for seq, prompt, max_tokens, stops in seqs:
+        expected = []
+        for j in range(max_tokens):
+            expected.append((len(prompt) + j) % 61 + 1)
+            if expected[-1] in stops:
+                break
+        assert seq.output_token_ids == expected
+        assert seq.finish_reason == ("stop" if expected[-1] in stops else "length")
+    assert engine.num_free_blocks == num_blocks
