@@ -209,7 +209,8 @@ def _paged_decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+# num_seqs changes every step: left unspecialised, it costs no recompilation when it does.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
         qk_scale, num_seqs, stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
@@ -226,9 +227,11 @@ def _paged_prefill_kernel(
     sequences start at or before it (no host sync). Spare programs exit at once."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seqs = tl.arange(0, BLOCK_SEQS)
-    first_block = tl.load(query_start_loc_ptr + seqs, mask=seqs < num_seqs, other=0) // BLOCK_Q + seqs
-    seq = tl.sum(((first_block <= pid) & (seqs < num_seqs)).to(tl.int32), axis=0) - 1
+    seq = -1
+    for chunk in range(0, num_seqs, BLOCK_SEQS):        # one pass unless the batch is very wide
+        seqs = chunk + tl.arange(0, BLOCK_SEQS)
+        first_block = tl.load(query_start_loc_ptr + seqs, mask=seqs < num_seqs, other=0) // BLOCK_Q + seqs
+        seq += tl.sum(((first_block <= pid) & (seqs < num_seqs)).to(tl.int32), axis=0)
     q_block = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -346,8 +349,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, out: torch.Tensor | None = None, block_m: int = 64, tile_n: int = 64,
-                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """One launch for a mixed variable-length batch (any query lengths)."""
+                            num_warps: int = 4, num_stages: int = 2, block_seqs: int = 256) -> torch.Tensor:
+    """One launch for a mixed variable-length batch (any query lengths). block_seqs is how many
+    query_start_loc entries a program scans at a time to find its sequence: a constant, so that
+    batches of any width share one compiled kernel."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -363,7 +368,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         *_cache_strides(k_cache, v_cache),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
-        BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_SEQS=triton.next_power_of_2(num_seqs),
+        BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_SEQS=block_seqs,
         DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
     return out
 

@@ -87,6 +87,13 @@ def test_prefill_small_query_blocks(device, block_m, tile_n):
     check(out, *batch)
 
 
+def test_batch_wider_than_one_sequence_scan(device):
+    """Programs find their sequence by scanning query_start_loc block_seqs entries at a time:
+    a batch wider than that takes several passes."""
+    batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, 4, 2, 4, device, seed=3)
+    check(paged_prefill_attention(*batch, HEAD_DIM ** -0.5, block_seqs=2), *batch)
+
+
 @pytest.mark.parametrize("max_query_len", [1, 9])
 def test_fp32_and_out_argument(device, max_query_len):
     query_lens = [1, 1, 1] if max_query_len == 1 else [1, 9, 3]
