@@ -156,6 +156,7 @@ def check_attention(rep: Report, gen):
 
 
 def check_sampler(rep: Report, gen):
+    import triton
     from mini_engine.kernels.sampling import sample
     dev = "cuda"
     B = 256
@@ -169,6 +170,19 @@ def check_sampler(rep: Report, gen):
     masked = logits.clone()
     masked[:, 1000:] = float("-inf")
     rep.flag("sample: -inf columns never chosen", bool((sample(masked, temps, seeds) < 1000).all()))
+    # The vocabulary split across programs must not change a token: the same call with one chunk a
+    # row (one program per row, as the kernel was before the split), and bf16 logits against the
+    # fp32 copy of the same rounded values, through the Sampler layer's Triton path.
+    one_chunk = triton.next_power_of_2(VOCAB)
+    rep.flag("sample B=256: split == one program per row", torch.equal(tokens, sample(logits, temps, seeds, one_chunk)))
+    one_row = logits[1:2], temps[1:2], seeds[1:2]
+    rep.flag("sample B=1: split == one program per row", torch.equal(sample(*one_row), sample(*one_row, one_chunk)))
+    from mini_engine.layers.sampler import Sampler, SamplingTensors
+    low = logits.to(torch.bfloat16)
+    params = SamplingTensors(temperatures=temps, top_k=None, top_p=None, seeds=seeds, row_seeds=seeds.tolist(),
+                             all_greedy=False)
+    rep.flag("sample: bf16 logits (Sampler) == fp32 of the same values",
+             torch.equal(Sampler(use_triton=True)(low, params), sample(low.float(), temps, seeds)))
     # Distribution: many rows with the same logits (a stride-0 view: one row in memory), one seed
     # each; chi-square over the likely tokens, the rest lumped into one bin.
     num_draws, top = 65536, 15
@@ -247,11 +261,19 @@ def bench_elementwise(rep: Report, gen, copy_bw: float):
     nbytes = 3 * T * INTERMEDIATE * e
     rep.time(f"silu_and_mul T={T}", lambda: silu_and_mul(gate_up), nbytes, copy_bw)
     rep.time(f"silu_and_mul_ref T={T} (eager)", lambda: silu_and_mul_ref(gate_up), nbytes, copy_bw)
+    import triton
     from mini_engine.kernels.sampling import sample
-    B = 256
-    logits = torch.randn(B, VOCAB, device="cuda")
-    temps, seeds = torch.ones(B, device="cuda"), torch.arange(B, device="cuda")
-    rep.time(f"sample B={B} V={VOCAB}", lambda: sample(logits, temps, seeds), logits.numel() * 4, copy_bw)
+    for B in (1, 256):
+        logits = torch.randn(B, VOCAB, device="cuda")
+        low = logits.to(torch.bfloat16)
+        temps, seeds = torch.ones(B, device="cuda"), torch.arange(B, device="cuda")
+        zeros = torch.zeros(B, device="cuda")
+        rep.time(f"sample B={B} V={VOCAB} fp32", lambda: sample(logits, temps, seeds), logits.numel() * 4, copy_bw)
+        rep.time(f"sample B={B} V={VOCAB} bf16", lambda: sample(low, temps, seeds), low.numel() * 2, copy_bw)
+        rep.time(f"sample B={B} V={VOCAB} bf16 T=0 (no noise: the memory-bound part)",
+                 lambda: sample(low, zeros, seeds), low.numel() * 2, copy_bw)
+        rep.time(f"sample B={B} V={VOCAB} fp32 one program per row (~ before the split)",
+                 lambda: sample(logits, temps, seeds, triton.next_power_of_2(VOCAB)), logits.numel() * 4, copy_bw)
 
 
 def main(argv=None) -> int:

@@ -52,45 +52,100 @@ def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Te
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
+# Noise bounds. tl.rand gives U in [0, 1 - 2**-24]; U == 0 would make E = inf and the column's key
+# -inf, so that a row whose only finite logit drew U == 0 would fall back to a masked column. Clamping
+# U into [2**-32, 1 - 2**-24] keeps E = -log(U) in [6e-8, 22.2], so the noise is always finite: a -inf
+# logit always gives a -inf key, a finite one never does, and no key is NaN.
+_U_MIN, _U_MAX = 2.0 ** -32, 1.0 - 2.0 ** -24
+
+
 @triton.jit
-def _sample_kernel(logits_ptr, temperatures_ptr, seeds_ptr, tokens_ptr, vocab_size, stride_logits,
-                   BLOCK_V: tl.constexpr):
-    """One program per row, one pass over the vocabulary in BLOCK_V chunks. Each lane keeps the best
-    key it has seen and its column (strict > keeps the first, as torch.argmax does); the lanes are
-    reduced once at the end. Greedy rows (temperature 0) race on the logits themselves; the others
-    on l / T + Gumbel noise, -log(E) with E = -log(U) ~ Exp(1), where U = tl.rand(seed, column):
-    the noise is a pure function of (seed, column), made in registers and never stored. -inf logits
-    stay -inf, so masked tokens never win."""
+def _sample_chunk_kernel(logits_ptr, temperatures_ptr, seeds_ptr, partial_keys_ptr, partial_cols_ptr,
+                         vocab_size, stride_logits, num_chunks, U_MIN: tl.constexpr, U_MAX: tl.constexpr,
+                         CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program (row, chunk) races columns [chunk * CHUNK_V, (chunk + 1) * CHUNK_V) of one row and
+    writes the winner's key and column to partial_*[row, chunk]. Splitting the vocabulary is what
+    makes the kernel fast: one program per row leaves a B=1 step with one busy SM walking 152k
+    columns, and the noise below costs ~100 instructions a column, so the work has to be spread.
+
+    The key: greedy rows (temperature 0) race on the logits themselves; the others on
+    l / T - log(E), E = -log(U) ~ Exp(1) (a Gumbel race), U = tl.rand(seed, column): the noise is a
+    pure function of (seed, column), made in registers and never stored, so the token does not
+    depend on how the vocabulary is split. Logits of any float dtype are converted as they load.
+    Each lane keeps the best key it has seen (strict >: its first column among ties, as
+    torch.argmax); the lanes are reduced at the end to the smallest column holding the top key."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     seed = tl.load(seeds_ptr + row)
     inv_temperature = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
     best_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_col = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, vocab_size, BLOCK_V):
+    chunk_start = chunk * CHUNK_V
+    for start in range(chunk_start, tl.minimum(chunk_start + CHUNK_V, vocab_size), BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
-        key = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf"))
+        key = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if temperature > 0.0:
-            exp_noise = -tl.log(tl.rand(seed, cols))         # Exp(1); inf when U == 0: key -inf
-            key = key * inv_temperature - tl.log(exp_noise)
+            u = tl.minimum(tl.maximum(tl.rand(seed, cols), U_MIN), U_MAX)
+            key = key * inv_temperature - tl.log(-tl.log(u))
         better = key > best_key
         best_key = tl.where(better, key, best_key)
         best_col = tl.where(better, cols, best_col)
     top = tl.max(best_key, axis=0)
-    token = tl.min(tl.where(best_key == top, best_col, vocab_size), axis=0)   # first column among ties
+    col = tl.min(tl.where(best_key == top, best_col, vocab_size), axis=0)     # all -inf: column 0
+    tl.store(partial_keys_ptr + row * num_chunks + chunk, top)
+    tl.store(partial_cols_ptr + row * num_chunks + chunk, col)
+
+
+@triton.jit
+def _sample_reduce_kernel(partial_keys_ptr, partial_cols_ptr, tokens_ptr, num_chunks,
+                          BLOCK_CHUNKS: tl.constexpr):
+    """One program per row: the token is the smallest column among the chunks holding the top key
+    (each chunk's column is already its smallest among its ties), so ties go to the lowest column
+    wherever the chunk boundaries fall."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_CHUNKS)
+    mask = offs < num_chunks
+    keys = tl.load(partial_keys_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    cols = tl.load(partial_cols_ptr + row * num_chunks + offs, mask=mask, other=2**31 - 1)
+    top = tl.max(keys, axis=0)
+    token = tl.min(tl.where(keys == top, cols, 2**31 - 1), axis=0)
     tl.store(tokens_ptr + row, token.to(tl.int64))
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """Fused sample_ref with in-kernel noise: logits [B, V] fp32, temperatures [B] fp32 (0 = greedy),
-    seeds [B] int64 (< 2**31; each row's random stream for this step) -> tokens [B] int64. The same
-    (logits, temperature, seed) always gives the same token. A row of all -inf returns column 0."""
+_BLOCK_V = 1024                 # columns per loop step: 8 per thread at 4 warps
+
+
+def sample_chunk_size(num_rows: int, vocab_size: int) -> int:
+    """Columns per program: about 2048 programs in all, each 1024..8192 columns. B=1 at Qwen3's
+    152k vocabulary gets 149 programs (more than the H200's 132 SMs), B=256 gets 19 per row."""
+    target = triton.next_power_of_2(triton.cdiv(num_rows * vocab_size, 2048))
+    return min(max(target, _BLOCK_V), 8 * _BLOCK_V)
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+           chunk_size: int | None = None) -> torch.Tensor:
+    """Fused sample_ref with in-kernel noise: logits [B, V] fp32, bf16 or fp16, temperatures [B]
+    fp32 (0 = greedy), seeds [B] int64 (< 2**31; each row's random stream for this step) -> tokens
+    [B] int64. The same (logits, temperature, seed) always gives the same token, whatever the
+    chunking; a row of all -inf returns column 0. chunk_size (a power of two; tests use it to move
+    the chunk boundaries) defaults to sample_chunk_size. No host synchronisation and a grid from
+    shapes alone, so it can be captured in a CUDA graph."""
     assert logits.stride(-1) == 1
     num_rows, vocab_size = logits.shape
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows:
-        block_v = min(triton.next_power_of_2(vocab_size), 4096)
-        _sample_kernel[(num_rows,)](logits, temperatures, seeds, tokens, vocab_size, logits.stride(0),
-                                    BLOCK_V=block_v, num_warps=8)
+    if num_rows == 0:
+        return tokens
+    chunk_v = chunk_size or sample_chunk_size(num_rows, vocab_size)
+    block_v = min(chunk_v, _BLOCK_V)
+    assert chunk_v % block_v == 0 and block_v == triton.next_power_of_2(block_v)
+    num_chunks = triton.cdiv(vocab_size, chunk_v)
+    partial_keys = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    partial_cols = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    _sample_chunk_kernel[(num_rows, num_chunks)](
+        logits, temperatures, seeds, partial_keys, partial_cols, vocab_size, logits.stride(0), num_chunks,
+        U_MIN=_U_MIN, U_MAX=_U_MAX, CHUNK_V=chunk_v, BLOCK_V=block_v, num_warps=4)
+    _sample_reduce_kernel[(num_rows,)](partial_keys, partial_cols, tokens, num_chunks,
+                                       BLOCK_CHUNKS=max(triton.next_power_of_2(num_chunks), 32), num_warps=1)
     return tokens

@@ -48,6 +48,11 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        if self.use_triton and params.top_k is None and params.top_p is None:
+            # No fp32 copy of the logits: the kernel converts bf16 as it loads, and argmax is exact
+            # in any float dtype (bf16 -> fp32 is exact and keeps the order).
+            from mini_engine.kernels.sampling import sample
+            return logits.argmax(-1) if params.all_greedy else sample(logits, params.temperatures, params.seeds)
         logits = logits.float()
         if params.all_greedy:
             return logits.argmax(-1)
