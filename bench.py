@@ -105,8 +105,10 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     llm.generate(WARMUP_PROMPTS, SamplingParams(temperature=opts.temperature, max_tokens=WARMUP_TOKENS), use_tqdm=False)
     rng = random.Random(1)
     lengths = [len(p) for p in prompts[:32]]
+    # max_tokens 1..32: the batch shrinks through every small size, as the run's tail will.
     llm.generate([[rng.randint(0, 10000) for _ in range(n)] for n in lengths],
-                 SamplingParams(temperature=opts.temperature, max_tokens=8, ignore_eos=True), use_tqdm=False)
+                 [SamplingParams(temperature=opts.temperature, max_tokens=i + 1, ignore_eos=True)
+                  for i in range(len(lengths))], use_tqdm=False)
     params = [SamplingParams(temperature=opts.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
     profiler = None
     if opts.profile:
