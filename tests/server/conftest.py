@@ -14,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from bench_serving import wait_healthy
 from mini_engine.model.random_checkpoint import write_random_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,19 +116,11 @@ def server(tiny_model, tmp_path_factory):
     log = open(log_path, "w")      # a file, not a pipe: nobody reads a pipe while tests run
     process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the server did not become healthy:\n{log_path.read_text()}")
-        time.sleep(0.2)
+    try:
+        wait_healthy(base_url, process, str(log_path), timeout=90)
+    except SystemExit as e:          # bench_serving's helper exits; a fixture should raise
+        process.kill()
+        raise RuntimeError(str(e)) from None
     handle = ServerHandle(base_url, process, log_path)
     try:
         yield handle
