@@ -126,7 +126,10 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     runner = engine.runner
     config |= {"kernels_resolved": sorted(runner.kernels), "num_kv_blocks": runner.num_kv_blocks,
                "dtype_resolved": str(runner.dtype).removeprefix("torch."),
-               "cuda_graphs": getattr(runner, "use_cuda_graphs", None)}
+               "cuda_graphs": getattr(runner, "use_cuda_graphs", None),
+               "cuda_graph_capture_s": getattr(runner, "cuda_graph_capture_s", None),
+               "cuda_graph_pool_bytes": getattr(runner, "cuda_graph_pool_bytes", None),
+               "cuda_graph_reserve_bytes": getattr(runner, "graph_reserve_bytes", None)}
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
             "kv_blocks_free": engine.num_free_blocks == engine.block_manager.num_blocks,
             "dtype_bytes": runner.dtype.itemsize, "engine_version": None, "engine_config": config,
@@ -220,6 +223,11 @@ def main(argv=None) -> int:
           f"{fmt_bytes(floor['weight_bytes'])} x {floor['decode_steps']} steps = {fmt_bytes(floor['floor_bytes'])} "
           f"at {floor['copy_bandwidth_GBps']:,.0f} GB/s copy bandwidth (device-to-device copy, read + write)")
     print(f"achieved {floor['floor_fraction']:.1%} of the floor: {floor['achieved_GBps']:,.1f} GB/s of floor traffic")
+    graphs = result["engine_config"].get("cuda_graph_capture_s")
+    if graphs is not None:
+        cfg = result["engine_config"]
+        print(f"CUDA graphs: captured in {graphs:.1f} s, pool {cfg['cuda_graph_pool_bytes'] / 2**20:.0f} MiB "
+              f"(set aside when sizing the KV pool: {cfg['cuda_graph_reserve_bytes'] / 2**20:.0f} MiB)")
     print(f"checks: every request got exactly its max_tokens: {exact}; "
           f"KV blocks all free after the run: {result['kv_blocks_free']}")
     print(f"logged to {opts.results}" + (" (CPU smoke workload: not the benchmark)" if record["cpu_smoke"] else ""))

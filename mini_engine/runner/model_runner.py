@@ -1,6 +1,8 @@
 """Owns the model and the KV pool on the device: turns a scheduled batch into tensors, runs the
 forward pass and the sampler, and sizes the pool from measured memory."""
 import random
+import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +98,8 @@ class ModelRunner:
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.kernels)
         self.graph_runner = None
+        self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
+        self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
         self.prev_sampled_tokens: torch.Tensor | None = None   # the last launch's samples, on the device
         self.last_logprobs = None
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
@@ -103,7 +107,13 @@ class ModelRunner:
         if self.use_cuda_graphs:
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
                                                 self.block_size, self.device)
+            start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
             self.graph_runner.capture()
+            self.cuda_graph_capture_s = time.perf_counter() - start
+            self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+            if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
+                warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
+                              f"{self.graph_reserve_bytes / 2**20:.0f} MiB set aside when the KV pool was sized")
 
     # ---- the KV pool ----
 
@@ -140,8 +150,9 @@ class ModelRunner:
         peak_transient = max(peaks)
         # CUDA graphs keep a private pool about as large as the biggest decode step's activations
         # (peaks[1]), which the eager path cannot reuse: reserve it too.
-        graph_reserve = peaks[1] if self.use_cuda_graphs else 0
-        budget = total * self.config.gpu_memory_utilization - (total - free) - peak_transient - graph_reserve
+        self.graph_reserve_bytes = peaks[1] if self.use_cuda_graphs else 0
+        budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
+                  - self.graph_reserve_bytes)
         num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
         if num_blocks < 1:
             raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
