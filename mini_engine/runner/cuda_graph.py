@@ -43,6 +43,14 @@ class CUDAGraphRunner:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
+    @staticmethod
+    def buffer_bytes(max_batch_size: int, max_model_len: int, block_size: int, vocab_size: int,
+                     dtype: torch.dtype) -> int:
+        """What GraphBuffers will hold: the logits dominate (256 x 152k bf16 is 74 MiB)."""
+        max_blocks = (max_model_len + block_size - 1) // block_size
+        n = max_batch_size
+        return n * (3 * 8 + 4 + 4 + 4 * max_blocks + vocab_size * dtype.itemsize) + 4
+
     def metadata(self, bs: int) -> AttentionMetadata:
         b = self.buffers
         # max_seq_len is the bound the graph was captured with: the kernel's split count and grid
