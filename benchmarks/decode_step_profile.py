@@ -23,7 +23,7 @@ def main():
     from torch.profiler import ProfilerActivity, profile
     from mini_engine import LLM
     from mini_engine.model.random_checkpoint import default_checkpoint
-    from mini_engine.runner.model_runner import BatchRow
+    from mini_engine.runner.batch import BatchRow
     from mini_engine.sampling_params import SamplingParams
 
     llm = LLM(default_checkpoint(device="cuda"), max_model_len=2048, max_num_seqs=max(args.batch),

@@ -106,7 +106,7 @@ def main():
         with torch.inference_mode():
             runner = engine.runner
             for p in prompts_[:4]:
-                from mini_engine.runner.model_runner import BatchRow
+                from mini_engine.runner.batch import BatchRow
                 blocks = list(range((len(p) + runner.block_size - 1) // runner.block_size))
                 ids, pos, meta, _ = runner.prepare_inputs([BatchRow(p, 0, blocks, True)])
                 logits.append(runner.model.compute_logits(runner.model(ids, pos, meta)[-1:]).float().cpu()[0])
@@ -168,7 +168,7 @@ def main():
     if dev == "cuda":
         llm = LLM(path, gpu_memory_utilization=0.5, max_num_seqs=64)
         runner = llm.engine.runner
-        from mini_engine.runner.model_runner import BatchRow
+        from mini_engine.runner.batch import BatchRow
         rows, next_block = [], 0
         for _ in range(13):                       # pads to the captured 16
             ctx = rng.randrange(20, 900)

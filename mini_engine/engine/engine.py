@@ -7,7 +7,8 @@ from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence
 from mini_engine.layers.sampler import SampleLogprobs
-from mini_engine.runner.model_runner import BatchRow, ModelRunner, StepHandle
+from mini_engine.runner.batch import BatchRow, StepHandle
+from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.tokenizer import load_tokenizer
 

@@ -45,7 +45,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  scale: float) -> torch.Tensor:
     """Batched eager decode (one query row per sequence): gathers every context into a padded
     tensor, then one masked SDPA call. The copy is the cost the Triton kernel removes."""
-    B, block_size = q.shape[0], k_cache.shape[1]
+    block_size = k_cache.shape[1]
     num_blocks = (max_seq_len + block_size - 1) // block_size
     blocks = block_tables[:, :num_blocks].clamp(min=0).long()
     k = k_cache[blocks].flatten(1, 2).transpose(1, 2)     # [B, Hkv, L, D]

@@ -3,7 +3,6 @@ forward pass and the sampler, and sizes the pool from measured memory."""
 import random
 import time
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,50 +13,9 @@ from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
+from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class BatchRow:
-    """One sequence's share of a step: its new tokens and where their context lives."""
-    token_ids: list[int]        # the tokens computed this step
-    start_position: int         # position of token_ids[0]
-    block_table: list[int]
-    sample: bool                # does this row produce a token (its last token is the newest)?
-    params: SamplingParams | None = None
-    seed: int | None = None     # this step's seed for the row, where the request gave one
-    block_table_array: np.ndarray | None = None   # block_table padded with -1, if the caller keeps one
-    prev_token_index: int = -1  # >= 0: the input token is sample [this] of the previous launch
-
-
-class StepHandle:
-    """A launched step's sampled tokens, on their way to the host."""
-
-    def __init__(self, tokens: list[int] | None = None, logprobs: list | None = None,
-                 host: torch.Tensor | None = None, ready: torch.cuda.Event | None = None):
-        self.tokens, self.logprobs, self.host, self.ready = tokens, logprobs, host, ready
-
-    @classmethod
-    def done(cls, tokens: list[int], logprobs: list | None) -> "StepHandle":
-        return cls(tokens, logprobs)
-
-    @classmethod
-    def copying(cls, tokens: torch.Tensor) -> "StepHandle":
-        if not tokens.is_cuda:
-            return cls(tokens.tolist())
-        # Into pinned memory without blocking; an event marks when the copy (and so the step) is done.
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(host=host, ready=ready)
-
-    def result(self) -> tuple[list[int], list | None]:
-        if self.tokens is None:
-            self.ready.synchronize()              # the step's one host synchronisation
-            self.tokens = self.host.tolist()
-        return self.tokens, self.logprobs
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -167,11 +125,11 @@ class ModelRunner:
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
         max_model_len. Every row shares one block table: only memory use matters here."""
-        cfg, greedy = self.config, SamplingParams(temperature=1.0, max_tokens=1)
+        cfg, params = self.config, SamplingParams(temperature=1.0, max_tokens=1)
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
-        prefill = [BatchRow([0] * per_seq, 0, block_table, True, greedy) for _ in range(num_seqs)]
-        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, greedy) for _ in range(cfg.max_num_seqs)]
+        prefill = [BatchRow([0] * per_seq, 0, block_table, True, params) for _ in range(num_seqs)]
+        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params) for _ in range(cfg.max_num_seqs)]
         return [prefill, decode]
 
     # ---- one step ----

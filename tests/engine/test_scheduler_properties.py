@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 from mini_engine.config import EngineConfig, ModelConfig
 from mini_engine.engine.engine import LLMEngine
 from mini_engine.engine.sequence import PENDING_TOKEN
-from mini_engine.runner.model_runner import StepHandle
+from mini_engine.runner.batch import StepHandle
 from mini_engine.sampling_params import SamplingParams
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_hidden_layers=1,

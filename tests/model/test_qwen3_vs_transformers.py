@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mini_engine.config import EngineConfig
-from mini_engine.runner.model_runner import BatchRow, ModelRunner
+from mini_engine.runner.batch import BatchRow
+from mini_engine.runner.model_runner import ModelRunner
 from tests.conftest import TINY_CONFIGS
 from tests.hf_reference import hf_logits, hf_model
 
