@@ -56,3 +56,27 @@ def test_packed_weights_equal_checkpoint(tiny_checkpoint):
     ref = hf.model.layers[1].self_attn
     torch.testing.assert_close(ours, torch.cat([ref.q_proj.weight, ref.k_proj.weight, ref.v_proj.weight]))
     assert runner.model.lm_head.weight is runner.model.embed_tokens.weight    # tied
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny_checkpoint, tmp_path):
+    """model.safetensors.index.json with the tensors spread over two shards, as large checkpoints come."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, tmp_path / file)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}))
+    shutil.copy(os.path.join(tiny_checkpoint, "config.json"), tmp_path / "config.json")
+    whole = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8)).model.state_dict()
+    sharded = ModelRunner(EngineConfig(str(tmp_path), device="cpu", num_kv_blocks=8)).model.state_dict()
+    assert whole.keys() == sharded.keys()
+    assert all(torch.equal(whole[k], sharded[k]) for k in whole)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        ModelRunner(EngineConfig(str(tmp_path), device="cpu", num_kv_blocks=8))
