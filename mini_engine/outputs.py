@@ -7,6 +7,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None       # "stop", "length", "abort", or None while running
+    logprobs: list | None = None    # a SampleLogprobs per token, where SamplingParams.logprobs asked
 
 
 @dataclass

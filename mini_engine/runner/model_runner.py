@@ -59,7 +59,6 @@ class ModelRunner:
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
         self.prev_sampled_tokens: torch.Tensor | None = None   # the last launch's samples, on the device
-        self.last_logprobs = None
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
@@ -136,8 +135,7 @@ class ModelRunner:
 
     def execute(self, rows: list[BatchRow]) -> list[int]:
         """Runs one step and waits for it: the sampled token of each row with sample=True."""
-        tokens, logprobs = self.launch(rows).result()
-        self.last_logprobs = logprobs
+        tokens, _ = self.launch(rows).result()
         return tokens
 
     @torch.inference_mode()

@@ -36,3 +36,18 @@ def test_stop_tokens_and_eos_end_a_request(tiny_checkpoint):
                            use_tqdm=False)[0].outputs[0]
     assert ignored.token_ids == free_run.token_ids
     assert engine.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_logprobs_of_greedy_tokens(tiny_checkpoint):
+    """Asked for, each output token comes with its log-probability and the row's top tokens: a
+    greedy token is the top one, with the same value; not asked for, there are none."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64)
+    out = llm.generate([5, 17, 33], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert len(lp.top) == 3 and lp.top[0] == (token, lp.logprob) and lp.logprob <= 0
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    plain = llm.generate([5, 17, 33], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs is None and plain.token_ids == out.token_ids
