@@ -52,11 +52,25 @@ def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Te
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
-# Noise bounds. tl.rand gives U in [0, 1 - 2**-24]; U == 0 would make E = inf and the column's key
-# -inf, so that a row whose only finite logit drew U == 0 would fall back to a masked column. Clamping
-# U into [2**-32, 1 - 2**-24] keeps E = -log(U) in [6e-8, 22.2], so the noise is always finite: a -inf
-# logit always gives a -inf key, a finite one never does, and no key is NaN.
+# Noise bounds. tl.rand4x gives U in [0, 1 - 2**-24]; U == 0 would make the noise -inf and the
+# column's key -inf, so that a row whose only finite logit drew U == 0 would fall back to a masked
+# column. Clamping U into [2**-32, 1 - 2**-24] keeps -log2(U) in [8.6e-8, 32], so the noise is always
+# finite: a -inf logit always gives a -inf key, a finite one never does, and no key is NaN.
 _U_MIN, _U_MAX = 2.0 ** -32, 1.0 - 2.0 ** -24
+
+
+@triton.jit
+def _gumbel2(u, U_MIN: tl.constexpr, U_MAX: tl.constexpr):
+    """-log2(-log2(U)): Gumbel noise in base-2 units."""
+    u = tl.minimum(tl.maximum(u, U_MIN), U_MAX)
+    return -tl.math.log2(-tl.math.log2(u))
+
+
+@triton.jit
+def _race(best_key, best_col, row_ptr, cols, vocab_size, scale, noise):
+    key = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32) * scale + noise
+    better = key > best_key
+    return tl.where(better, key, best_key), tl.where(better, cols, best_col)
 
 
 @triton.jit
@@ -66,32 +80,40 @@ def _sample_chunk_kernel(logits_ptr, temperatures_ptr, seeds_ptr, partial_keys_p
     """Program (row, chunk) races columns [chunk * CHUNK_V, (chunk + 1) * CHUNK_V) of one row and
     writes the winner's key and column to partial_*[row, chunk]. Splitting the vocabulary is what
     makes the kernel fast: one program per row leaves a B=1 step with one busy SM walking 152k
-    columns, and the noise below costs ~100 instructions a column, so the work has to be spread.
+    columns, and the noise below is most of the work, so it has to be spread.
 
     The key: greedy rows (temperature 0) race on the logits themselves; the others on
-    l / T - log(E), E = -log(U) ~ Exp(1) (a Gumbel race), U = tl.rand(seed, column): the noise is a
-    pure function of (seed, column), made in registers and never stored, so the token does not
-    depend on how the vocabulary is split. Logits of any float dtype are converted as they load.
+    l * log2(e) / T - log2(-log2(U)) (a Gumbel race in base 2: it differs from l / T - log(E),
+    E = -log(U) ~ Exp(1), by a positive factor and a constant, which keep the argmax). The noise is
+    a pure function of (seed, column), made in registers and never stored, so the token does not
+    depend on how the vocabulary is split: column 4i + j takes the j-th of the four uniforms of
+    Philox(seed, counter i). One Philox call makes four numbers, and Philox was the kernel's cost.
     Each lane keeps the best key it has seen (strict >: its first column among ties, as
     torch.argmax); the lanes are reduced at the end to the smallest column holding the top key."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     seed = tl.load(seeds_ptr + row)
-    inv_temperature = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
-    best_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_col = tl.zeros([BLOCK_V], tl.int32)
+    # Greedy rows keep scale 1: their keys are the logits, so ties stay ties and argmax is exact.
+    scale = tl.where(temperature > 0.0, 1.4426950408889634 / tl.where(temperature > 0.0, temperature, 1.0), 1.0)
+    best_key = tl.full([BLOCK_V // 4], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK_V // 4], tl.int32)
+    row_ptr = logits_ptr + row * stride_logits
     chunk_start = chunk * CHUNK_V
     for start in range(chunk_start, tl.minimum(chunk_start + CHUNK_V, vocab_size), BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < vocab_size
-        key = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        counters = start // 4 + tl.arange(0, BLOCK_V // 4)
         if temperature > 0.0:
-            u = tl.minimum(tl.maximum(tl.rand(seed, cols), U_MIN), U_MAX)
-            key = key * inv_temperature - tl.log(-tl.log(u))
-        better = key > best_key
-        best_key = tl.where(better, key, best_key)
-        best_col = tl.where(better, cols, best_col)
+            u0, u1, u2, u3 = tl.rand4x(seed, counters)
+            g0, g1 = _gumbel2(u0, U_MIN, U_MAX), _gumbel2(u1, U_MIN, U_MAX)
+            g2, g3 = _gumbel2(u2, U_MIN, U_MAX), _gumbel2(u3, U_MIN, U_MAX)
+        else:
+            g0 = tl.zeros([BLOCK_V // 4], tl.float32)
+            g1, g2, g3 = g0, g0, g0
+        # Ascending columns within each lane, so strict > keeps a lane's first column among ties.
+        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters, vocab_size, scale, g0)
+        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters + 1, vocab_size, scale, g1)
+        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters + 2, vocab_size, scale, g2)
+        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters + 3, vocab_size, scale, g3)
     top = tl.max(best_key, axis=0)
     col = tl.min(tl.where(best_key == top, best_col, vocab_size), axis=0)     # all -inf: column 0
     tl.store(partial_keys_ptr + row * num_chunks + chunk, top)

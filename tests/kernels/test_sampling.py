@@ -2,27 +2,33 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from mini_engine.kernels.sampling import sample  # noqa: E402
+from mini_engine.kernels.sampling import _U_MAX, _U_MIN, sample  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 from mini_engine.layers.sampler import Sampler, SamplingTensors  # noqa: E402
 
 
 @triton.jit
 def _one_program_per_row_kernel(logits_ptr, temperatures_ptr, seeds_ptr, tokens_ptr, vocab_size, stride_logits,
-                                BLOCK_V: tl.constexpr):
-    """The reference: the sampler before the vocabulary was split across programs. One program walks
-    its row's whole vocabulary; same noise, U = tl.rand(seed, column) (never 0 at these seeds)."""
+                                U_MIN: tl.constexpr, U_MAX: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The reference: one program walks its row's whole vocabulary in column order, and column c's
+    noise is picked out of Philox(seed, c // 4)'s four uniforms by c % 4 (the kernel under test
+    makes the same noise four columns at a time)."""
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperatures_ptr + row)
     seed = tl.load(seeds_ptr + row)
-    inv_temperature = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
+    # Greedy rows keep scale 1: their keys are the logits, so ties stay ties and argmax is exact.
+    scale = tl.where(temperature > 0.0, 1.4426950408889634 / tl.where(temperature > 0.0, temperature, 1.0), 1.0)
     best_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_col = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         key = tl.load(logits_ptr + row * stride_logits + cols, mask=cols < vocab_size, other=float("-inf"))
+        key = key.to(tl.float32) * scale
         if temperature > 0.0:
-            key = key * inv_temperature - tl.log(-tl.log(tl.rand(seed, cols)))
+            u0, u1, u2, u3 = tl.rand4x(seed, cols // 4)
+            word = cols % 4
+            u = tl.where(word == 0, u0, tl.where(word == 1, u1, tl.where(word == 2, u2, u3)))
+            key = key + -tl.math.log2(-tl.math.log2(tl.minimum(tl.maximum(u, U_MIN), U_MAX)))
         better = key > best_key
         best_key = tl.where(better, key, best_key)
         best_col = tl.where(better, cols, best_col)
@@ -33,7 +39,8 @@ def _one_program_per_row_kernel(logits_ptr, temperatures_ptr, seeds_ptr, tokens_
 def sample_one_program(logits, temperatures, seeds):
     tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     _one_program_per_row_kernel[(logits.shape[0],)](logits, temperatures, seeds, tokens, logits.shape[1],
-                                                    logits.stride(0), BLOCK_V=triton.next_power_of_2(logits.shape[1]))
+                                                    logits.stride(0), U_MIN=_U_MIN, U_MAX=_U_MAX,
+                                                    BLOCK_V=min(triton.next_power_of_2(logits.shape[1]), 1024))
     return tokens
 
 
