@@ -277,11 +277,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
-    """How many programs share one (sequence, KV head): enough for about two programs per SM
-    (small batches split long contexts; 256 sequences x 8 KV heads need no split), never more
-    than the longest context has tiles. Host ints only, so a captured graph keeps its grid."""
+    """How many programs share one (sequence, KV head): enough for about two programs per SM, and
+    at least two even when the batch alone fills the GPU, never more than the longest context has
+    tiles. The second split pays at every batch size of the benchmark's schedule: a wave of
+    programs ends with its longest contexts, and halving them shortens that tail by more than the
+    reduce kernel costs (benchmarks/decode_sweep.py on the H200: decode attention over the whole
+    run 3.98 s with at least two splits, 4.17 s with one at large batches). Host ints only, so a
+    captured graph keeps its grid."""
     programs = num_seqs * num_kv_heads
-    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
+    return max(1, min(max(2, triton.cdiv(2 * num_sms, programs)), triton.cdiv(max_seq_len, tile_n), 64))
 
 
 def _dot_in_fp32(q: torch.Tensor) -> bool:

@@ -113,3 +113,13 @@ def test_head_dim_padded(device, head_dim, max_query_len):
     check(out, *batch)
     if max_query_len == 1:      # and through the split path's partial buffers
         check(paged_decode_attention(*batch, head_dim ** -0.5, max_seq_len=64, num_splits=3, tile_n=16), *batch)
+
+
+def test_decode_split_count():
+    """Two programs per SM where the batch is small; at least two splits even when the batch alone
+    fills the GPU (the tail of long contexts); one when the longest context fits one tile."""
+    from mini_engine.kernels.paged_attention import decode_num_splits
+    assert decode_num_splits(1, 8, 2048, 128, 132) == 16          # capped by the 16 tiles of 2,048 tokens
+    assert decode_num_splits(16, 8, 2048, 128, 132) == 3
+    assert decode_num_splits(256, 8, 2048, 128, 132) == 2
+    assert decode_num_splits(256, 8, 100, 128, 132) == 1
