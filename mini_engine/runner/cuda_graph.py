@@ -62,7 +62,7 @@ class CUDAGraphRunner:
     def forward(self, bs: int) -> None:
         b = self.buffers
         hidden = self.model(b.input_ids[:bs], b.positions[:bs], self.metadata(bs))
-        b.logits[:bs] = self.model.compute_logits(hidden)
+        self.model.compute_logits(hidden, out=b.logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
