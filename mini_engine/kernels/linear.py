@@ -108,13 +108,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
         return out
     cfg = config or skinny_config(m, n, k) or SkinnyConfig()
     block_m = max(16, triton.next_power_of_2(min(m, SKINNY_MAX_ROWS)))
+    # The configs were tuned as bf16 tiles; fp32 tiles of the same width need twice the shared
+    # memory (64 rows x 256 columns x 4 stages did not fit on the H200), so halve their K.
+    block_k = max(16, cfg.block_k * 2 // x.element_size())
     partial = out
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), cfg.split_k)
     _skinny_linear_kernel[grid](x, weight, out, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                                EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, DOT_IN_FP32=x.device.type == "cpu",
+                                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
+                                EVEN_K=k % (block_k * cfg.split_k) == 0, DOT_IN_FP32=x.device.type == "cpu",
                                 # fp32 weights get fp32 products, not TF32 (bf16/fp16 ignore this)
                                 INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
