@@ -184,9 +184,12 @@ class ModelRunner:
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
+                # A prefill chunk: its slots in one numpy expression, not a Python loop per token.
+                chunk = np.arange(start, start + n)
+                table_array = row.block_table_array if row.block_table_array is not None else np.asarray(table)
                 input_ids.extend(row.token_ids)
                 positions.extend(range(start, start + n))
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                slot_mapping.extend((table_array[chunk // bs].astype(np.int64) * bs + chunk % bs).tolist())
             num_tokens += n
             query_start_loc.append(num_tokens)
             seq_lens.append(start + n)
