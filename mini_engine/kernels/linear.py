@@ -1,8 +1,8 @@
 """Decode-step projections: y = x W^T when x has only a few rows.
 
 A decode step multiplies every weight matrix by one row per running sequence. At a few rows the
-work is reading W once, and cuBLAS's kernels for this shape reach a fraction of the bandwidth
-(measured on the H200 at one row: the 1024 x 6144 gate/up projection in 12.5 us, 1 TB/s). The
+work is reading W once, and cuBLAS's kernels for some of these shapes reach a fraction of the
+bandwidth (measured on the H200 at one row: the 2048 -> 1024 o_proj in 10.6 us, 0.4 TB/s). The
 Triton kernel below gives every program a thin slice of W's rows and streams it through shared
 memory, deep enough to keep the memory system busy; large batches stay with cuBLAS.
 """
@@ -88,9 +88,10 @@ SKINNY_MAX_ROWS = 64
 def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
     """The skinny kernel's configuration for an [num_rows, in_features] x [out_features,
     in_features]^T product, or None where cuBLAS is as fast. From benchmarks/decode_sweep.py on
-    the H200 (Qwen3-0.6B's projections, CUDA-graph replay): the kernel wins on the narrow
-    projections (1024 outputs: o_proj and down_proj) at few rows, by 12.6 -> 5.0 us for o_proj at
-    one row and 6.7 -> 5.7 us for down_proj; cuBLAS matches it on the wide ones (qkv, gate/up)."""
+    the H200 (Qwen3-0.6B's projections, weights read from HBM, CUDA-graph replay): the kernel wins
+    on the narrow projections (1024 outputs: o_proj and down_proj) at few rows, by 10.6 -> 5.8 us
+    for o_proj at one row and 7.8 -> 6.7 us for down_proj; cuBLAS matches it on the wide ones (qkv,
+    gate/up) and on o_proj from 32 rows."""
     if num_rows > SKINNY_MAX_ROWS or out_features > 2048:
         return None
     if in_features >= 3072:                       # a long K: split it to put more programs to work
