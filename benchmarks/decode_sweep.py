@@ -94,7 +94,8 @@ def sweep_attention(schedule, every: int, results: dict):
             except Exception as e:                                 # e.g. a tile too big for shared memory
                 row[name] = float("inf")
                 print(f"  {name}: failed ({type(e).__name__}: {str(e)[:80]})")
-        weight = every * LAYERS / 1e6                              # us per layer -> s over the run
+        # us per layer -> s over the run: this step stands for itself and the every - 1 after it
+        weight = min(every, len(schedule) - step) * LAYERS / 1e6
         for name, us in row.items():
             totals[name] += us * weight
         best_total += min(row.values()) * weight
