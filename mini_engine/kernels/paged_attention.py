@@ -282,7 +282,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     tiles. The second split pays at every batch size of the benchmark's schedule: a wave of
     programs ends with its longest contexts, and halving them shortens that tail by more than the
     reduce kernel costs (benchmarks/decode_sweep.py on the H200: decode attention over the whole
-    run 3.98 s with at least two splits, 4.17 s with one at large batches). Host ints only, so a
+    run 3.94 s with at least two splits, 4.13 s with one at large batches). Host ints only, so a
     captured graph keeps its grid."""
     programs = num_seqs * num_kv_heads
     return max(1, min(max(2, triton.cdiv(2 * num_sms, programs)), triton.cdiv(max_seq_len, tile_n), 64))
