@@ -4,7 +4,8 @@ bench.py's workload fixes, for every decode step, which sequences run and how lo
 are (all prompts are prefilled in the first few steps, then request i decodes until its
 max_tokens). This script rebuilds that schedule, then times, with CUDA-graph replay so that launch
 overhead is out of the picture:
-  * decode attention on sampled steps of the schedule, for several split/tile choices;
+  * decode attention on sampled steps of the schedule, for several split/tile choices and KV pool
+    layouts (--layouts), against the KV bytes at copy and at read-only bandwidth;
   * every projection of a layer (qkv, o, gate_up, down) at every captured batch size, cuBLAS
     against the skinny Triton kernel's configurations;
   * prefill attention on the first prefill step, for a few tile shapes;
@@ -47,69 +48,118 @@ def time_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=10) * 1e3
 
 
-def sweep_attention(schedule, every: int, results: dict):
+# (tile, warps, stages, splits); splits None: decode_num_splits's choice
+ATTENTION_CONFIGS = ((128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 4), (64, 4, 3, 2), (64, 4, 2, 2), (128, 8, 2, 2))
+
+
+def make_kv_cache(num_blocks: int, block_size: int, layout: str, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pools in the engine's logical shape [block, offset, head, dim]. 'token' stores them
+    that way; 'head' stores [block, head, offset, dim] (each head's part of a block contiguous) and
+    hands the kernels the transposed view."""
+    if layout == "token":
+        shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        return tuple(torch.randn(shape, generator=gen, device="cuda").to(DTYPE) for _ in range(2))
+    shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
+    return tuple(torch.randn(shape, generator=gen, device="cuda").to(DTYPE).transpose(1, 2) for _ in range(2))
+
+
+def read_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Read-only bandwidth in bytes/s: a Triton kernel that sums a 4 GiB buffer, each program a
+    contiguous slice in 64 KiB steps. Attention only reads, so this, not the copy, is its ceiling."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _sum_kernel(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * per_program
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, per_program, BLOCK):
+            acc += tl.load(x_ptr + base + start + tl.arange(0, BLOCK)).to(tl.float32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+    x = torch.ones(nbytes // 2, dtype=DTYPE, device="cuda")
+    best = 0.0
+    for programs, block in ((132 * 4, 8192), (132 * 8, 4096), (132 * 16, 4096)):
+        per_program = x.numel() // programs // block * block
+        out = torch.empty(programs, device="cuda")
+        us = time_us(lambda: _sum_kernel[(programs,)](x, out, per_program, BLOCK=block, num_warps=8))
+        gbps = programs * per_program * 2 / us / 1e3
+        print(f"  read bandwidth, {programs} programs x {block}: {gbps:.0f} GB/s")
+        best = max(best, gbps)
+    del x
+    torch.cuda.empty_cache()
+    return best * 1e9
+
+
+def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",)):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(sum(c) for c in schedule)
-    num_blocks = max_tokens // BLOCK_SIZE + len(schedule[0]) + 64
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen, device="cuda").to(DTYPE)
-    v_cache = torch.randn(shape, generator=gen, device="cuda").to(DTYPE)
     scale = HEAD_DIM ** -0.5
-    configs = {"graph default": None}
-    for tile, warps, stages, splits in ((128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 4), (64, 4, 3, 1), (64, 4, 3, 2),
-                                        (128, 8, 2, 1)):
-        configs[f"tile {tile} w{warps} s{stages} splits {splits}"] = dict(
-            tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits)
     totals = collections.Counter()
-    best_total, floor_total = 0.0, 0.0
-    print(f"\n== decode attention, one layer, every {every}th step of the schedule (us) ==")
+    best_total, floor_total, read_total = 0.0, 0.0, 0.0
+    print(f"\n== decode attention, one layer, every {every}th step of the schedule (us); layouts {layouts} ==")
+    caches = {}
+    for spec in layouts:
+        layout, block_size = spec.split(":")
+        block_size = int(block_size)
+        num_blocks = max_tokens // block_size + len(schedule[0]) + 64
+        caches[spec] = (block_size, num_blocks, *make_kv_cache(num_blocks, block_size, layout, gen))
     for step in range(0, len(schedule), every):
         ctx = schedule[step]
         b = len(ctx)
         bs = graph_size(b)
         seq_lens = ctx + [1] * (bs - b)                      # padded rows, as the graph runs them
-        perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
-        width = MAX_MODEL_LEN // BLOCK_SIZE
-        tables = torch.full((bs, width), 0, dtype=torch.int32, device="cuda")
-        used = 0
-        for row, n in enumerate(seq_lens):
-            nb = -(-n // BLOCK_SIZE)
-            tables[row, :nb] = perm[used:used + nb]
-            used += nb
         q = torch.randn(bs, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
         sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         qsl = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
         out = torch.empty_like(q)
         kv_bytes = 2 * sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2
         row = {}
-        for name, cfg in configs.items():
-            try:
-                if cfg is None:
-                    fn = lambda: paged_attention(q, k_cache, v_cache, tables, sl, qsl, scale, 1, MAX_MODEL_LEN, out)
-                else:
-                    fn = lambda cfg=cfg: paged_decode_attention(q, k_cache, v_cache, tables, sl, qsl, scale,
-                                                                MAX_MODEL_LEN, out, **cfg)
-                row[name] = time_us(fn)
-            except Exception as e:                                 # e.g. a tile too big for shared memory
-                row[name] = float("inf")
-                print(f"  {name}: failed ({type(e).__name__}: {str(e)[:80]})")
+        for spec, (block_size, num_blocks, k_cache, v_cache) in caches.items():
+            perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
+            tables = torch.full((bs, MAX_MODEL_LEN // block_size), 0, dtype=torch.int32, device="cuda")
+            used = 0
+            for r, n in enumerate(seq_lens):
+                nb = -(-n // block_size)
+                tables[r, :nb] = perm[used:used + nb]
+                used += nb
+            configs = {f"{spec} default": None}
+            for tile, warps, stages, splits in ATTENTION_CONFIGS:
+                configs[f"{spec} tile {tile} w{warps} s{stages} splits {splits or 'auto'}"] = dict(
+                    tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits)
+            for name, cfg in configs.items():
+                try:
+                    if cfg is None:
+                        fn = lambda: paged_attention(q, k_cache, v_cache, tables, sl, qsl, scale, 1, MAX_MODEL_LEN,
+                                                     out)
+                    else:
+                        fn = lambda cfg=cfg: paged_decode_attention(q, k_cache, v_cache, tables, sl, qsl, scale,
+                                                                    MAX_MODEL_LEN, out, **cfg)
+                    row[name] = time_us(fn)
+                except Exception as e:                                 # e.g. a tile too big for shared memory
+                    row[name] = float("inf")
+                    print(f"  {name}: failed ({type(e).__name__}: {str(e)[:80]})")
         # us per layer -> s over the run: this step stands for itself and the every - 1 after it
         weight = min(every, len(schedule) - step) * LAYERS / 1e6
         for name, us in row.items():
             totals[name] += us * weight
         best_total += min(row.values()) * weight
         floor_total += kv_bytes / results["copy_GBps"] / 1e3 * weight
+        read_total += kv_bytes / results["read_GBps"] / 1e3 * weight
         best = min(row, key=row.get)
+        default = row[f"{layouts[0]} default"]
         print(f"  step {step + 1:4d} batch {b:3d} (graph {bs:3d}) mean ctx {sum(ctx) / b:6.0f}: "
-              f"default {row['graph default']:7.1f}  best {row[best]:7.1f} ({best}) "
+              f"default {default:7.1f}  best {row[best]:7.1f} ({best}) "
               f"{kv_bytes / row[best] / 1e3:5.0f} GB/s")
         results["attention"].append(dict(step=step + 1, batch=b, graph=bs, kv_bytes=kv_bytes, us=row))
     print("  run totals (s, 28 layers, all decode steps):")
     for name, s in sorted(totals.items(), key=lambda kv: kv[1]):
-        print(f"    {name:<34} {s:6.3f}")
-    print(f"    {'best per step':<34} {best_total:6.3f}\n    {'KV bytes at copy bandwidth':<34} {floor_total:6.3f}")
-    results["attention_totals"] = dict(totals) | {"best_per_step": best_total, "copy_bw_floor": floor_total}
+        print(f"    {name:<44} {s:6.3f}")
+    print(f"    {'best per step':<44} {best_total:6.3f}\n    {'KV bytes at copy bandwidth':<44} {floor_total:6.3f}"
+          f"\n    {'KV bytes at read bandwidth':<44} {read_total:6.3f}")
+    results["attention_totals"] = dict(totals) | {"best_per_step": best_total, "copy_bw_floor": floor_total,
+                                                  "read_bw_floor": read_total}
 
 
 def sweep_prefill(results: dict):
@@ -153,18 +203,25 @@ def sweep_prefill(results: dict):
     results["prefill"] = rows
 
 
-def skinny_configs():
+def skinny_configs(num_rows: int):
+    """Candidates for the Triton kernel: at a few rows one tile holds the whole batch and the
+    weight is cut thin; from 65 rows up, square-ish tiles as in a plain GEMM."""
     from mini_engine.kernels.linear import SkinnyConfig
-    shapes = ((16, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (16, 512, 1, 4, 3),
-              (32, 256, 1, 4, 4), (32, 128, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4))
+    if num_rows <= 64:
+        shapes = ((16, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (16, 512, 1, 4, 3),
+                  (32, 256, 1, 4, 4), (32, 128, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4))
+        return [SkinnyConfig(*s) for s in shapes]
+    shapes = ((64, 128, 1, 4, 4, 64), (128, 64, 1, 4, 4, 64), (64, 64, 1, 4, 4, 128), (128, 64, 1, 8, 3, 128),
+              (64, 128, 2, 4, 4, 64), (32, 256, 1, 4, 3, 128), (32, 128, 1, 4, 4, 128), (128, 128, 1, 8, 3, 64),
+              (64, 64, 2, 4, 4, 128), (64, 64, 1, 4, 4, 64))
     return [SkinnyConfig(*s) for s in shapes]
 
 
-def sweep_gemm(schedule, results: dict, max_rows: int = 256):
+def sweep_gemm(schedule, results: dict, max_rows: int = 256, only_rows: list[int] | None = None):
     import torch.nn.functional as F
     from mini_engine.kernels.linear import skinny_linear
-    steps_at = collections.Counter(size for size in map(graph_size, map(len, schedule)) if size <= max_rows)
-    configs = skinny_configs()
+    steps_at = collections.Counter(size for size in map(graph_size, map(len, schedule))
+                                   if size <= max_rows and (not only_rows or size in only_rows))
     cublas_total = collections.Counter()
     best_total = collections.Counter()
     print("\n== projections: cuBLAS vs skinny Triton (us), and the best config ==")
@@ -177,9 +234,10 @@ def sweep_gemm(schedule, results: dict, max_rows: int = 256):
             ref = F.linear(x, ws[0])
             cublas = time_us(lambda: [F.linear(x, w) for w in ws]) / LAYERS
             row = {"cublas": cublas}
-            if m <= 128:
-                for cfg in configs:
-                    label = f"n{cfg.block_n} k{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}"
+            if m <= max_rows:
+                for cfg in skinny_configs(m):
+                    label = (f"{f'm{cfg.block_m} ' if cfg.block_m else ''}n{cfg.block_n} k{cfg.block_k} "
+                             f"split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}")
                     try:
                         out = skinny_linear(x, ws[0], cfg)
                         err = (out.float() - ref.float()).abs().max().item()
@@ -225,7 +283,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="+", default=["attention", "gemm", "prefill", "sampler"])
     ap.add_argument("--every", type=int, default=96, help="attention: time every N-th decode step")
+    ap.add_argument("--layouts", nargs="+", default=["token:16"],
+                    help="attention: KV pool layouts as LAYOUT:BLOCK_SIZE, LAYOUT 'token' (the engine's "
+                         "[block, offset, head, dim]) or 'head' ([block, head, offset, dim])")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")
+    ap.add_argument("--gemm-rows", type=int, nargs="+", help="projections: only these captured batch sizes")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -237,10 +299,11 @@ def main(argv=None) -> int:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "copy_GBps": copy_bandwidth(torch.device("cuda")) / 1e9, "attention": [], "gemm": [], "sampler": []}
     print(f"{results['device']}, copy {results['copy_GBps']:.0f} GB/s; {len(schedule)} decode steps")
+    results["read_GBps"] = read_bandwidth() / 1e9
     if "attention" in args.sections:
-        sweep_attention(schedule, args.every, results)
+        sweep_attention(schedule, args.every, results, tuple(args.layouts))
     if "gemm" in args.sections:
-        sweep_gemm(schedule, results, args.gemm_max_rows)
+        sweep_gemm(schedule, results, args.gemm_max_rows, args.gemm_rows)
     if "prefill" in args.sections:
         sweep_prefill(results)
     if "sampler" in args.sections:

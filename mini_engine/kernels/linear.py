@@ -79,6 +79,7 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    block_m: int | None = None      # None: the whole batch (up to SKINNY_MAX_ROWS) in one tile
 
 
 # The most rows the skinny kernel is ever asked to take; bigger batches go to cuBLAS.
@@ -108,7 +109,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
     if m == 0:
         return out
     cfg = config or skinny_config(m, n, k) or SkinnyConfig()
-    block_m = max(16, triton.next_power_of_2(min(m, SKINNY_MAX_ROWS)))
+    block_m = cfg.block_m or max(16, triton.next_power_of_2(min(m, SKINNY_MAX_ROWS)))
     # The configs were tuned as bf16 tiles; fp32 tiles of the same width need twice the shared
     # memory (64 rows x 256 columns x 4 stages did not fit on the H200), so halve their K.
     block_k = max(16, cfg.block_k * 2 // x.element_size())

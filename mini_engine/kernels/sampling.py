@@ -1,9 +1,23 @@
-"""Token sampling: argmax at temperature 0, otherwise the exponential race.
+"""Token sampling: argmax at temperature 0, otherwise inverse-CDF sampling with one uniform per row.
 
-argmax_i p_i / E_i with E_i ~ Exp(1) draws i with probability p_i (the smallest of independent
-exponentials E_i / p_i is the one with index i with probability p_i / sum p). It needs no
-cumulative sum and no host synchronisation, and since p = softmax(l / T), it equals
-argmax_i (l_i / T - log E_i): the softmax's normaliser never has to be computed.
+The PyTorch reference (sample_ref) runs the exponential race, argmax_i p_i / E_i with E_i ~ Exp(1):
+no cumulative sum, but one random number per column. The Triton kernel ran it too, and there the
+noise (Philox plus two logs per column) was most of the time: 148.5 us at 256 rows x 151,936
+columns on the H200, against 46.8 us for the T = 0 path, which makes none, and ~20 us to read the
+bf16 logits. So the kernel draws one uniform u per row instead and returns the first column whose
+cumulative probability exceeds u: per column, what is left is one exp2.
+
+The cumulative sum takes two kernels, so that no program walks a whole row: _chunk_stats_kernel,
+one program per (row, chunk of SAMPLE_CHUNK_SIZE columns), writes the chunk's max key, its sum of
+exp2(key - max) and the first column holding the max, in base-2 units (key = l * log2(e) / T, so
+exp2(key) is proportional to softmax(l / T); the normaliser is never divided out). _select_kernel,
+one program per row, rescales the chunks' sums to the row's max, picks the chunk where u * total
+falls and rescans that one chunk for the column; greedy rows take the first column of the max.
+
+A row's token depends only on its logits, temperature, seed and the chunk size, never on the rest
+of the batch. Not exactly independent of the chunk size: that groups the float sums, so a draw
+within rounding of an interval's edge can move with it; hence one constant default. Probabilities
+are exact up to float32 rounding of those sums (and u has 24 bits near 1).
 """
 import torch
 
@@ -52,122 +66,172 @@ def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Te
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
-# Noise bounds. tl.rand4x gives U in [0, 1 - 2**-24]; U == 0 would make the noise -inf and the
-# column's key -inf, so that a row whose only finite logit drew U == 0 would fall back to a masked
-# column. Clamping U into [2**-32, 1 - 2**-24] keeps -log2(U) in [8.6e-8, 32], so the noise is always
-# finite: a -inf logit always gives a -inf key, a finite one never does, and no key is NaN.
-_U_MIN, _U_MAX = 2.0 ** -32, 1.0 - 2.0 ** -24
+@triton.jit
+def _scale(temperature):
+    """Multiplier from logits to keys: log2(e) / T, so that exp2(key) is proportional to softmax(l / T).
+    Greedy rows keep scale 1: their keys are the logits, so ties stay ties and argmax is exact."""
+    return tl.where(temperature > 0.0, 1.4426950408889634 / tl.where(temperature > 0.0, temperature, 1.0), 1.0)
 
 
 @triton.jit
-def _gumbel2(u, U_MIN: tl.constexpr, U_MAX: tl.constexpr):
-    """-log2(-log2(U)): Gumbel noise in base-2 units."""
-    u = tl.minimum(tl.maximum(u, U_MIN), U_MAX)
-    return -tl.math.log2(-tl.math.log2(u))
+def _keys(row_ptr, cols, stop, scale):
+    # Both kernels make their keys with this one expression, so that they agree on every key.
+    return tl.load(row_ptr + cols, mask=cols < stop, other=float("-inf")).to(tl.float32) * scale
 
 
 @triton.jit
-def _race(best_key, best_col, row_ptr, cols, vocab_size, scale, noise):
-    key = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32) * scale + noise
-    better = key > best_key
-    return tl.where(better, key, best_key), tl.where(better, cols, best_col)
+def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
+                        vocab_size, stride_logits, chunk_size, num_chunks, BLOCK_V: tl.constexpr):
+    """Program (row, chunk) reads columns [chunk * chunk_size, (chunk + 1) * chunk_size) of one row
+    and writes the chunk's max key m, sum of exp2(key - m) and smallest column holding m. Splitting
+    the row is what spreads a B=1 step over many SMs. chunk_size is a runtime argument, so another
+    size of at least _BLOCK_V columns compiles no new kernel here (the second kernel's block of
+    chunks is the number of chunks rounded up to a power of 2).
 
-
-@triton.jit
-def _sample_chunk_kernel(logits_ptr, temperatures_ptr, seeds_ptr, partial_keys_ptr, partial_cols_ptr,
-                         vocab_size, stride_logits, num_chunks, U_MIN: tl.constexpr, U_MAX: tl.constexpr,
-                         CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Program (row, chunk) races columns [chunk * CHUNK_V, (chunk + 1) * CHUNK_V) of one row and
-    writes the winner's key and column to partial_*[row, chunk]. Splitting the vocabulary is what
-    makes the kernel fast: one program per row leaves a B=1 step with one busy SM walking 152k
-    columns, and the noise below is most of the work, so it has to be spread.
-
-    The key: greedy rows (temperature 0) race on the logits themselves; the others on
-    l * log2(e) / T - log2(-log2(U)) (a Gumbel race in base 2: it differs from l / T - log(E),
-    E = -log(U) ~ Exp(1), by a positive factor and a constant, which keep the argmax). The noise is
-    a pure function of (seed, column), made in registers and never stored, so the token does not
-    depend on how the vocabulary is split: column 4i + j takes the j-th of the four uniforms of
-    Philox(seed, counter i): one Philox call makes four numbers (on the H200, at 256 rows x 152k
-    columns, 194 -> 148 us against one call a column).
-    Each lane keeps the best key it has seen (strict >: its first column among ties, as
-    torch.argmax); the lanes are reduced at the end to the smallest column holding the top key."""
+    Each lane keeps its own running max and sum (online softmax), and so pays one exp2 a column:
+    exp2(-|key - max|) is the new key's weight when the max stays and the old sum's rescale factor
+    when it grows. The lanes are combined once, at the end."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    seed = tl.load(seeds_ptr + row)
-    # Greedy rows keep scale 1: their keys are the logits, so ties stay ties and argmax is exact.
-    scale = tl.where(temperature > 0.0, 1.4426950408889634 / tl.where(temperature > 0.0, temperature, 1.0), 1.0)
-    best_key = tl.full([BLOCK_V // 4], float("-inf"), tl.float32)
-    best_col = tl.zeros([BLOCK_V // 4], tl.int32)
+    scale = _scale(tl.load(temperatures_ptr + row))
     row_ptr = logits_ptr + row * stride_logits
-    chunk_start = chunk * CHUNK_V
-    for start in range(chunk_start, tl.minimum(chunk_start + CHUNK_V, vocab_size), BLOCK_V):
-        counters = start // 4 + tl.arange(0, BLOCK_V // 4)
-        if temperature > 0.0:
-            u0, u1, u2, u3 = tl.rand4x(seed, counters)
-            g0, g1 = _gumbel2(u0, U_MIN, U_MAX), _gumbel2(u1, U_MIN, U_MAX)
-            g2, g3 = _gumbel2(u2, U_MIN, U_MAX), _gumbel2(u3, U_MIN, U_MAX)
-        else:
-            g0 = tl.zeros([BLOCK_V // 4], tl.float32)
-            g1, g2, g3 = g0, g0, g0
-        # Ascending columns within each lane, so strict > keeps a lane's first column among ties.
-        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters, vocab_size, scale, g0)
-        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters + 1, vocab_size, scale, g1)
-        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters + 2, vocab_size, scale, g2)
-        best_key, best_col = _race(best_key, best_col, row_ptr, 4 * counters + 3, vocab_size, scale, g3)
-    top = tl.max(best_key, axis=0)
-    col = tl.min(tl.where(best_key == top, best_col, vocab_size), axis=0)     # all -inf: column 0
-    tl.store(partial_keys_ptr + row * num_chunks + chunk, top)
-    tl.store(partial_cols_ptr + row * num_chunks + chunk, col)
+    start = chunk * chunk_size
+    stop = tl.minimum(start + chunk_size, vocab_size)
+    run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_V], tl.float32)
+    # A lane that never sees a finite key keeps its first column: the first among its -inf ties.
+    run_col = start + tl.arange(0, BLOCK_V)
+    for tile in range(start, stop, BLOCK_V):
+        cols = tile + tl.arange(0, BLOCK_V)
+        key = _keys(row_ptr, cols, stop, scale)
+        grew = key > run_max        # strict: a lane keeps its first column among ties, as torch.argmax
+        # The floor keeps -inf - -inf (NaN) out: a -inf key weighs 0 against any max.
+        e = tl.exp2(tl.minimum(key, run_max) - tl.maximum(tl.maximum(key, run_max), -3.0e38))
+        run_sum = tl.where(grew, run_sum * e + 1.0, run_sum + e)
+        run_max = tl.where(grew, key, run_max)
+        run_col = tl.where(grew, cols, run_col)
+    top = tl.max(run_max, axis=0)
+    # A chunk of -inf keys gives m = -inf and sum 0, not NaN.
+    total = tl.sum(run_sum * tl.exp2(run_max - tl.where(top == float("-inf"), 0.0, top)), axis=0)
+    col = tl.min(tl.where(run_max == top, run_col, 2**31 - 1), axis=0)
+    out = row * num_chunks + chunk
+    tl.store(chunk_max_ptr + out, top)
+    tl.store(chunk_sum_ptr + out, total)
+    tl.store(chunk_col_ptr + out, col)
 
 
 @triton.jit
-def _sample_reduce_kernel(partial_keys_ptr, partial_cols_ptr, tokens_ptr, num_chunks,
-                          BLOCK_CHUNKS: tl.constexpr):
-    """One program per row: the token is the smallest column among the chunks holding the top key
+def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
+                   tokens_ptr, vocab_size, stride_logits, chunk_size, num_chunks,
+                   BLOCK_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per row. Greedy rows: the smallest column among the chunks holding the top key
     (each chunk's column is already its smallest among its ties), so ties go to the lowest column
-    wherever the chunk boundaries fall."""
+    wherever the chunk boundaries fall. Sampling rows: chunk c weighs w_c = s_c * exp2(m_c - M)
+    (M the row's max); target = u * sum(w), u from Philox(seed); the chunk is the first whose
+    inclusive prefix of w exceeds target, and the token the first column of it whose inclusive
+    prefix of exp2(key - M) exceeds what is left of target.
+
+    The two kernels group their float sums differently, so the chunk's columns can add up to a
+    hair less than its w: then no column is reached and the token is the chunk's last column with
+    a nonzero probability. Neither the search nor that fallback takes a column whose probability
+    is 0 (a -inf logit, or exp2 underflow). A row of all -inf returns column 0."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_CHUNKS)
-    mask = offs < num_chunks
-    keys = tl.load(partial_keys_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
-    cols = tl.load(partial_cols_ptr + row * num_chunks + offs, mask=mask, other=2**31 - 1)
-    top = tl.max(keys, axis=0)
-    token = tl.min(tl.where(keys == top, cols, 2**31 - 1), axis=0)
+    temperature = tl.load(temperatures_ptr + row)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    in_row = chunks < num_chunks
+    stats = row * num_chunks + chunks
+    m = tl.load(chunk_max_ptr + stats, mask=in_row, other=float("-inf"))
+    cols_of_max = tl.load(chunk_col_ptr + stats, mask=in_row, other=2**31 - 1)
+    top = tl.max(m, axis=0)
+    token = tl.min(tl.where(m == top, cols_of_max, 2**31 - 1), axis=0)     # all -inf: chunk 0's column, 0
+    if (temperature > 0.0) & (top > float("-inf")):
+        s = tl.load(chunk_sum_ptr + stats, mask=in_row, other=0.0)
+        weight = s * tl.exp2(m - top)
+        prefix = tl.cumsum(weight, axis=0)
+        # The prefix's own total (not a separate sum), so that target < the last prefix.
+        target = tl.max(tl.rand(tl.load(seeds_ptr + row), tl.zeros([1], tl.int32)), axis=0) * tl.max(prefix, axis=0)
+        chosen = tl.min(tl.where(prefix > target, chunks, BLOCK_CHUNKS), axis=0)
+        # Not reached (u <= 1 - 2**-24 keeps target below the total), but if it were, a chunk with mass.
+        chosen = tl.where(chosen < BLOCK_CHUNKS, chosen, tl.max(tl.where(weight > 0.0, chunks, -1), axis=0))
+        # prefix is non-decreasing: its max before the chosen chunk is the mass before it.
+        rest = target - tl.max(tl.where(chunks < chosen, prefix, 0.0), axis=0)
+        scale = _scale(temperature)
+        row_ptr = logits_ptr + row * stride_logits
+        start = chosen * chunk_size
+        stop = tl.minimum(start + chunk_size, vocab_size)
+        carried = 0.0
+        hit = 2**31 - 1
+        last = -1
+        for tile in range(start, stop, BLOCK_V):
+            cols = tile + tl.arange(0, BLOCK_V)
+            p = tl.exp2(_keys(row_ptr, cols, stop, scale) - top)
+            running = carried + tl.cumsum(p, axis=0)
+            hit = tl.minimum(hit, tl.min(tl.where((p > 0.0) & (running > rest), cols, 2**31 - 1), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(p > 0.0, cols, -1), axis=0))
+            carried = tl.max(running, axis=0)
+        # last < 0 only if exp2 rounded the chunk's max to 0 here but not in the first kernel: its
+        # argmax column, whose logit is finite, is then the answer.
+        fallback = tl.where(last >= 0, last, tl.sum(tl.where(chunks == chosen, cols_of_max, 0), axis=0))
+        token = tl.where(hit < 2**31 - 1, hit, fallback)
     tl.store(tokens_ptr + row, token.to(tl.int64))
 
 
-_BLOCK_V = 1024                 # columns per loop step: 8 per thread at 4 warps
+# Columns per tile: 8 per thread at 4 warps.
+_BLOCK_V = 1024
+
+# Columns per chunk. A constant, not a function of the batch, so that a row's token does not depend
+# on the batch it is in. Qwen3's 151,936 columns make 38 chunks: 38 programs for one row, 9,728 for
+# 256 (4.6 waves, if 16 four-warp programs fit on each of the H200's 132 SMs). The second kernel
+# rereads one chunk a row: 2.7% of the vocabulary, four tiles in sequence. A smaller chunk would
+# shorten that scan, a B=1 step's critical path, at twice the programs and chunk statistics; not
+# measured yet (benchmarks/kernel_check.py times 2048 and 8192 beside it).
+SAMPLE_CHUNK_SIZE = 4096
+
+# The second kernel holds a row's chunk statistics in one block; a chunk size that makes more
+# chunks than this is refused rather than compiled into a huge block.
+_MAX_CHUNKS = 4096
 
 
-# Columns per program. A constant, not a function of the batch: every CHUNK_V compiles its own
-# kernel, and a step that met a new one mid-run paid ~0.6 s of compilation (measured on the
-# H200). Qwen3's 152k vocabulary makes 75 programs for one row, 19,200 for 256.
-SAMPLE_CHUNK_SIZE = 2 * _BLOCK_V
+def _chunk_stats(logits: torch.Tensor, temperatures: torch.Tensor,
+                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each chunk's max key, sum of exp2(key - max) and first column of the max: [B, num_chunks] each."""
+    num_rows, vocab_size = logits.shape
+    num_chunks = triton.cdiv(vocab_size, chunk_size)
+    assert 0 < num_chunks <= _MAX_CHUNKS, f"chunk_size {chunk_size} is too small for {vocab_size} columns"
+    chunk_max = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_sum = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_col = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    _chunk_stats_kernel[(num_rows, num_chunks)](
+        logits, temperatures, chunk_max, chunk_sum, chunk_col, vocab_size, logits.stride(0), chunk_size,
+        num_chunks, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4)
+    return chunk_max, chunk_sum, chunk_col
+
+
+def _select(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk_max: torch.Tensor,
+            chunk_sum: torch.Tensor, chunk_col: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """The tokens, from _chunk_stats's statistics (tests also pass statistics of their own)."""
+    num_rows, vocab_size = logits.shape
+    num_chunks = chunk_max.shape[1]
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    _select_kernel[(num_rows,)](
+        logits, temperatures, seeds, chunk_max, chunk_sum, chunk_col, tokens, vocab_size, logits.stride(0),
+        chunk_size, num_chunks, BLOCK_CHUNKS=max(triton.next_power_of_2(num_chunks), 16),
+        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4)
+    return tokens
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
            chunk_size: int | None = None) -> torch.Tensor:
-    """Fused sample_ref with in-kernel noise: logits [B, V] fp32, bf16 or fp16, temperatures [B]
-    fp32 (0 = greedy), seeds [B] int64 (< 2**31; each row's random stream for this step) -> tokens
-    [B] int64. The same (logits, temperature, seed) always gives the same token, whatever the
-    chunking; a row of all -inf returns column 0. chunk_size (a power of two; tests use it to move
-    the chunk boundaries) defaults to SAMPLE_CHUNK_SIZE. No host synchronisation and a grid from
-    shapes alone, so it can be captured in a CUDA graph."""
+    """Samples from softmax(logits / T) by inverse CDF: logits [B, V] fp32, bf16 or fp16 (converted to
+    fp32 as they load), temperatures [B] fp32 (0 = greedy: argmax, ties to the lowest column),
+    seeds [B] int64 (< 2**31; each row's random stream for this step) -> tokens [B] int64. The same
+    (logits, temperature, seed, chunk size) always gives the same token, whatever else is in the
+    batch; another chunk size regroups the float sums, which can move a token whose draw falls
+    within rounding of an interval's edge. A row of all -inf returns column 0. chunk_size (any
+    positive int; tests use it to move the chunk boundaries) defaults to SAMPLE_CHUNK_SIZE. No host
+    synchronisation and a grid from shapes alone, so it can be captured in a CUDA graph."""
     assert logits.stride(-1) == 1
-    num_rows, vocab_size = logits.shape
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows == 0:
-        return tokens
-    chunk_v = chunk_size or SAMPLE_CHUNK_SIZE
-    block_v = min(chunk_v, _BLOCK_V)
-    assert chunk_v % block_v == 0 and block_v == triton.next_power_of_2(block_v)
-    num_chunks = triton.cdiv(vocab_size, chunk_v)
-    partial_keys = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    partial_cols = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
-    _sample_chunk_kernel[(num_rows, num_chunks)](
-        logits, temperatures, seeds, partial_keys, partial_cols, vocab_size, logits.stride(0), num_chunks,
-        U_MIN=_U_MIN, U_MAX=_U_MAX, CHUNK_V=chunk_v, BLOCK_V=block_v, num_warps=4)
-    _sample_reduce_kernel[(num_rows,)](partial_keys, partial_cols, tokens, num_chunks,
-                                       BLOCK_CHUNKS=max(triton.next_power_of_2(num_chunks), 32), num_warps=1)
-    return tokens
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    chunk_size = chunk_size or SAMPLE_CHUNK_SIZE
+    return _select(logits, temperatures, seeds, *_chunk_stats(logits, temperatures, chunk_size), chunk_size)

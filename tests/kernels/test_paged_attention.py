@@ -123,3 +123,42 @@ def test_decode_split_count():
     assert decode_num_splits(16, 8, 2048, 128, 132) == 3
     assert decode_num_splits(256, 8, 2048, 128, 132) == 2
     assert decode_num_splits(256, 8, 100, 128, 132) == 1
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_with_fused_rope_matches_separate_kernels(device, num_heads, num_kv_heads, num_splits):
+    """The decode kernel doing QKNormRopeKVWrite's work: the same output as the rope kernel
+    followed by the decode kernel, and bitwise the same cache. The step's slots hold NaN
+    beforehand, so a kernel that read them back from the cache would fail."""
+    from mini_engine.kernels.paged_attention import FusedRope
+    from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write, rope_cos_sin_cache
+    seq_lens = [1, 15, 16, 17, 40, 130]
+    _, k_cache, v_cache, tables, lens, qsl = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads,
+                                                        16, device)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=gen).to(device, k_cache.dtype)
+    positions = lens.long() - 1
+    slots = torch.stack([tables[b, p // 16].long() * 16 + p % 16 for b, p in enumerate(positions.tolist())])
+    slots[0] = -1                                      # a padded row: writes nowhere
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 256, 10000.0).to(device)
+    q_w = (1 + 0.1 * torch.randn(HEAD_DIM, generator=gen)).to(device, k_cache.dtype)
+    k_w = (1 + 0.1 * torch.randn(HEAD_DIM, generator=gen)).to(device, k_cache.dtype)
+    sep_k, sep_v = k_cache.clone(), v_cache.clone()
+    q = qk_norm_rope_kv_write(qkv, positions, cos_sin, q_w, k_w, 1e-6, sep_k, sep_v, slots, num_heads,
+                              num_kv_heads, HEAD_DIM)
+    separate = paged_decode_attention(q, sep_k, sep_v, tables, lens, qsl, HEAD_DIM ** -0.5, max_seq_len=max(seq_lens),
+                                      num_splits=num_splits, tile_n=16)
+    check(separate, q, sep_k, sep_v, tables, lens, qsl)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, HEAD_DIM)[slots[slots >= 0]] = float("nan")
+    rope = FusedRope(cos_sin, q_w, k_w, 1e-6, slots, num_heads)
+    out = paged_decode_attention(qkv, k_cache, v_cache, tables, lens, qsl, HEAD_DIM ** -0.5,
+                                 max_seq_len=max(seq_lens), num_splits=num_splits, tile_n=16, rope=rope)
+    torch.testing.assert_close(out[1:], separate[1:], **TOL[q.dtype])
+    torch.testing.assert_close(k_cache, sep_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, sep_v, atol=0, rtol=0, equal_nan=True)
+    # Row 0 (slot -1: nothing written) had its one context token from the stale cache slot in the
+    # separate kernels; fused, it is the step's own token, so the output is its v.
+    v_own = qkv[0].view(-1, HEAD_DIM)[num_heads + num_kv_heads:].repeat_interleave(num_heads // num_kv_heads, 0)
+    torch.testing.assert_close(out[0], v_own, atol=0, rtol=0)
