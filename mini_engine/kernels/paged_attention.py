@@ -187,13 +187,9 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    for tile in range(tile_lo, tile_hi):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-                                     tile * TILE_N, kv_len, rows, qk_scale, stride_k_block, stride_k_offset,
-                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, False)
     if FUSED_ROPE:
+        # The step's token first, so that nothing of the rotation stays live (in registers) through
+        # the tile loop: the softmax state starts from this one key.
         if split == (num_tiles - 1) // tiles_per_split:
             k_row = qkv_row + (NUM_HEADS + kv_head) * HEAD_DIM
             k1, k2 = _rms_norm_rope(tl.load(k_row + half)[None, :], tl.load(k_row + HEAD_DIM // 2 + half)[None, :],
@@ -208,15 +204,17 @@ def _paged_decode_kernel(
                 tl.store(k_slot + half[None, :], k1.to(k_cache_ptr.dtype.element_ty))
                 tl.store(k_slot + HEAD_DIM // 2 + half[None, :], k2.to(k_cache_ptr.dtype.element_ty))
                 tl.store(v_slot + offs_d, v.to(v_cache_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-            # one more online-softmax step, for one key: its score is a row sum, not a dot
-            s = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
-                 + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * qk_scale
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
-            m_i = m_new
+            # one key: its score is a row sum, not a dot, and its weight exp2(s - max) is 1
+            m_i = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+                   + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * qk_scale
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32) + v.to(tl.float32)[None, :]
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    for tile in range(tile_lo, tile_hi):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+                                     tile * TILE_N, kv_len, rows, qk_scale, stride_k_block, stride_k_offset,
+                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, False)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
