@@ -72,9 +72,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 import functools  # noqa: E402
 import math  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
-from mini_engine.kernels.rotary_kv import _rms_norm_rope  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
@@ -127,51 +125,20 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
 
 
 @triton.jit
-def _norm_rope_heads(qkv_row, heads, head_mask, norm_ptr, cos_sin_ptr, pos, stride_cos_sin, eps,
-                     HEAD_DIM: tl.constexpr):
-    """[heads, HEAD_DIM]: the packed row's heads RMS-normed and rotated as _rms_norm_rope does them,
-    but whole rows at once: column d < D/2 pairs with d + D/2, column d >= D/2 with -(d - D/2), so
-    that out1 of the rotation is the whole rotated row. Loaded as a full row, q is in the layout
-    its dot wants, as when it comes from memory: rotated halves joined side by side were not, and
-    made the kernel ~15% slower at large batch (H200)."""
-    offs = tl.arange(0, HEAD_DIM)
-    first = offs < HEAD_DIM // 2
-    partner = tl.where(first, offs + HEAD_DIM // 2, offs - HEAD_DIM // 2)
-    x = tl.load(qkv_row + heads[:, None] * HEAD_DIM + offs[None, :], mask=head_mask[:, None], other=0.0)
-    x_partner = tl.load(qkv_row + heads[:, None] * HEAD_DIM + partner[None, :], mask=head_mask[:, None], other=0.0)
-    # (negated in fp32, exactly: the interpreter's bf16 negation is wrong)
-    x_partner = tl.where(first[None, :], x_partner.to(tl.float32), -x_partner.to(tl.float32)).to(x.dtype)
-    freq = offs % (HEAD_DIM // 2)
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + freq)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HEAD_DIM // 2 + freq)[None, :]
-    # the row and its signed partner hold each value twice: the variance is over 2 * HEAD_DIM
-    out, _ = _rms_norm_rope(x, x_partner, tl.load(norm_ptr + offs)[None, :], tl.load(norm_ptr + partner)[None, :],
-                            cos, sin, eps, 2 * HEAD_DIM)
-    return out
-
-
-@triton.jit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-        cos_sin_ptr, stride_cos_sin, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        FUSED_ROPE: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+        DOT_IN_FP32: tl.constexpr):
     """Flash-decoding, first half. Program (seq, kv_head, split): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
     depends only on the batch shape (CUDA-graph safe) and a short context just leaves some splits
     empty. With one split the result is final and goes straight to out; otherwise the unnormalised
-    accumulator, running max and sum go to the partial buffers for _paged_decode_reduce_kernel.
-
-    FUSED_ROPE: q_ptr is the QKV projection's packed row instead, and the kernel also does
-    QKNormRopeKVWrite's work for the step's token, saving that kernel's launch: every program norms
-    and rotates its own q heads (at position seq_len - 1), and the program whose share holds the
-    token norms and rotates its k, writes k and v to the token's slot, and folds them in from
-    registers. No program reads that slot from the cache, since it may not be written yet."""
+    accumulator, running max and sum go to the partial buffers for _paged_decode_reduce_kernel."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -188,43 +155,18 @@ def _paged_decode_kernel(
     head = kv_head * QUERIES_PER_KV + rows
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
-    if FUSED_ROPE:
-        qkv_row = q_ptr + token * stride_q_token
-        q = _norm_rope_heads(qkv_row, head, row_valid, q_norm_ptr, cos_sin_ptr, seq_len - 1, stride_cos_sin, eps,
-                             HEAD_DIM)
-        kv_len = seq_len - 1                    # the cached context; the step's token comes below
-    else:
-        q = tl.load(q_ptr + token * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
-                    mask=q_mask, other=0.0)
-        kv_len = seq_len
+    q = tl.load(q_ptr + token * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=q_mask, other=0.0)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if FUSED_ROPE:
-        # The step's token first, so that nothing of the rotation stays live (in registers) through
-        # the tile loop: the softmax state starts from this one key.
-        if split == (num_tiles - 1) // tiles_per_split:
-            k = _norm_rope_heads(qkv_row, NUM_HEADS + kv_head + tl.zeros([1], tl.int32), tl.full([1], True, tl.int1),
-                                 k_norm_ptr, cos_sin_ptr, seq_len - 1, stride_cos_sin, eps, HEAD_DIM)     # [1, D]
-            v = tl.load(qkv_row + (NUM_HEADS + NUM_HEADS // QUERIES_PER_KV + kv_head) * HEAD_DIM + offs_d)
-            slot = tl.load(slot_mapping_ptr + token)
-            if slot >= 0:
-                block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-                tl.store(k_cache_ptr + block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head
-                         + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head
-                         + offs_d, v.to(v_cache_ptr.dtype.element_ty))
-            # one key: its score is a row sum, not a dot, and its weight exp2(s - max) is 1
-            m_i = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
-            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32) + v.to(tl.float32)[None, :]
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for tile in range(tile_lo, tile_hi):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-                                     tile * TILE_N, kv_len, rows, qk_scale, stride_k_block, stride_k_offset,
+                                     tile * TILE_N, seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
                                      stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
                                      BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, False)
 
@@ -373,41 +315,17 @@ def _cache_strides(k_cache, v_cache):
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
 
-@dataclass
-class FusedRope:
-    """QKNormRopeKVWrite's inputs, for paged_decode_attention to do its work in the same launch."""
-    cos_sin_cache: torch.Tensor     # [max_position, head_dim] fp32
-    q_norm_weight: torch.Tensor     # [head_dim]
-    k_norm_weight: torch.Tensor     # [head_dim]
-    eps: float
-    slot_mapping: torch.Tensor      # [T]: the cache slot of each row's token, -1: none
-    num_heads: int
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 128, num_warps: int = 4,
-                           num_stages: int = 2, rope: FusedRope | None = None) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults, the
     fastest of its sweep on the H200 (256 sequences x ~1000 tokens: tile 128, 2 stages, 88.6% of
-    copy bandwidth, against 81.6% for tile 64, 3 stages).
-
-    With rope, q is the QKV projection's output [T, (Hq + 2 Hkv) D] before norm and rotation, and
-    the call also does qk_norm_rope_kv_write's work (its K/V cache writes included)."""
-    if rope is not None:
-        head_dim = k_cache.shape[-1]
-        assert q.stride(-1) == 1 and head_dim >= 16 and head_dim & (head_dim - 1) == 0, \
-            "the fused rope needs head_dim a power of two >= 16"
-        qkv, q = q, q.view(q.shape[0], -1, head_dim)     # q's heads come first in the packed row
-        cos_sin, q_norm, k_norm, eps, slots = (rope.cos_sin_cache, rope.q_norm_weight, rope.k_norm_weight,
-                                               rope.eps, rope.slot_mapping)
-        q = q[:, :rope.num_heads]
+    copy bandwidth, against 81.6% for tile 64, 3 stages)."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    if rope is None:
-        qkv, cos_sin, q_norm, k_norm, eps, slots = q, q, q, q, 0.0, q         # unused
+    out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return out
@@ -421,13 +339,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         partial_out = partial_max = partial_sum = out     # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        qkv, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *_cache_strides(k_cache, v_cache), cos_sin, cos_sin.stride(0), q_norm, k_norm, eps, slots,
+        *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n, NUM_SPLITS=num_splits,
-        FUSED_ROPE=rope is not None, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)

@@ -38,15 +38,6 @@ class Attention(nn.Module):
                                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len)
         return self.forward_eager(q, meta)
 
-    def forward_decode_with_rope(self, qkv: torch.Tensor, rope: nn.Module, meta: AttentionMetadata) -> torch.Tensor:
-        """A decode-only batch straight from the QKV projection: the Triton kernel does `rope`'s
-        (QKNormRopeKVWrite's) work in the same launch."""
-        from mini_engine.kernels.paged_attention import FusedRope, paged_decode_attention
-        fused = FusedRope(rope.cos_sin_cache, rope.q_norm_weight, rope.k_norm_weight, rope.eps, meta.slot_mapping,
-                          self.num_heads)
-        return paged_decode_attention(qkv, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, self.scale, meta.max_seq_len, rope=fused)
-
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d = meta.num_decodes
         if d == q.shape[0]:

@@ -21,17 +21,10 @@ class Qwen3Attention(nn.Module):
         self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, config.max_position_embeddings,
                                               config.rope_theta, use_triton="rope_kv" in kernels)
         self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
-        # Decode-only steps: the attention kernel norms, rotates and caches q/k/v itself (one launch
-        # fewer a layer). Positions are then seq_lens - 1, which they always are for a decode row.
-        self.fuse_rope_into_decode = {"attention", "rope_kv"} <= kernels and d >= 16 and d & (d - 1) == 0
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        if self.fuse_rope_into_decode and meta.max_query_len == 1:
-            out = self.attn.forward_decode_with_rope(qkv, self.qk_norm_rope, meta)
-        else:
-            q = self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
-            out = self.attn(q, meta)
+        q = self.qk_norm_rope(self.qkv_proj(x), positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        out = self.attn(q, meta)
         return self.o_proj(out.flatten(1))
 
 

@@ -122,22 +122,17 @@ def test_without_async_scheduling(tiny_checkpoint):
 
 def test_every_triton_kernel(tiny_checkpoint, monkeypatch):
     """The whole model on the Triton kernels (through the interpreter on CPU): attention on the
-    decode (with the rotary + KV write fused in) and the varlen prefill paths, norms, rotary + KV
-    write, SwiGLU, the sampler and the skinny projections, inside the scheduler's mixed batches."""
+    decode and the varlen prefill paths, norms, rotary + KV write, SwiGLU, the sampler and the
+    skinny projections, inside the scheduler's mixed batches."""
     pytest.importorskip("triton")
     import mini_engine.kernels.linear as linear_kernels
     from mini_engine.kernels import KERNEL_NAMES
     skinny_calls = []
     skinny = linear_kernels.skinny_linear
     monkeypatch.setattr(linear_kernels, "skinny_linear", lambda *a: skinny_calls.append(1) or skinny(*a))
-    from mini_engine.layers.attention import Attention
-    fused_calls = []
-    fused = Attention.forward_decode_with_rope
-    monkeypatch.setattr(Attention, "forward_decode_with_rope", lambda *a: fused_calls.append(1) or fused(*a))
     prompts = mixed_prompts()[:5]
     got, engine = generate(tiny_checkpoint, prompts, num_kv_blocks=256, max_num_batched_tokens=16,
                            kernels=",".join(KERNEL_NAMES))
     assert engine.runner.kernels == frozenset(KERNEL_NAMES)
     assert skinny_calls, "no projection took the skinny kernel"
-    assert fused_calls, "no decode step took the attention kernel with the fused rope"
     assert got == expected(tiny_checkpoint, prompts)
