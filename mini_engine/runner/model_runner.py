@@ -71,8 +71,6 @@ class ModelRunner:
             if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
                 warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
                               f"{self.graph_reserve_bytes / 2**20:.0f} MiB set aside when the KV pool was sized")
-        if self.device.type == "cuda":
-            self.warm_up_allocator()
 
     # ---- the KV pool ----
 
@@ -86,17 +84,6 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = kv_cache[0, i]
             layer.self_attn.attn.v_cache = kv_cache[1, i]
         return kv_cache
-
-    def warm_up_allocator(self) -> None:
-        """Runs the largest prefill step once against the real pool, so that PyTorch's caching
-        allocator already holds its activations when a run starts. Sizing the pool ends with
-        empty_cache(), and without this the first prefill steps of a run called cudaMalloc, which
-        waits for the device: on the H200 they took 1.1-1.5x their GPU time in wall."""
-        blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
-        if self.num_kv_blocks < blocks_per_seq:
-            return                              # a pool this small serves tests, not runs
-        self.execute(self.warmup_batches(list(range(blocks_per_seq)))[0])
-        self.kv_cache[:, :, :blocks_per_seq].zero_()      # the pool starts zeroed (see allocate_kv_cache)
 
     def profile_num_kv_blocks(self) -> int:
         if self.device.type != "cuda":
