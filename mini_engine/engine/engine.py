@@ -1,4 +1,5 @@
 """The step loop: requests in, one scheduled batch through the model per step, tokens out."""
+import atexit
 import gc
 import itertools
 from dataclasses import dataclass
@@ -12,6 +13,10 @@ from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.tokenizer import load_tokenizer
+
+# Engines freeze the heap they start with (LLMEngine.__init__); unfrozen at exit, so that the
+# interpreter's shutdown still frees it (Triton's bindings report leaked objects otherwise).
+atexit.register(gc.unfreeze)
 
 
 @dataclass
