@@ -4,7 +4,8 @@ import time
 from tqdm.auto import tqdm
 
 from mini_engine.config import EngineConfig
-from mini_engine.engine.engine import LLMEngine
+from mini_engine.detokenizer import IncrementalDetokenizer
+from mini_engine.engine.engine import LLMEngine, StepOutput
 from mini_engine.outputs import CompletionOutput, RequestOutput
 from mini_engine.sampling_params import SamplingParams
 
@@ -40,6 +41,10 @@ class LLM:
                 raise type(e)(f"prompt {i}: {e}") from None
             token_ids.append(ids)
         seqs = [engine.add_request(ids, params) for ids, params in zip(token_ids, sampling_params)]
+        # Stop strings are matched on the text as it grows, so that a request that hits one is
+        # aborted (its blocks freed) before the engine spends another step on it.
+        stoppers = {seq.request_id: IncrementalDetokenizer(engine.tokenizer, params.stop)
+                    for seq, params in zip(seqs, sampling_params) if params.stop}
 
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tokens = decode_tokens = 0
@@ -52,16 +57,35 @@ class LLM:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
                                     f"decode {decode_tokens / elapsed:.0f} tok/s", refresh=False)
-                bar.update(sum(o.finished for o in outputs))
+                done = sum(o.finished for o in outputs)
+                if stoppers:
+                    done += sum(self.hit_stop_string(o, stoppers) for o in outputs)
+                bar.update(done)
         finally:
             bar.close()
             for seq in seqs:           # on an exception (e.g. KeyboardInterrupt) free what is left
                 if not seq.is_finished:
                     engine.abort_request(seq.request_id)
-        return [self.to_output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+        return [self.to_output(seq, prompt, stoppers.get(seq.request_id)) for seq, prompt in zip(seqs, prompts)]
 
-    def to_output(self, seq, prompt) -> RequestOutput:
-        text = self.engine.detokenize(seq.output_token_ids)
+    def hit_stop_string(self, out: StepOutput, stoppers: dict[str, IncrementalDetokenizer]) -> bool:
+        """Feeds a step's tokens to the request's stop-string matcher; True when a stop string
+        ends a request that was still running (it is then aborted, with finish reason "stop")."""
+        stopper = stoppers.get(out.seq.request_id)
+        if stopper is None or stopper.stopped:
+            return False
+        stopper.update(out.new_token_ids, out.finished)
+        if not stopper.stopped:
+            return False
+        running = not out.finished
+        if running:
+            self.engine.abort_request(out.seq.request_id)
+        out.seq.finish_reason = "stop"
+        return running
+
+    def to_output(self, seq, prompt, stopper: IncrementalDetokenizer | None) -> RequestOutput:
+        # The text ends before the stop string; the token ids keep the token that completed it.
+        text = stopper.text if stopper is not None else self.engine.detokenize(seq.output_token_ids)
         return RequestOutput(
             request_id=seq.request_id,
             prompt=prompt if isinstance(prompt, str) else None,

@@ -10,6 +10,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] = field(default_factory=list)   # strings that end the output (not included)
     seed: int | None = None       # reproducible sampling for this request alone
     logprobs: int | None = None   # return the sampled token's log-probability and this many top ones
 
@@ -27,6 +28,9 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")

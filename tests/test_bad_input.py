@@ -15,11 +15,20 @@ from mini_engine.config import EngineConfig
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
-    (dict(seed=-1), "seed"), (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    (dict(seed=-1), "seed"), (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(stop=[""]), "stop"),
+    (dict(stop=["ok", 3]), "stop"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_stop_strings_without_a_tokenizer_are_rejected(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16)
+    assert llm.tokenizer is None
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate([[5, 6, 7]], SamplingParams(stop=["x"]), use_tqdm=False)
+    assert llm.engine.num_free_blocks == 16
 
 
 def test_prompt_too_long_is_rejected_and_others_carry_on(tiny_checkpoint):

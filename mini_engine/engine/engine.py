@@ -74,6 +74,8 @@ class LLMEngine:
         """Raises ValueError for a request that could never run; it then touches no engine state."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the checkpoint's tokenizer.json, which it does not have")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")

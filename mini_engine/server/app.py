@@ -82,8 +82,8 @@ class OpenAIServer:
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
             return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, max_tokens=max_tokens,
-                                  ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids, seed=req.seed,
-                                  logprobs=logprobs)
+                                  ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids, stop=req.stop_list,
+                                  seed=req.seed, logprobs=logprobs)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -98,10 +98,9 @@ class OpenAIServer:
         except ValueError as e:
             raise ProtocolError(str(e), param="prompt") from None
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            stop: list[str]) -> RequestStream:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         try:
-            return self.async_engine.add_request(request_id, prompt_token_ids, params, stop)
+            return self.async_engine.add_request(request_id, prompt_token_ids, params)
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
 
@@ -212,7 +211,7 @@ class OpenAIServer:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens, req.logprobs)
         request_id = random_id("cmpl")
-        stream = self.add(request_id, prompt_token_ids, params, req.stop_list)
+        stream = self.add(request_id, prompt_token_ids, params)
         return await self.respond(raw, stream, request_id, False, req.stream, req.include_usage)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -223,7 +222,7 @@ class OpenAIServer:
             max_tokens = self.remaining_tokens(prompt_token_ids)
         params = self.sampling_params(req, max_tokens, None)
         request_id = random_id("chatcmpl")
-        stream = self.add(request_id, prompt_token_ids, params, req.stop_list)
+        stream = self.add(request_id, prompt_token_ids, params)
         return await self.respond(raw, stream, request_id, True, req.stream, req.include_usage)
 
 

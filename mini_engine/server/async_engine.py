@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from mini_engine.engine.engine import LLMEngine, StepOutput
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.sampling_params import SamplingParams
-from mini_engine.server.detokenizer import IncrementalDetokenizer
+from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger("mini_engine.server")
@@ -105,13 +105,12 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stop: list[str]) -> RequestStream:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Raises ValueError for a request the engine could never run (validation reads only
         the engine's fixed configuration, so it is safe off the engine thread)."""
         self.engine.validate(prompt_token_ids, params)
         stream = RequestStream(request_id)
-        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, stop)
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, params.stop)
         self.submit("add", RequestState(request_id, prompt_token_ids, params, detokenizer, stream))
         return stream
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mini_engine.server.detokenizer import IncrementalDetokenizer
+from mini_engine.detokenizer import IncrementalDetokenizer
 from tests.server.conftest import train_tokenizer
 
 TEXT = "Größe 你好, emoji 😀🚀 and 𠜎: déjà vu."

@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings, for streaming.
+"""Incremental detokenization with stop strings: the server streams text with it, and both the
+server and LLM.generate end a request when a stop string appears.
 
 Decoding a token alone is wrong for byte-level BPE: one character of UTF-8 may span several
 tokens, and a lone piece decodes to U+FFFD. So we decode a short window of tokens and emit only

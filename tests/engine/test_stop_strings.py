@@ -1,0 +1,51 @@
+"""Stop strings in the offline API: the output ends before the first one, the request stops
+there (its blocks freed), and the other requests of the batch are untouched."""
+import pytest
+
+from mini_engine import LLM, SamplingParams
+from tests.server.conftest import write_tiny_model
+
+PROMPTS = ["The quick brown fox", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(write_tiny_model(str(tmp_path_factory.mktemp("tiny-with-tokenizer"))), device="cpu",
+               num_kv_blocks=64)
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **kw)
+
+
+def test_sampling_params_take_one_string_or_a_list():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+
+
+def test_output_ends_before_the_stop_string(llm):
+    free = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    text = free[0].text
+    assert len(text) > 10, "the tiny model should write something to stop in"
+    # Two ASCII letters past the start (a random model also writes bytes that decode to U+FFFD,
+    # which a prefix cut inside a character decodes to as well: no stop string for a test).
+    k = next(k for k in range(1, len(text) - 1) if text[k:k + 2].isascii() and text[k:k + 2].isalpha())
+    stop = text[k:k + 2]
+    cut = text.find(stop)
+    outs = llm.generate(PROMPTS, [greedy(stop=[stop, "never appears \u2603"]), greedy()], use_tqdm=False)
+    stopped, other = outs[0].outputs[0], outs[1].outputs[0]
+    assert stopped.text == text[:cut] and stopped.finish_reason == "stop"
+    # The token ids run up to the token that completed the stop string, and no further.
+    assert len(stopped.token_ids) < len(free[0].token_ids)
+    assert stopped.token_ids == free[0].token_ids[:len(stopped.token_ids)]
+    assert llm.engine.detokenize(stopped.token_ids).startswith(text[:cut] + stop)
+    assert not llm.engine.detokenize(stopped.token_ids[:-1]).startswith(text[:cut] + stop)
+    # The other request of the batch is the same as without the stop string, and nothing leaks.
+    assert other.token_ids == free[1].token_ids and other.text == free[1].text and other.finish_reason == "length"
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_no_match_leaves_the_output_whole(llm):
+    free = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(PROMPTS[0], greedy(stop=["never appears \u2603"]), use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.token_ids, out.finish_reason) == (free.text, free.token_ids, "length")
