@@ -43,10 +43,22 @@ def _log_gc(phase: str, info: dict) -> None:
               f"at {_since_start():.2f} s", flush=True)
 
 
+def _log_generate(generate):
+    def generate_and_log(self, prompts, *args, **kwargs):
+        print(f"[host_stalls] generate of {len(prompts)} prompts starts at {_since_start():.2f} s", flush=True)
+        try:
+            return generate(self, prompts, *args, **kwargs)
+        finally:
+            print(f"[host_stalls] generate ends at {_since_start():.2f} s", flush=True)
+    return generate_and_log
+
+
 def main(argv=None) -> int:
     # Before bench imports the engine: its kernels take the compile function when they are built.
     triton.compiler.compile = triton.compiler.compiler.compile = _logged(triton.compiler.compiler.compile)
     gc.callbacks.append(_log_gc)
+    from mini_engine.llm import LLM
+    LLM.generate = _log_generate(LLM.generate)      # places each stall against the timed run
     import bench
     print(f"[host_stalls] bench starts at {_since_start():.2f} s", flush=True)
     return bench.main(argv)
