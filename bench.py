@@ -70,9 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--two-batch-overlap-min-batch", metavar="N|none",
-                        help="mini only: decode graphs of >= N rows overlap two halves (default: the engine's); "
-                        "none: never")
     p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "
                    "table by batch size, write steps.jsonl and profile.png to DIR")
     engine.add_argument("--hf-attn", default="paged|sdpa", help="hf only: attn_implementation to load with")
@@ -98,9 +95,6 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     from benchmarks.peers import WARMUP_PROMPTS, WARMUP_TOKENS
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching)
-    overlap = opts.two_batch_overlap_min_batch
-    if overlap is not None:
-        kwargs["two_batch_overlap_min_batch"] = None if overlap == "none" else int(overlap)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)

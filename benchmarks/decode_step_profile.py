@@ -3,10 +3,6 @@ timed as a CUDA-graph replay, then the same step under torch.profiler with kerne
 total device time. Needs CUDA.
 
     PYTHONPATH=. python benchmarks/decode_step_profile.py --batch 1 64 256 --ctx 1000
-
---overlap-variants times each batch's graph replay under several two-batch-overlap settings
-instead (runner/two_batch_overlap.py): "off", or "on:C:A" with C and A the compute and attention
-streams' priorities (lower is more urgent), e.g. --overlap-variants off on:-1:0 on:0:0.
 """
 import argparse
 import random
@@ -21,7 +17,6 @@ def main():
     ap.add_argument("--ctx", type=int, default=1000)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--kernels", default="auto")
-    ap.add_argument("--overlap-variants", nargs="+", help="compare graph replay times; no profile table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step_profile.py needs CUDA")
@@ -37,7 +32,6 @@ def main():
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1)
     bs = runner.block_size
-    batches = {}
     for batch in args.batch:
         rows, next_block = [], 0
         for _ in range(batch):
@@ -46,11 +40,17 @@ def main():
             blocks = list(range(next_block, next_block + n))
             next_block += n
             rows.append(BatchRow([rng.randrange(1000)], ctx, blocks, True, params))
-        batches[batch] = rows
-    if args.overlap_variants:
-        return compare_overlap(runner, batches, args.overlap_variants)
-    for batch, rows in batches.items():
-        step_ms = time_steps(runner, rows)
+        for _ in range(3):
+            runner.execute(rows)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n_iter = 20
+        start.record()
+        for _ in range(n_iter):
+            runner.execute(rows)
+        end.record()
+        end.synchronize()
+        step_ms = start.elapsed_time(end) / n_iter
         # Profile without the graph, so each kernel shows by name.
         graph_runner, runner.graph_runner = runner.graph_runner, None
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -63,49 +63,6 @@ def main():
               f"{step_ms:.3f} ms per step back to back (graphs: {runner.graph_runner is not None}); "
               f"KV {kv_gb:.2f} GB -> {kv_gb / 4.25:.3f} ms at 4.25 TB/s, weights 0.28 ms")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
-
-
-
-def time_steps(runner, rows, n_iter: int = 20) -> float:
-    """ms per step, back to back, after three warm-up steps."""
-    for _ in range(3):
-        runner.execute(rows)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n_iter):
-        runner.execute(rows)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n_iter
-
-
-def compare_overlap(runner, batches: dict, variants: list[str]) -> None:
-    from mini_engine.runner import two_batch_overlap
-    from mini_engine.runner.cuda_graph import CUDAGraphRunner
-    original = runner.graph_runner
-    times = {}
-    for variant in variants:
-        if variant == "off":
-            min_batch = None
-        else:
-            _, compute, attention = variant.split(":")
-            two_batch_overlap.COMPUTE_STREAM_PRIORITY = int(compute)
-            two_batch_overlap.ATTENTION_STREAM_PRIORITY = int(attention)
-            min_batch = 2
-        graphs = CUDAGraphRunner(runner.model, max(batches), runner.config.max_model_len, runner.block_size,
-                                 runner.device, min_batch)
-        graphs.batch_sizes = sorted(batches)          # capture only the sizes timed
-        graphs.capture()
-        runner.graph_runner = graphs
-        for batch, rows in batches.items():
-            times[variant, batch] = time_steps(runner, rows, n_iter=50)
-        runner.graph_runner = graphs = None
-        torch.cuda.empty_cache()
-    runner.graph_runner = original
-    print("batch | " + " | ".join(variants) + "   (ms per decode step, graph replay + sampler)")
-    for batch in batches:
-        print(f"{batch} | " + " | ".join(f"{times[v, batch]:.3f}" for v in variants))
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def main():
             written = (runner.kv_cache != kv_before).any(dim=(0, 1, 3, 4, 5)).sum().item()   # blocks touched
             buf, bs = runner.graph_runner.buffers, 16
             eager_logits = runner.model.compute_logits(
-                runner.model(buf.input_ids[:bs], buf.positions[:bs], runner.graph_runner.metadata(0, bs)))[:13]
+                runner.model(buf.input_ids[:bs], buf.positions[:bs], runner.graph_runner.metadata(bs)))[:13]
         equal = torch.equal(graph_logits, eager_logits)
         results["graph replay vs same padded batch, eager"] = dict(equal=equal, blocks_written=written)
         if not equal:

@@ -100,9 +100,6 @@ class EngineConfig:
     # is importable, none on CPU), "none", or a comma-separated subset of kernels.KERNEL_NAMES.
     kernels: str = "auto"
     enforce_eager: bool = False        # True: never use CUDA graphs
-    # Decode graphs of at least this many rows run the batch as two halves, one half's attention
-    # overlapping the other's projections (runner/two_batch_overlap.py). None: never.
-    two_batch_overlap_min_batch: int | None = 64
     # Schedule step n+1 while the device runs step n (see LLMEngine.step). False: every step
     # waits for its own tokens first.
     async_scheduling: bool = True
@@ -115,8 +112,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.two_batch_overlap_min_batch is not None and self.two_batch_overlap_min_batch < 2:
-            raise ValueError(f"two_batch_overlap_min_batch must be >= 2 or None, got {self.two_batch_overlap_min_batch}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.model_config is None:

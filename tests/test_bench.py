@@ -82,7 +82,7 @@ def test_cpu_smoke_end_to_end(tmp_path):
     results = tmp_path / "results.jsonl"
     args = ["--num-seqs", "4", "--results", str(results), "--cache-dir", str(tmp_path / "cache"),
             "--label", "test run", "--kernels", "none", "--enforce-eager", "--no-prefix-caching",
-            "--block-size", "8", "--max-num-batched-tokens", "512", "--two-batch-overlap-min-batch", "none"]
+            "--block-size", "8", "--max-num-batched-tokens", "512"]
     proc = run_bench(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "of the floor" in proc.stdout and "CPU smoke" in proc.stdout
@@ -114,7 +114,6 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert engine["block_size"] == 8 and engine["max_num_batched_tokens"] == 512
     assert engine["enforce_eager"] is True and engine["enable_prefix_caching"] is False
     assert engine["kernels_resolved"] == [] and engine["max_model_len"] == 2048
-    assert engine["two_batch_overlap_min_batch"] is None
     assert json.loads(lines[1])["label"] == "second"
 
 

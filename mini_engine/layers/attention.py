@@ -31,14 +31,12 @@ class Attention(nn.Module):
         # Views into the runner's KV pool, [num_blocks, block_size, Hkv, D]; set by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, Hq, D], into `out` when given."""
+    def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.use_triton:
             from mini_engine.kernels.paged_attention import paged_attention
             return paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len, out)
-        result = self.forward_eager(q, meta)
-        return result if out is None else out.copy_(result)
+                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len)
+        return self.forward_eager(q, meta)
 
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d = meta.num_decodes

@@ -22,12 +22,10 @@ class Qwen3Attention(nn.Module):
                                               config.rope_theta, use_triton="rope_kv" in kernels)
         self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
 
-    def project_q(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention's query, [T, Hq, D]; this step's keys and values go to the cache."""
-        return self.qk_norm_rope(self.qkv_proj(x), positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attn(self.project_q(x, positions, meta), meta).flatten(1))
+        q = self.qk_norm_rope(self.qkv_proj(x), positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        out = self.attn(q, meta)
+        return self.o_proj(out.flatten(1))
 
 
 class Qwen3MLP(nn.Module):
@@ -53,17 +51,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config, kernels)
 
     def forward(self, x, residual, positions, meta):
-        q, residual = self.before_attention(x, residual, positions, meta)
-        return self.after_attention(self.self_attn.attn(q, meta), residual)
-
-    # The layer in two halves around the attention kernel, for runner/two_batch_overlap.py, which
-    # runs one batch's attention while the other's halves run.
-    def before_attention(self, x, residual, positions, meta):
         x, residual = self.input_layernorm(x, residual)
-        return self.self_attn.project_q(x, positions, meta), residual
-
-    def after_attention(self, attn_out, residual):
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out.flatten(1)), residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 

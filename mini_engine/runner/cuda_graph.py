@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 
 from mini_engine.layers.attention import AttentionMetadata
-from mini_engine.runner.two_batch_overlap import HalfBatch, OverlapStreams, forward_two_batches
 
 
 @dataclass
@@ -27,15 +26,10 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, model, max_batch_size: int, max_model_len: int, block_size: int, device: torch.device,
-                 overlap_min_batch: int | None = None):
-        """overlap_min_batch: from this captured size up, a graph runs the batch as two halves that
-        overlap (runner/two_batch_overlap.py); None: never."""
+    def __init__(self, model, max_batch_size: int, max_model_len: int, block_size: int, device: torch.device):
         self.model = model
         self.max_model_len = max_model_len
         self.batch_sizes = graph_batch_sizes(max_batch_size)
-        self.overlap_min_batch = overlap_min_batch
-        self.overlap_streams = OverlapStreams(device)
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = max_batch_size
         self.buffers = GraphBuffers(
@@ -57,29 +51,18 @@ class CUDAGraphRunner:
         n = max_batch_size
         return n * (3 * 8 + 4 + 4 + 4 * max_blocks + vocab_size * dtype.itemsize) + 4
 
-    def metadata(self, start: int, end: int) -> AttentionMetadata:
-        """Rows [start, end) of the buffers, as a batch of their own."""
+    def metadata(self, bs: int) -> AttentionMetadata:
         b = self.buffers
         # max_seq_len is the bound the graph was captured with: the kernel's split count and grid
         # are fixed at capture, while the real lengths are read from seq_lens at replay.
-        return AttentionMetadata(slot_mapping=b.slot_mapping[start:end],
-                                 query_start_loc=b.query_start_loc[:end - start + 1],
-                                 seq_lens=b.seq_lens[start:end], block_tables=b.block_tables[start:end],
-                                 num_decodes=end - start, max_query_len=1, max_seq_len=self.max_model_len)
-
-    def overlaps(self, bs: int) -> bool:
-        return self.overlap_min_batch is not None and bs >= self.overlap_min_batch
+        return AttentionMetadata(slot_mapping=b.slot_mapping[:bs], query_start_loc=b.query_start_loc[:bs + 1],
+                                 seq_lens=b.seq_lens[:bs], block_tables=b.block_tables[:bs], num_decodes=bs,
+                                 max_query_len=1, max_seq_len=self.max_model_len)
 
     def forward(self, bs: int) -> None:
         b = self.buffers
-        if not self.overlaps(bs):
-            hidden = self.model(b.input_ids[:bs], b.positions[:bs], self.metadata(0, bs))
-            self.model.compute_logits(hidden, out=b.logits[:bs])
-            return
-        bounds = [(0, bs // 2), (bs // 2, bs)]
-        halves = [HalfBatch(b.input_ids[lo:hi], b.positions[lo:hi], self.metadata(lo, hi)) for lo, hi in bounds]
-        for (lo, hi), hidden in zip(bounds, forward_two_batches(self.model, halves, self.overlap_streams)):
-            self.model.compute_logits(hidden, out=b.logits[lo:hi])
+        hidden = self.model(b.input_ids[:bs], b.positions[:bs], self.metadata(bs))
+        self.model.compute_logits(hidden, out=b.logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -96,9 +79,9 @@ class CUDAGraphRunner:
     def can_run(self, num_rows: int, max_query_len: int) -> bool:
         return max_query_len == 1 and num_rows <= self.batch_sizes[-1]
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
-        """Copies a decode-only batch into the static buffers, padded up to the next captured size
-        with rows that write nowhere; returns that size."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of a decode-only batch: its inputs copied into the static buffers, padded up to
+        the next captured size with rows that write nowhere, and the graph replayed."""
         n = input_ids.shape[0]
         bs = next(size for size in self.batch_sizes if size >= n)
         b = self.buffers
@@ -110,9 +93,5 @@ class CUDAGraphRunner:
         b.seq_lens[n:bs].fill_(1)
         b.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         b.block_tables[n:bs].fill_(0)
-        return bs
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits of a decode-only batch: its inputs loaded and the graph replayed."""
-        self.graphs[self.load(input_ids, positions, meta)].replay()
-        return self.buffers.logits[:input_ids.shape[0]]
+        self.graphs[bs].replay()
+        return b.logits[:n]

@@ -63,7 +63,7 @@ class ModelRunner:
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
-                                                self.block_size, self.device, config.two_batch_overlap_min_batch)
+                                                self.block_size, self.device)
             start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
             self.graph_runner.capture()
             self.cuda_graph_capture_s = time.perf_counter() - start
