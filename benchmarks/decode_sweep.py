@@ -125,22 +125,18 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",)):
                 nb = -(-n // block_size)
                 tables[r, :nb] = perm[used:used + nb]
                 used += nb
-            longest_first = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
-            configs = {f"{spec} default": None, f"{spec} default, row order": "row order"}
+            configs = {f"{spec} default": None}
             for tile, warps, stages, splits in ATTENTION_CONFIGS:
                 configs[f"{spec} tile {tile} w{warps} s{stages} splits {splits}"] = dict(
                     tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits)
             for name, cfg in configs.items():
                 try:
-                    if cfg is None:       # as the engine runs it: programs start longest context first
-                        fn = lambda: paged_attention(q, k_cache, v_cache, tables, sl, qsl, scale, 1, MAX_MODEL_LEN,
-                                                     out, longest_first)
-                    elif cfg == "row order":
+                    if cfg is None:
                         fn = lambda: paged_attention(q, k_cache, v_cache, tables, sl, qsl, scale, 1, MAX_MODEL_LEN,
                                                      out)
                     else:
                         fn = lambda cfg=cfg: paged_decode_attention(q, k_cache, v_cache, tables, sl, qsl, scale,
-                                                                    MAX_MODEL_LEN, out, longest_first, **cfg)
+                                                                    MAX_MODEL_LEN, out, **cfg)
                     row[name] = time_us(fn)
                 except Exception as e:                                 # e.g. a tile too big for shared memory
                     row[name] = float("inf")

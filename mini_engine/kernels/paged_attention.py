@@ -126,29 +126,28 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
 
 @triton.jit
 def _paged_decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, order_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        HAS_ORDER: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """Flash-decoding, first half. Program (split, kv_head, rank): the one query token of sequence
-    seq = order[rank] (rank itself without an order), for the QUERIES_PER_KV heads sharing
-    kv_head, against the split-th of NUM_SPLITS equal shares of the sequence's context tiles. The
-    share is computed here from seq_lens, so the grid depends only on the batch shape (CUDA-graph
-    safe) and a short context just leaves some splits empty. With one split the result is final
-    and goes straight to out; otherwise the unnormalised accumulator, running max and sum go to the
-    partial buffers for _paged_decode_reduce_kernel.
+        DOT_IN_FP32: tl.constexpr):
+    """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
+    seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
+    shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
+    depends only on the batch shape (CUDA-graph safe) and a short context just leaves some splits
+    empty. With one split the result is final and goes straight to out; otherwise the unnormalised
+    accumulator, running max and sum go to the partial buffers for _paged_decode_reduce_kernel.
 
-    The GPU starts programs in grid order, x fastest, so all of one sequence's programs start
-    together, in rank order: given an order that puts the longest contexts first, the last
-    programs to start are the shortest, and the kernel does not end waiting on a long one."""
+    The grid's order is measured, not arbitrary: the GPU starts programs x fastest, so this one
+    starts all of a sequence's programs together, sequence after sequence. On the H200 the whole
+    benchmark ran 5.24 s against 5.33-5.37 s with the sequence fastest (benchmarks/NOTES.md,
+    entry 18). A start order read from memory (longest context first) cost more than it won: one
+    more dependent load before each program's first tile."""
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
-    if HAS_ORDER:
-        seq = tl.load(order_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
 
@@ -325,14 +324,12 @@ def _cache_strides(k_cache, v_cache):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                           order: torch.Tensor | None = None, num_splits: int | None = None, tile_n: int = 128,
-                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Flash-decoding for batches of one query token per sequence. order ([num_seqs] int32, a
-    permutation) is the order in which the sequences' programs start: longest context first is
-    best (see the kernel). The tile, split and launch knobs are exposed for
-    benchmarks/kernel_check.py; paged_attention uses the defaults, the fastest of its sweep on the
-    H200 (256 sequences x ~1000 tokens: tile 128, 2 stages, 88.6% of copy bandwidth, against 81.6%
-    for tile 64, 3 stages)."""
+                           num_splits: int | None = None, tile_n: int = 128, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
+    """Flash-decoding for batches of one query token per sequence. The tile, split and launch
+    knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults, the
+    fastest of its sweep on the H200 (256 sequences x ~1000 tokens: tile 128, 2 stages, 88.6% of
+    copy bandwidth, against 81.6% for tile 64, 3 stages)."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -348,14 +345,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         partial_out = partial_max = partial_sum = out     # unused
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_lens if order is None else order,
-        out, partial_out, partial_max, partial_sum,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n, NUM_SPLITS=num_splits,
-        HAS_ORDER=order is not None, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
@@ -396,13 +392,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, out: torch.Tensor | None = None,
-                    decode_order: torch.Tensor | None = None) -> torch.Tensor:
+                    max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
-    queries (max_query_len == 1) takes flash-decoding, its programs started in decode_order;
-    anything else one varlen launch. Every host choice depends on shapes and the two host ints
-    only, so the decode path can be graph-captured (pass max_seq_len = max_model_len there)."""
+    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch. Every host
+    choice depends on shapes and the two host ints only, so the decode path can be graph-captured
+    (pass max_seq_len = max_model_len there)."""
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      max_seq_len, out, decode_order)
+                                      max_seq_len, out)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)

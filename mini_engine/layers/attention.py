@@ -18,9 +18,6 @@ class AttentionMetadata:
     num_decodes: int
     max_query_len: int
     max_seq_len: int                # an upper bound on seq_lens (CUDA graphs pass max_model_len)
-    # [B] int32, decode-only batches: the rows by context length, longest first, the order in
-    # which the decode kernel starts their work. None: row order.
-    decode_order: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -38,8 +35,7 @@ class Attention(nn.Module):
         if self.use_triton:
             from mini_engine.kernels.paged_attention import paged_attention
             return paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                                   decode_order=meta.decode_order)
+                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len)
         return self.forward_eager(q, meta)
 
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -16,7 +16,6 @@ class GraphBuffers:
     slot_mapping: torch.Tensor     # [max_bs] int64, -1 in padding rows: they write nowhere
     query_start_loc: torch.Tensor  # [max_bs + 1] int32, always arange: one query per row
     seq_lens: torch.Tensor         # [max_bs] int32, 1 in padding rows
-    decode_order: torch.Tensor     # [max_bs] int32, the rows longest context first; padding rows last
     block_tables: torch.Tensor     # [max_bs, max_blocks_per_seq] int32
     logits: torch.Tensor           # [max_bs, vocab]
 
@@ -39,7 +38,6 @@ class CUDAGraphRunner:
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
             seq_lens=torch.ones(n, dtype=torch.int32, device=device),
-            decode_order=torch.arange(n, dtype=torch.int32, device=device),
             block_tables=torch.zeros(n, max_blocks, dtype=torch.int32, device=device),
             logits=torch.zeros(n, model.config.vocab_size, dtype=model.embed_tokens.weight.dtype, device=device),
         )
@@ -51,7 +49,7 @@ class CUDAGraphRunner:
         """What GraphBuffers will hold: the logits dominate (256 x 152k bf16 is 74 MiB)."""
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = max_batch_size
-        return n * (3 * 8 + 4 + 4 + 4 + 4 * max_blocks + vocab_size * dtype.itemsize) + 4
+        return n * (3 * 8 + 4 + 4 + 4 * max_blocks + vocab_size * dtype.itemsize) + 4
 
     def metadata(self, bs: int) -> AttentionMetadata:
         b = self.buffers
@@ -59,7 +57,7 @@ class CUDAGraphRunner:
         # are fixed at capture, while the real lengths are read from seq_lens at replay.
         return AttentionMetadata(slot_mapping=b.slot_mapping[:bs], query_start_loc=b.query_start_loc[:bs + 1],
                                  seq_lens=b.seq_lens[:bs], block_tables=b.block_tables[:bs], num_decodes=bs,
-                                 max_query_len=1, max_seq_len=self.max_model_len, decode_order=b.decode_order[:bs])
+                                 max_query_len=1, max_seq_len=self.max_model_len)
 
     def forward(self, bs: int) -> None:
         b = self.buffers
@@ -93,11 +91,6 @@ class CUDAGraphRunner:
         b.slot_mapping[n:bs].fill_(-1)
         b.seq_lens[:n].copy_(meta.seq_lens)
         b.seq_lens[n:bs].fill_(1)
-        if meta.decode_order is None:
-            torch.arange(n, out=b.decode_order[:n])
-        else:
-            b.decode_order[:n].copy_(meta.decode_order)
-        torch.arange(n, bs, out=b.decode_order[n:bs])        # padding rows last
         b.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         b.block_tables[n:bs].fill_(0)
         self.graphs[bs].replay()

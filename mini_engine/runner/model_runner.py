@@ -200,11 +200,6 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < len(rows) and len(rows[num_decodes].token_ids) == 1:
             num_decodes += 1
-        decode_order = None
-        if num_decodes == len(rows):
-            # Longest context first: the attention kernel then ends on short work (see its docstring).
-            decode_order = self.to_device(np.argsort(-np.asarray(seq_lens), kind="stable").astype(np.int32),
-                                          torch.int32)
         meta = AttentionMetadata(
             slot_mapping=self.to_device(slot_mapping, torch.int64),
             query_start_loc=self.to_device(query_start_loc, torch.int32),
@@ -213,7 +208,6 @@ class ModelRunner:
             num_decodes=num_decodes,
             max_query_len=max(len(r.token_ids) for r in rows),
             max_seq_len=max(seq_lens),
-            decode_order=decode_order,
         )
         input_ids = self.to_device(input_ids, torch.int64)
         if from_prev_dst:

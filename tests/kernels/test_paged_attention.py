@@ -56,20 +56,6 @@ def test_decode_splits_match_reference(device, num_splits, tile_n):
     check(out, *batch)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_order_changes_nothing_but_the_start_order(device, num_splits):
-    """The programs of each sequence start in the given order (a permutation of the rows); each
-    row's result stays its own, bit for bit."""
-    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 16, device)
-    kwargs = dict(max_seq_len=max(DECODE_SEQ_LENS), num_splits=num_splits, tile_n=16)
-    in_row_order = paged_decode_attention(*batch, HEAD_DIM ** -0.5, **kwargs)
-    for order in (torch.randperm(len(DECODE_SEQ_LENS), generator=torch.Generator().manual_seed(num_splits)),
-                  torch.argsort(batch[4].cpu(), descending=True, stable=True)):
-        out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, order=order.to(device, torch.int32), **kwargs)
-        assert torch.equal(out, in_row_order)
-    check(in_row_order, *batch)
-
-
 def test_decode_with_graph_upper_bound(device):
     """Under CUDA graphs max_seq_len is max_model_len, far above every real context: the split
     count comes from it, and the short contexts leave most splits empty."""
