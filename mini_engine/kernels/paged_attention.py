@@ -88,6 +88,28 @@ def _rows_mask(row_valid, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr)
 
 
 @triton.jit
+def _load_query_rows(q_ptr, row_offsets, row_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr):
+    """The program's query rows [BLOCK_M, BLOCK_D], row r at q_ptr + row_offsets[r] (zeros where
+    not valid), with their mask and the column offsets, which the output store reuses."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
+    q = tl.load(q_ptr + row_offsets[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    return q, q_mask, offs_d
+
+
+@triton.jit
+def _empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Running max, sum and accumulator of an online softmax that has seen no key yet."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, seq_len,
                  query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
                  stride_v_block, stride_v_offset, stride_v_head,
@@ -159,16 +181,9 @@ def _paged_decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < QUERIES_PER_KV
     head = kv_head * QUERIES_PER_KV + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
-    q = tl.load(q_ptr + token * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
+                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+    m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for tile in range(tile_lo, tile_hi):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
@@ -256,16 +271,9 @@ def _paged_prefill_kernel(
     head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
     token = (q_start + q_index).to(tl.int64)
     query_pos = context_len + q_index
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
-    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
+                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+    m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     # Keys up to the last query position of this block (masked rows hold smaller positions).
     kv_len = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
