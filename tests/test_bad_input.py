@@ -111,3 +111,14 @@ def test_malformed_checkpoints(tiny_checkpoint, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="config.json"):
         LLM(str(tmp_path / "nowhere"), device="cpu")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (dict(max_num_seqs=65536), "max_num_seqs must be <= 65535"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(max_model_len=10**6), "max_model_len"),
+])
+def test_bad_engine_config(tiny_checkpoint, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(tiny_checkpoint, device="cpu", **kwargs)

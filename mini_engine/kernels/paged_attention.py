@@ -343,6 +343,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return out
+    if num_seqs > 65535:
+        raise ValueError(f"decode attention takes at most 65,535 sequences a launch (CUDA's grid z), got {num_seqs}")
     queries_per_kv = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))

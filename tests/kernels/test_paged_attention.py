@@ -123,3 +123,15 @@ def test_decode_split_count():
     assert decode_num_splits(16, 8, 2048, 128, 132) == 3
     assert decode_num_splits(256, 8, 2048, 128, 132) == 2
     assert decode_num_splits(256, 8, 100, 128, 132) == 1
+
+
+def test_decode_rejects_more_sequences_than_the_grid_holds(device):
+    """Sequences go on CUDA's grid z (at most 65,535): more is a clear error, not a launch failure."""
+    num_seqs = 65536
+    q = torch.zeros(num_seqs, 2, 16, device=device)
+    cache = torch.zeros(1, 16, 1, 16, device=device)
+    tables = torch.zeros(num_seqs, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
+    loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="65,535 sequences"):
+        paged_decode_attention(q, cache, cache, tables, lens, loc, 0.25, max_seq_len=1)
