@@ -169,8 +169,13 @@ class LLMEngine:
         return outputs
 
     def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
-        """Rows in the runner's order (single-token rows first), and the batch indices in it."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        """Rows in the runner's order, and the batch indices in it: single-token rows first, the
+        longest context first. The decode attention kernel starts its programs in row order, so
+        the longest contexts start first and the launch does not end on one of them (longest
+        processing time first: benchmarks/NOTES.md entry 19)."""
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        order = sorted(range(len(seqs)), reverse=True,
+                       key=lambda i: seqs[i].num_computed_tokens if num_new[i] == 1 else -1)
         rows = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]

@@ -46,6 +46,8 @@ def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching=Tru
         assert len(engine.scheduler.running) <= max_num_seqs
         lengths = [len(r.token_ids) for r in rows]
         assert lengths == sorted(lengths, key=lambda n: n != 1), "single-token rows must come first"
+        contexts = [r.start_position for r in rows if len(r.token_ids) == 1]
+        assert contexts == sorted(contexts, reverse=True), "single-token rows go longest context first"
         for r in rows:
             assert len(r.block_table) * block_size >= r.start_position + len(r.token_ids)
             assert len(set(r.block_table)) == len(r.block_table)
