@@ -110,13 +110,6 @@ def _empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _store_normalised(out_ptrs, acc, l_i, mask):
-    """The softmax's final division (a row that saw no key gets zeros), stored in out's dtype."""
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, seq_len,
                  query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
                  stride_v_block, stride_v_offset, stride_v_head,
@@ -154,32 +147,20 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
 
 
 @triton.jit
-def _split_share(seq_len, min_tiles_per_split, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """A context's tiles, the tiles each split takes (NUM_SPLITS equal shares, but at least
-    min_tiles_per_split: a share smaller than that costs its program's start more than it saves)
-    and how many splits get any. Both decode kernels compute it, so the reduce knows which splits
-    wrote partial results."""
-    num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), min_tiles_per_split)
-    return num_tiles, tiles_per_split, tl.cdiv(num_tiles, tiles_per_split)
-
-
-@triton.jit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, min_tiles_per_split,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_IN_FP32: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
-    seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th share of the
-    sequence's context tiles (_split_share). The share is computed here from seq_lens, so the grid
-    depends only on the batch shape (CUDA-graph safe); a split that gets no tiles (a short context)
-    returns at once. Where only split 0 has tiles its result is final and goes straight to out;
-    otherwise the unnormalised accumulator, running max and sum go to the partial buffers for
-    _paged_decode_reduce_kernel.
+    seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
+    shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
+    depends only on the batch shape (CUDA-graph safe) and a short context just leaves some splits
+    empty. With one split the result is final and goes straight to out; otherwise the unnormalised
+    accumulator, running max and sum go to the partial buffers for _paged_decode_reduce_kernel.
 
     The grid's order is measured, not arbitrary: the GPU starts programs x fastest, so this one
     starts all of a sequence's programs together, sequence after sequence. On the H200 the whole
@@ -192,9 +173,8 @@ def _paged_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
 
-    num_tiles, tiles_per_split, active_splits = _split_share(seq_len, min_tiles_per_split, TILE_N, NUM_SPLITS)
-    if (split > 0) & (split >= active_splits):
-        return
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -211,11 +191,10 @@ def _paged_decode_kernel(
                                      stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
                                      BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, False)
 
-    out_ptrs = out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
     if NUM_SPLITS == 1:
-        _store_normalised(out_ptrs, acc, l_i, q_mask)
-    elif active_splits <= 1:
-        _store_normalised(out_ptrs, acc, l_i, q_mask)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # partial buffers: [num_seqs, NUM_HEADS, NUM_SPLITS] (+ [BLOCK_D] for the accumulator)
         part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
@@ -226,24 +205,20 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_decode_reduce_kernel(
-        partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-        min_tiles_per_split, stride_out_token, stride_out_head,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, out_ptr,
+        stride_out_token, stride_out_head,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr):
     """Flash-decoding, second half. Program (seq, head block): for each of BLOCK_HEADS heads,
     rescales each split's partial result by exp2(its max - the overall max) and divides by the
-    rescaled total sum, over the splits that had tiles (_split_share; a split whose tiles were all
-    masked carries max -inf and sum 0 and drops out). Where only split 0 had tiles, it wrote the
-    output itself and this program returns. Several heads a program: with one tiny program per (seq, head), launching
+    rescaled total sum. Empty splits carry max -inf and sum 0 and drop out; a row with no context
+    at all gets zeros. Several heads a program: with one tiny program per (seq, head), launching
     them was the cost (on the H200 at 256 sequences x 2 splits: 4.67 us one head a program, 2.24 us
     sixteen; at 64 sequences 2.27 -> 1.86 us)."""
     seq = tl.program_id(0)
-    _, _, active_splits = _split_share(tl.load(seq_lens_ptr + seq), min_tiles_per_split, TILE_N, NUM_SPLITS)
-    if active_splits <= 1:
-        return
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     splits = tl.arange(0, BLOCK_SPLITS)
-    valid = (heads[:, None] < NUM_HEADS) & (splits[None, :] < active_splits)        # [H, S]
+    valid = (heads[:, None] < NUM_HEADS) & (splits[None, :] < NUM_SPLITS)          # [H, S]
     part = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * NUM_SPLITS + splits[None, :]
     m = tl.load(partial_max_ptr + part, mask=valid, other=float("-inf"))
     l = tl.load(partial_sum_ptr + part, mask=valid, other=0.0)
@@ -358,7 +333,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 128, num_warps: int = 4,
-                           num_stages: int = 2, min_tiles_per_split: int = 1) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults, the
     fastest of its sweep on the H200 (256 sequences x ~1000 tokens: tile 128, 2 stages, 88.6% of
@@ -370,8 +345,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     if num_seqs > 65535:
         raise ValueError(f"decode attention takes at most 65,535 sequences a launch (CUDA's grid z), got {num_seqs}")
-    if min_tiles_per_split < 1:
-        raise ValueError(f"min_tiles_per_split must be >= 1, got {min_tiles_per_split}")
     queries_per_kv = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
@@ -383,8 +356,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial_out = partial_max = partial_sum = out     # unused
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
-        scale * math.log2(math.e), min_tiles_per_split, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), *_cache_strides(k_cache, v_cache),
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n, NUM_SPLITS=num_splits,
@@ -394,9 +367,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
         block_heads = min(triton.next_power_of_2(num_heads), max(1, 4096 // (block_splits * _block_d(head_dim))))
         _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
-            partial_out, partial_max, partial_sum, seq_lens, query_start_loc, out, min_tiles_per_split,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), TILE_N=tile_n, NUM_SPLITS=num_splits,
+            partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
             BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4)
     return out
 

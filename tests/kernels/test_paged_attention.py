@@ -56,23 +56,6 @@ def test_decode_splits_match_reference(device, num_splits, tile_n):
     check(out, *batch)
 
 
-@pytest.mark.parametrize("min_tiles_per_split", [2, 3, 20])
-def test_decode_min_tiles_per_split(device, min_tiles_per_split):
-    """Short contexts use fewer splits: splits without tiles return at once and write nothing (the
-    partial buffers start as NaN here, so a reduce that read them would fail), and a context that
-    fits one split's share is written by split 0 itself. 20: every context in one split."""
-    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 4, device)
-    out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), num_splits=8,
-                                 tile_n=16, min_tiles_per_split=min_tiles_per_split)
-    check(out, *batch)
-
-
-def test_decode_rejects_a_split_without_tiles(device):
-    batch = make_batch([1, 1], [5, 9], 4, 2, 4, device)
-    with pytest.raises(ValueError, match="min_tiles_per_split"):
-        paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=9, min_tiles_per_split=0)
-
-
 def test_decode_with_graph_upper_bound(device):
     """Under CUDA graphs max_seq_len is max_model_len, far above every real context: the split
     count comes from it, and the short contexts leave most splits empty."""
