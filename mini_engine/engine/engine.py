@@ -178,7 +178,7 @@ class LLMEngine:
                        key=lambda i: seqs[i].num_computed_tokens if num_new[i] == 1 else -1)
         rows = []
         for i in order:
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            seq, n = seqs[i], num_new[i]
             start = seq.num_computed_tokens
             sample = start + n == seq.num_tokens
             p = seq.sampling_params
