@@ -9,8 +9,6 @@
 2. The kernel path against the eager path: logits close, token sequences equal for a stretch.
 3. CUDA graphs against no graphs: identical outputs for batch sizes that hit a captured size
    exactly and ones that need padding, with sequences finishing mid-batch and a preemption.
-4. Programmatic dependent launch: every kernel compiled for it waits for the kernel ahead, and
-   switching it off (MINI_ENGINE_PDL=0) leaves the greedy outputs identical.
 
 The checkpoint has Qwen3-0.6B's shape with N(0, 0.06) weights: at the benchmark's 0.02 a random
 model repeats one token, which would make token agreement meaningless.
@@ -170,8 +168,6 @@ def main():
     compare_logits("kernel logits vs eager logits", kern_logits, eager_logits, bf16_noise)
     # Graphs replay the same kernels: the same tokens, exactly.
     compare("graphs vs kernels (no graphs)", graph, kern, args.tokens)
-    if dev == "cuda":
-        check_pdl(results, failures, lambda: run("graphs, no PDL", prompts, greedy, kernels="auto")[0], graph)
 
     # A graph replay against the same padded batch run eagerly through the same kernels: bitwise
     # equal logits, and the padding rows (slot -1) leave the KV cache untouched.
@@ -229,44 +225,6 @@ def main():
     teacher_forced("preempted run, teacher-forced vs fp32", small, ps)
 
     report(results, failures, args.out)
-
-
-def check_pdl(results, failures, run_without_pdl, with_pdl):
-    """Programmatic dependent launch changes when kernels start, not what they compute: the same
-    tokens with it switched off. And every kernel compiled for a PDL launch must wait for the
-    kernel ahead of it (griddepcontrol.wait in its PTX), or it could read a half-written input."""
-    from mini_engine.kernels import triton_utils
-    from mini_engine.kernels.triton_utils import triton
-    import importlib
-    import pkgutil
-    import mini_engine.kernels
-    checked, missing = 0, []
-    for info in pkgutil.iter_modules(mini_engine.kernels.__path__):
-        module = importlib.import_module(f"mini_engine.kernels.{info.name}")
-        for name, fn in vars(module).items():
-            if not isinstance(fn, triton.runtime.JITFunction):
-                continue
-            for cache in fn.device_caches.values():
-                for compiled in cache[0].values():
-                    if getattr(compiled.metadata, "launch_pdl", False):
-                        checked += 1
-                        if "griddepcontrol.wait" not in compiled.asm["ptx"]:
-                            missing.append(name)
-    ok = checked > 0 and not missing and triton_utils.use_pdl(torch.device("cuda"))
-    results["PDL: every PDL-launched kernel waits"] = dict(compiled_kernels=checked, missing=missing, ok=ok)
-    if not ok:
-        failures.append(f"PDL: {checked} kernels compiled for PDL launch, without a wait: {missing}")
-    os.environ["MINI_ENGINE_PDL"] = "0"
-    triton_utils.use_pdl.cache_clear()
-    try:
-        without = run_without_pdl()
-    finally:
-        del os.environ["MINI_ENGINE_PDL"]
-        triton_utils.use_pdl.cache_clear()
-    equal = without == with_pdl
-    results["graphs with PDL vs without"] = dict(equal=equal)
-    if not equal:
-        failures.append("greedy outputs with PDL differ from those without")
 
 
 def report(results, failures, out):

@@ -10,16 +10,15 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- Triton ----
 
-from mini_engine.kernels.triton_utils import pdl_launch_options, tl, triton, wait_for_previous_kernel  # noqa: E402
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, intermediate_size, stride_in, stride_out,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK: tl.constexpr):
     """Program (token, column block): out = silu(gate) * up for BLOCK columns of one token, where
     gate and up are the two halves of the packed row. SiLU runs in fp32 and is rounded to the
     model dtype before the product, as the eager F.silu(gate) * up does."""
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -38,5 +37,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(intermediate_size), 1024)
         grid = (num_tokens, triton.cdiv(intermediate_size, block))
         _silu_and_mul_kernel[grid](gate_up, out, intermediate_size, gate_up.stride(0), out.stride(0),
-                                   BLOCK=block, num_warps=4, **pdl_launch_options(gate_up.device))
+                                   BLOCK=block, num_warps=4)
     return out

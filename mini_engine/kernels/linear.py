@@ -18,19 +18,18 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 from dataclasses import dataclass  # noqa: E402
 
-from mini_engine.kernels.triton_utils import pdl_launch_options, tl, triton, wait_for_previous_kernel  # noqa: E402
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                          INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                          INPUT_PRECISION: tl.constexpr):
     """Program (n_block, m_block, k_split): out[m_block, n_block] over the k_split-th of SPLIT_K
     equal shares of K, accumulated in fp32. With one share the result is rounded and stored; with
     more, the fp32 partial goes to partial[k_split] and _sum_splits_kernel adds the shares.
     BLOCK_M covers the whole batch, so each weight tile is read from memory once."""
-    wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,10 +62,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+def _sum_splits_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = sum over s of partial[s, m, n], rounded once to out's dtype."""
-    wait_for_previous_kernel(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros([BLOCK], tl.float32)
@@ -125,9 +122,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
                                 EVEN_K=k % (block_k * cfg.split_k) == 0, DOT_IN_FP32=x.device.type == "cpu",
                                 # fp32 weights get fp32 products, not TF32 (bf16/fp16 ignore this)
                                 INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_options(x.device))
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=cfg.split_k,
-                                                        BLOCK=block, num_warps=4, **pdl_launch_options(x.device))
+                                                        BLOCK=block, num_warps=4)
     return out

@@ -73,7 +73,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 import functools  # noqa: E402
 import math  # noqa: E402
 
-from mini_engine.kernels.triton_utils import pdl_launch_options, tl, triton, wait_for_previous_kernel  # noqa: E402
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
+        DOT_IN_FP32: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -177,10 +177,6 @@ def _paged_decode_kernel(
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    # seq_lens and query_start_loc are the step's inputs, copied in before the step's first kernel:
-    # read before the wait. q and the newest token's k/v come from the kernel just ahead. Many
-    # waves of programs: the reduce kernel is not released early, so as not to take their slots.
-    wait_for_previous_kernel(USE_PDL, RELEASE_NEXT=False)
 
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < QUERIES_PER_KV
@@ -212,14 +208,13 @@ def _paged_decode_reduce_kernel(
         partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, out_ptr,
         stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr, USE_PDL: tl.constexpr):
+        BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr):
     """Flash-decoding, second half. Program (seq, head block): for each of BLOCK_HEADS heads,
     rescales each split's partial result by exp2(its max - the overall max) and divides by the
     rescaled total sum. Empty splits carry max -inf and sum 0 and drop out; a row with no context
     at all gets zeros. Several heads a program: with one tiny program per (seq, head), launching
     them was the cost (on the H200 at 256 sequences x 2 splits: 4.67 us one head a program, 2.24 us
     sixteen; at 64 sequences 2.27 -> 1.86 us)."""
-    wait_for_previous_kernel(USE_PDL)
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     splits = tl.arange(0, BLOCK_SPLITS)
@@ -247,7 +242,7 @@ def _paged_prefill_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SEQS: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
+        DOT_IN_FP32: tl.constexpr):
     """The whole variable-length batch in one launch (prefill chunks, prefix hits, and decode rows as
     queries of length 1). Program (q_block, kv_head): BLOCK_Q consecutive query tokens of one
     sequence times the QUERIES_PER_KV heads of kv_head, against that sequence's context up to the
@@ -255,7 +250,6 @@ def _paged_prefill_kernel(
     query_start_loc[b] // BLOCK_Q + b on, enough for its query blocks; the grid is the upper
     bound T // BLOCK_Q + num_seqs, and each program finds its sequence by counting how many
     sequences start at or before it (no host sync). Spare programs exit at once."""
-    wait_for_previous_kernel(USE_PDL, RELEASE_NEXT=False)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = -1
@@ -367,7 +361,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n, NUM_SPLITS=num_splits,
-        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(q.device))
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
@@ -375,7 +369,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
             partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4, **pdl_launch_options(q.device))
+            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4)
     return out
 
 
@@ -402,7 +396,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_SEQS=block_seqs,
-        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(q.device))
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
     return out
 
 

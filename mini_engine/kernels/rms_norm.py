@@ -18,18 +18,17 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
 
 # ---- Triton ----
 
-from mini_engine.kernels.triton_utils import pdl_launch_options, tl, triton, wait_for_previous_kernel  # noqa: E402
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
     """One program per token: reads the row of x (and of the residual) once, writes x + residual
     back as the new residual and its RMSNorm as the output. The whole row fits one tile
     (BLOCK_H >= hidden_size), so the sum of squares needs no second pass over memory.
     Roundings match the reference: the sum is rounded to the model dtype before it is normed,
     the normed row before the weight multiplies it."""
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
@@ -58,6 +57,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         block_h = triton.next_power_of_2(hidden_size)
         _add_rms_norm_kernel[(num_tokens,)](
             x, residual, weight, out, residual_out, hidden_size, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=min(max(block_h // 256, 1), 8),
-            **pdl_launch_options(x.device))
+            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=min(max(block_h // 256, 1), 8))
     return out, residual_out

@@ -49,7 +49,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
 
 # ---- Triton ----
 
-from mini_engine.kernels.triton_utils import pdl_launch_options, tl, triton, wait_for_previous_kernel  # noqa: E402
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -76,12 +76,11 @@ def _qk_norm_rope_kv_write_kernel(
         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
         stride_qkv, stride_cos_sin, stride_cache_block, stride_cache_offset, stride_cache_head,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, USE_PDL: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr):
     """One program per token, all of its heads at once: q and k are loaded as [heads, D/2] halves
     (the two operands of the neox rotation), normed per head, rotated with this position's cos and
     sin (loaded once for all heads), q stored to q_out, k and v stored into the paged cache at
     slot_mapping[token] (a slot of -1 stores nothing)."""
-    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, HEAD_DIM // 2)
     pos = tl.load(positions_ptr + token)
@@ -144,5 +143,5 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_ca
             qkv.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-            num_warps=4, **pdl_launch_options(qkv.device))
+            num_warps=4)
     return q

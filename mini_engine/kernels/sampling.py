@@ -63,7 +63,7 @@ def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Te
 
 # ---- Triton ----
 
-from mini_engine.kernels.triton_utils import pdl_launch_options, tl, triton, wait_for_previous_kernel  # noqa: E402
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -81,8 +81,7 @@ def _keys(row_ptr, cols, stop, scale):
 
 @triton.jit
 def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
-                        vocab_size, stride_logits, chunk_size, num_chunks, BLOCK_V: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        vocab_size, stride_logits, chunk_size, num_chunks, BLOCK_V: tl.constexpr):
     """Program (row, chunk) reads columns [chunk * chunk_size, (chunk + 1) * chunk_size) of one row
     and writes the chunk's max key m, sum of exp2(key - m) and smallest column holding m. Splitting
     the row is what spreads a B=1 step over many SMs. chunk_size is a runtime argument, so another
@@ -92,7 +91,6 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_p
     Each lane keeps its own running max and sum (online softmax), and so pays one exp2 a column:
     exp2(-|key - max|) is the new key's weight when the max stays and the old sum's rescale factor
     when it grows. The lanes are combined once, at the end."""
-    wait_for_previous_kernel(USE_PDL, RELEASE_NEXT=False)      # several waves at large batch
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     scale = _scale(tl.load(temperatures_ptr + row))
@@ -125,7 +123,7 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_p
 @triton.jit
 def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
                    tokens_ptr, vocab_size, stride_logits, chunk_size, num_chunks,
-                   BLOCK_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per row. Greedy rows: the smallest column among the chunks holding the top key
     (each chunk's column is already its smallest among its ties), so ties go to the lowest column
     wherever the chunk boundaries fall. Sampling rows: chunk c weighs w_c = s_c * exp2(m_c - M)
@@ -137,7 +135,6 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
     hair less than its w: then no column is reached and the token is the chunk's last column with
     a nonzero probability. Neither the search nor that fallback takes a column whose probability
     is 0 (a -inf logit, or exp2 underflow). A row of all -inf returns column 0."""
-    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperatures_ptr + row)
     chunks = tl.arange(0, BLOCK_CHUNKS)
@@ -207,8 +204,7 @@ def _chunk_stats(logits: torch.Tensor, temperatures: torch.Tensor,
     chunk_col = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_stats_kernel[(num_rows, num_chunks)](
         logits, temperatures, chunk_max, chunk_sum, chunk_col, vocab_size, logits.stride(0), chunk_size,
-        num_chunks, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4,
-        **pdl_launch_options(logits.device))
+        num_chunks, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4)
     return chunk_max, chunk_sum, chunk_col
 
 
@@ -221,7 +217,7 @@ def _select(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tenso
     _select_kernel[(num_rows,)](
         logits, temperatures, seeds, chunk_max, chunk_sum, chunk_col, tokens, vocab_size, logits.stride(0),
         chunk_size, num_chunks, BLOCK_CHUNKS=max(triton.next_power_of_2(num_chunks), 16),
-        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4, **pdl_launch_options(logits.device))
+        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4)
     return tokens
 
 
