@@ -1,0 +1,114 @@
+"""Variant: decode attention that loads the sequence's whole block-table row at the start, beside
+seq_len, and finds each tile's block ids in it with tl.gather: a program's first K/V load then
+waits for one global load (row and seq_len together), not two in a row (seq_len, then that tile's
+block ids), and the tile loop has no block-id loads."""
+import math
+
+import torch
+
+from mini_engine.kernels.paged_attention import (_block_d, _check_shapes, _cache_strides, _dot_in_fp32,
+                                                 _load_query_rows, _empty_softmax_state, _rows_mask,
+                                                 _num_sms, _paged_decode_reduce_kernel, decode_num_splits)
+from mini_engine.kernels.triton_utils import tl, triton
+
+
+@triton.jit
+def _rowids_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, table_width,
+        stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+        stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    row_cols = tl.arange(0, ROW_BLOCKS)
+    row_ids = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows
+    q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
+                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+    m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        in_context = offs_n < seq_len
+        block = tl.gather(row_ids, tl.minimum(offs_n // BLOCK_SIZE, ROW_BLOCKS - 1), axis=0)
+        valid = in_context & (block >= 0)
+        block = tl.maximum(block, 0).to(tl.int64)
+        offset = (offs_n % BLOCK_SIZE).to(tl.int64)
+        kv_mask = _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
+        k = tl.load(k_cache_ptr + (block * stride_k_block + offset * stride_k_offset
+                                   + kv_head * stride_k_head)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + (block * stride_v_block + offset * stride_v_offset
+                                   + kv_head * stride_v_head)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(partial_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len,
+                           out=None, num_splits=None, tile_n=128, num_warps=4, num_stages=2, maxnreg=None):
+    num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        return out
+    queries_per_kv = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
+    if num_splits > 1:
+        partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+        partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_max = partial_sum = out
+    block_size, width = k_cache.shape[1], block_tables.shape[1]
+    # every block id a tile can reach: the row, rounded up to whole tiles
+    row_blocks = triton.next_power_of_2(triton.cdiv(width * block_size, tile_n) * tile_n // block_size)
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    _rowids_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
+        scale * math.log2(math.e), width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), *_cache_strides(k_cache, v_cache),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
+        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
+        num_stages=num_stages, **extra)
+    if num_splits > 1:
+        block_splits = triton.next_power_of_2(num_splits)
+        block_heads = min(triton.next_power_of_2(num_heads), max(1, 4096 // (block_splits * _block_d(head_dim))))
+        _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
+            partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4)
+    return out
