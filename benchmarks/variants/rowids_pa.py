@@ -77,7 +77,8 @@ def _rowids_decode_kernel(
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len,
-                           out=None, num_splits=None, tile_n=128, num_warps=4, num_stages=2, maxnreg=None):
+                           out=None, num_splits=None, tile_n=128, num_warps=4, num_stages=2, maxnreg=None,
+                           min_splits=2):
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -86,6 +87,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     queries_per_kv = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
+        if min_splits != 2:
+            num_splits = min(max(min_splits, triton.cdiv(2 * _num_sms(q.device), num_seqs * num_kv_heads)),
+                             triton.cdiv(max_seq_len, tile_n), 64)
     if num_splits > 1:
         partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)

@@ -11,9 +11,11 @@ from benchmarks.variants import swapped_pa, rowids_pa
 from mini_engine.kernels import paged_attention as cur
 
 CONFIGS = {"cur": (cur.paged_decode_attention, {})}
-for reg in (None, 168):
-    CONFIGS[f"rowids r{reg}"] = (rowids_pa.paged_decode_attention, dict(maxnreg=reg))
-CONFIGS["rowids t64 s3"] = (rowids_pa.paged_decode_attention, dict(tile_n=64, num_stages=3))
+for tile, stages, warps, min_splits in ((128, 2, 4, 2), (128, 3, 4, 2), (128, 2, 8, 2), (64, 2, 4, 2), (64, 3, 4, 2),
+                                        (64, 4, 4, 2), (64, 3, 2, 2), (64, 3, 8, 2), (32, 3, 4, 2), (32, 4, 4, 2),
+                                        (64, 3, 4, 1), (64, 3, 4, 3), (64, 2, 4, 3)):
+    CONFIGS[f"rowids t{tile} s{stages} w{warps} min{min_splits}"] = (rowids_pa.paged_decode_attention, dict(
+        tile_n=tile, num_stages=stages, num_warps=warps, min_splits=min_splits))
 
 every = int(sys.argv[1]) if len(sys.argv) > 1 else 96
 schedule = decode_schedule()
@@ -58,7 +60,7 @@ for label, kernel in (("cur", cur._paged_decode_kernel), ("rowids", rowids_pa._r
     for dc in kernel.device_caches.values():
         for key, ck in dc[0].items():
             c = {k: getattr(ck.metadata, k, None) for k in ("num_warps", "num_stages")}
-            print(f"{label} kernel {c}: {ck.n_regs} regs {ck.n_spills} spills {ck.metadata.shared} B smem")
+            print(f"{label} kernel {c} {key[:80] if isinstance(key, str) else ''}: {ck.n_regs} regs {ck.n_spills} spills {ck.metadata.shared} B smem")
 best = min((v, n) for n, v in totals.items() if n != "cur")
 print(f"BEST {best[1]} | {best[0]:.3f} vs cur {totals['cur']:.3f} (gain {totals['cur'] - best[0]:.3f})")
 if os.environ.get("OUT"):
