@@ -110,18 +110,15 @@ def _empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, seq_len,
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head, seq_len,
                  query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
                  stride_v_block, stride_v_offset, stride_v_head,
-                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CAUSAL: tl.constexpr):
-    """Folds context tokens [tile_start, tile_start + TILE_N) into the running softmax state
-    (m_i, l_i, acc) of the query rows q [BLOCK_M, D]. Tokens past seq_len, behind a -1 block-table
-    entry, or (CAUSAL) after a row's position are masked and never read."""
-    offs_n = tile_start + tl.arange(0, TILE_N)
-    in_context = offs_n < seq_len
-    block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=-1)
-    valid = block >= 0
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
+    """Folds the context tokens offs_n [TILE_N] (one tile, whose block-table entries are block)
+    into the running softmax state (m_i, l_i, acc) of the query rows q [BLOCK_M, D]. Tokens past
+    seq_len, behind a -1 block-table entry, or (CAUSAL) after a row's position are masked and
+    never read."""
+    valid = (offs_n < seq_len) & (block >= 0)
     block = tl.maximum(block, 0).to(tl.int64)
     offset = (offs_n % BLOCK_SIZE).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -149,12 +146,12 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
 @triton.jit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, table_width,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr):
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -166,10 +163,22 @@ def _paged_decode_kernel(
     starts all of a sequence's programs together, sequence after sequence. On the H200 the whole
     benchmark ran 5.24 s against 5.33-5.37 s with the sequence fastest (benchmarks/NOTES.md,
     entry 18). A start order read from memory (longest context first) cost more than it won: one
-    more dependent load before each program's first tile."""
+    more dependent load before each program's first tile.
+
+    That chain is also why the program reads its sequence's whole block-table row (ROW_BLOCKS > 0:
+    the row fits a few registers) together with seq_len, and picks each tile's block ids out of it
+    with tl.gather: the first K/V load then waits for one round trip to memory, not two in a row
+    (seq_len, then the tile's ids), and the tile loop loads nothing but K and V. On the H200 this
+    freed registers too (104 a thread at tile 64 against 168 at tile 128 with per-tile id loads),
+    and the whole benchmark ran ~0.1-0.2 s faster (benchmarks/NOTES.md, entry 22). A longer row
+    falls back to loading each tile's ids (ROW_BLOCKS = 0)."""
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    if ROW_BLOCKS > 0:
+        row_cols = tl.arange(0, ROW_BLOCKS)
+        row_blocks = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
 
@@ -184,12 +193,17 @@ def _paged_decode_kernel(
     q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
                                          HEAD_DIM, BLOCK_D, DOT_IN_FP32)
     m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for tile in range(tile_lo, tile_hi):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-                                     tile * TILE_N, seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        if ROW_BLOCKS > 0:
+            # tiles past the row's end (only ever masked tokens of a tile) read its last entry
+            block = tl.gather(row_blocks, tl.minimum(offs_n // BLOCK_SIZE, ROW_BLOCKS - 1), axis=0)
+        else:
+            block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=-1)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
+                                     seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
                                      stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, False)
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, False)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -278,10 +292,12 @@ def _paged_prefill_kernel(
     # Keys up to the last query position of this block (masked rows hold smaller positions).
     kv_len = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
     for tile in range(0, tl.cdiv(kv_len, TILE_N)):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-                                     tile * TILE_N, kv_len, query_pos, qk_scale, stride_k_block, stride_k_offset,
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < kv_len, other=-1)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
+                                     kv_len, query_pos, qk_scale, stride_k_block, stride_k_offset,
                                      stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, True)
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -295,15 +311,26 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
-    """How many programs share one (sequence, KV head): enough for about two programs per SM, and
-    at least two even when the batch alone fills the GPU, never more than the longest context has
-    tiles. The second split pays at every batch size of the benchmark's schedule: a wave of
-    programs ends with its longest contexts, and halving them shortens that tail by more than the
-    reduce kernel costs (benchmarks/decode_sweep.py on the H200: decode attention over the whole
-    run 3.94 s with at least two splits, 4.13 s with one at large batches). Host ints only, so a
+    """How many programs share one (sequence, KV head): enough for about two programs per SM, never
+    more than the longest context has tiles; one where the batch alone fills the GPU, which then
+    needs no reduce kernel. (With each tile's block ids loaded in the tile loop, at least two
+    splits had paid at every batch size; with the block-table row read up front, tile 64 and one
+    split are fastest from 33 sequences up: benchmarks/NOTES.md, entry 22.) Host ints only, so a
     captured graph keeps its grid."""
     programs = num_seqs * num_kv_heads
-    return max(1, min(max(2, triton.cdiv(2 * num_sms, programs)), triton.cdiv(max_seq_len, tile_n), 64))
+    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
+
+
+# The most block-table entries a decode program keeps in registers (4 a thread at 4 warps); a
+# longer row (a max_model_len above 8,192 tokens at block size 16) loads each tile's ids instead.
+ROW_BLOCKS_LIMIT = 512
+
+
+def _row_blocks(table_width: int, block_size: int, tile_n: int) -> int:
+    """The decode kernel's ROW_BLOCKS: every block id a tile can reach (the row rounded up to whole
+    tiles, then to a power of two), or 0 where that is more than ROW_BLOCKS_LIMIT."""
+    reach = triton.next_power_of_2(max(1, triton.cdiv(table_width * block_size, tile_n) * tile_n // block_size))
+    return reach if reach <= ROW_BLOCKS_LIMIT else 0
 
 
 def _dot_in_fp32(q: torch.Tensor) -> bool:
@@ -332,12 +359,13 @@ def _cache_strides(k_cache, v_cache):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, tile_n: int = 128, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
+                           num_stages: int = 3, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
-    knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults, the
-    fastest of its sweep on the H200 (256 sequences x ~1000 tokens: tile 128, 2 stages, 88.6% of
-    copy bandwidth, against 81.6% for tile 64, 3 stages)."""
+    knobs are exposed for benchmarks and tests (row_blocks_limit: see ROW_BLOCKS_LIMIT);
+    paged_attention uses the defaults, the fastest of a sweep over the benchmark's schedule on the
+    H200 (tile 64, 3 stages, 4 warps: 3.55 s of decode attention over the run, against 3.69 s
+    for tile 128 with 2 stages; benchmarks/NOTES.md, entry 22)."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -354,14 +382,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_max = partial_sum = out     # unused
+    block_size, table_width = k_cache.shape[1], block_tables.shape[1]
+    row_blocks = _row_blocks(table_width, block_size, tile_n)
+    if row_blocks > (ROW_BLOCKS_LIMIT if row_blocks_limit is None else row_blocks_limit):
+        row_blocks = 0
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *_cache_strides(k_cache, v_cache),
+        scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n, NUM_SPLITS=num_splits,
-        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
+        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
+        num_stages=num_stages)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)

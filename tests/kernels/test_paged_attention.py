@@ -49,11 +49,24 @@ def test_decode_matches_reference(device, num_heads, num_kv_heads, block_size):
 
 
 @pytest.mark.parametrize("num_splits,tile_n", [(1, 16), (3, 16), (8, 32), (40, 16)])  # 40: most splits empty
-def test_decode_splits_match_reference(device, num_splits, tile_n):
+@pytest.mark.parametrize("row_blocks_limit", [None, 0])      # the block-table row up front, or each tile's ids
+def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_limit):
     batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 4, device)
     out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS),
-                                 num_splits=num_splits, tile_n=tile_n)
+                                 num_splits=num_splits, tile_n=tile_n, row_blocks_limit=row_blocks_limit)
     check(out, *batch)
+
+
+def test_decode_row_blocks():
+    """The row a decode program keeps covers every block a tile can reach, rounded up to whole
+    tiles and a power of two; a row over the limit falls back to per-tile loads (0)."""
+    from mini_engine.kernels.paged_attention import ROW_BLOCKS_LIMIT, _row_blocks
+    assert _row_blocks(128, 16, 64) == 128             # max_model_len 2,048 at block size 16
+    assert _row_blocks(3, 16, 64) == 4                 # 48 tokens: one tile of 64 reaches block 3
+    assert _row_blocks(5, 1, 16) == 16
+    assert _row_blocks(1, 256, 64) == 1
+    assert _row_blocks(ROW_BLOCKS_LIMIT, 16, 64) == ROW_BLOCKS_LIMIT
+    assert _row_blocks(ROW_BLOCKS_LIMIT + 1, 16, 64) == 0
 
 
 def test_decode_with_graph_upper_bound(device):
@@ -116,13 +129,16 @@ def test_head_dim_padded(device, head_dim, max_query_len):
 
 
 def test_decode_split_count():
-    """Two programs per SM where the batch is small; at least two splits even when the batch alone
-    fills the GPU (the tail of long contexts); one when the longest context fits one tile."""
+    """About two programs per SM where the batch is small; one split once the batch alone fills
+    the GPU; never more than the longest context has tiles."""
     from mini_engine.kernels.paged_attention import decode_num_splits
     assert decode_num_splits(1, 8, 2048, 128, 132) == 16          # capped by the 16 tiles of 2,048 tokens
-    assert decode_num_splits(16, 8, 2048, 128, 132) == 3
-    assert decode_num_splits(256, 8, 2048, 128, 132) == 2
-    assert decode_num_splits(256, 8, 100, 128, 132) == 1
+    assert decode_num_splits(1, 8, 2048, 64, 132) == 32
+    assert decode_num_splits(16, 8, 2048, 64, 132) == 3
+    assert decode_num_splits(32, 8, 2048, 64, 132) == 2
+    assert decode_num_splits(33, 8, 2048, 64, 132) == 1
+    assert decode_num_splits(256, 8, 2048, 64, 132) == 1
+    assert decode_num_splits(4, 8, 100, 64, 132) == 2             # 100 tokens: two tiles
 
 
 def test_decode_rejects_more_sequences_than_the_grid_holds(device):

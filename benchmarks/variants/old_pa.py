@@ -1,0 +1,414 @@
+# The engine's decode attention before entry 22 (20de2ab), for the A/B on one machine.
+"""Attention over the paged KV cache for a variable-length batch.
+
+The batch is flattened: query tokens of sequence b are rows query_start_loc[b]:query_start_loc[b+1]
+of q, and its context (cached tokens and this step's tokens, already written to the cache) is the
+first seq_lens[b] slots reached through block_tables[b]. Query row i of a sequence that has n query
+rows sits at position seq_lens[b] - n + i and attends causally to keys 0..that position.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, Hkv, D]: one sequence's keys or values, copied out of the block pool."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """The oracle: one sequence at a time, in fp32, with an explicit causal mask."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        if q_end == q_start:
+            continue
+        k = gather_kv_ref(k_cache, block_tables[b], seq_len).float()
+        v = gather_kv_ref(v_cache, block_tables[b], seq_len).float()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        qb = q[q_start:q_end].float()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                                 scale: float) -> torch.Tensor:
+    """Batched eager decode (one query row per sequence): gathers every context into a padded
+    tensor, then one masked SDPA call. The copy is the cost the Triton kernel removes."""
+    block_size = k_cache.shape[1]
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks].clamp(min=0).long()
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)     # [B, Hkv, L, D]
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    # Slots past a sequence's end hold whatever was there, and a masked score or weight does not
+    # cancel a stale NaN (NaN - inf and 0 * NaN are NaN): clear them.
+    stale = ~mask[:, None, :, None]
+    k, v = k.masked_fill(stale, 0), v.masked_fill(stale, 0)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+# ---- Triton ----
+#
+# Both kernels read K and V straight from the block pool: a tile of TILE_N context tokens looks up
+# each token's block in the block table (token // block_size), so a tile may span several blocks
+# (block_size 16, tile 64) or part of one (block_size 256), and any block_size >= 1 works. Each
+# program owns one KV head and all the query heads that share it (GQA), so every K/V tile is loaded
+# once per group. The query rows of a program are (token, head) pairs, row r = token * QH + head,
+# padded to BLOCK_M >= 16 rows (tl.dot's minimum); softmax is online, in base 2. K and V are
+# converted to q's dtype as they load (a no-op today; where an fp8 cache would dequantise).
+
+import functools  # noqa: E402
+import math  # noqa: E402
+
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+
+
+@triton.jit
+def _rows_mask(row_valid, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Mask of a [rows, BLOCK_D] tile: the valid rows, and where BLOCK_D pads head_dim up to a
+    power of two >= 16 (tl.dot's minimum), the columns < HEAD_DIM. Decided at compile time, so
+    the usual head_dim 128 gets a row mask only."""
+    if BLOCK_D == HEAD_DIM:
+        return row_valid[:, None]
+    else:
+        return row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def _load_query_rows(q_ptr, row_offsets, row_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr):
+    """The program's query rows [BLOCK_M, BLOCK_D], row r at q_ptr + row_offsets[r] (zeros where
+    not valid), with their mask and the column offsets, which the output store reuses."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
+    q = tl.load(q_ptr + row_offsets[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    return q, q_mask, offs_d
+
+
+@triton.jit
+def _empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Running max, sum and accumulator of an online softmax that has seen no key yet."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, seq_len,
+                 query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
+                 stride_v_block, stride_v_offset, stride_v_head,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Folds context tokens [tile_start, tile_start + TILE_N) into the running softmax state
+    (m_i, l_i, acc) of the query rows q [BLOCK_M, D]. Tokens past seq_len, behind a -1 block-table
+    entry, or (CAUSAL) after a row's position are masked and never read."""
+    offs_n = tile_start + tl.arange(0, TILE_N)
+    in_context = offs_n < seq_len
+    block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=-1)
+    valid = block >= 0
+    block = tl.maximum(block, 0).to(tl.int64)
+    offset = (offs_n % BLOCK_SIZE).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
+    k = tl.load(k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None]
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None]
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+
+    s = tl.dot(q, tl.trans(k)) * qk_scale                  # [BLOCK_M, TILE_N], log2 units
+    keep = valid[None, :]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= query_pos[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
+        stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+        stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr):
+    """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
+    seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
+    shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
+    depends only on the batch shape (CUDA-graph safe) and a short context just leaves some splits
+    empty. With one split the result is final and goes straight to out; otherwise the unnormalised
+    accumulator, running max and sum go to the partial buffers for _paged_decode_reduce_kernel.
+
+    The grid's order is measured, not arbitrary: the GPU starts programs x fastest, so this one
+    starts all of a sequence's programs together, sequence after sequence. On the H200 the whole
+    benchmark ran 5.24 s against 5.33-5.37 s with the sequence fastest (benchmarks/NOTES.md,
+    entry 18). A start order read from memory (longest context first) cost more than it won: one
+    more dependent load before each program's first tile."""
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows
+    q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
+                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+    m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    for tile in range(tile_lo, tile_hi):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+                                     tile * TILE_N, seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
+                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, False)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # partial buffers: [num_seqs, NUM_HEADS, NUM_SPLITS] (+ [BLOCK_D] for the accumulator)
+        part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(partial_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, out_ptr,
+        stride_out_token, stride_out_head,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    """Flash-decoding, second half. Program (seq, head block): for each of BLOCK_HEADS heads,
+    rescales each split's partial result by exp2(its max - the overall max) and divides by the
+    rescaled total sum. Empty splits carry max -inf and sum 0 and drop out; a row with no context
+    at all gets zeros. Several heads a program: with one tiny program per (seq, head), launching
+    them was the cost (on the H200 at 256 sequences x 2 splits: 4.67 us one head a program, 2.24 us
+    sixteen; at 64 sequences 2.27 -> 1.86 us)."""
+    seq = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    valid = (heads[:, None] < NUM_HEADS) & (splits[None, :] < NUM_SPLITS)          # [H, S]
+    part = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * NUM_SPLITS + splits[None, :]
+    m = tl.load(partial_max_ptr + part, mask=valid, other=float("-inf"))
+    l = tl.load(partial_sum_ptr + part, mask=valid, other=0.0)
+    m_max = tl.max(m, axis=1)
+    weight = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)[:, None])    # [H, S]
+    total = tl.sum(weight * l, axis=1)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(partial_out_ptr + part[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=valid[:, :, None],
+                  other=0.0)                                                          # [H, S, D]
+    out = tl.sum(acc * weight[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(heads[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM))
+
+
+# num_seqs changes every step: left unspecialised, it costs no recompilation when it does.
+@triton.jit(do_not_specialize=["num_seqs"])
+def _paged_prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+        qk_scale, num_seqs, stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+        stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SEQS: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr):
+    """The whole variable-length batch in one launch (prefill chunks, prefix hits, and decode rows as
+    queries of length 1). Program (q_block, kv_head): BLOCK_Q consecutive query tokens of one
+    sequence times the QUERIES_PER_KV heads of kv_head, against that sequence's context up to the
+    block's last query position, with the causal mask. Sequence b owns the program ids from
+    query_start_loc[b] // BLOCK_Q + b on, enough for its query blocks; the grid is the upper
+    bound T // BLOCK_Q + num_seqs, and each program finds its sequence by counting how many
+    sequences start at or before it (no host sync). Spare programs exit at once."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = -1
+    for chunk in range(0, num_seqs, BLOCK_SEQS):        # one pass unless the batch is very wide
+        seqs = chunk + tl.arange(0, BLOCK_SEQS)
+        first_block = tl.load(query_start_loc_ptr + seqs, mask=seqs < num_seqs, other=0) // BLOCK_Q + seqs
+        seq += tl.sum(((first_block <= pid) & (seqs < num_seqs)).to(tl.int32), axis=0)
+    q_block = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len           # tokens cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = q_block * BLOCK_Q + rows // QUERIES_PER_KV      # index within the sequence's queries
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_index < q_len)
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    token = (q_start + q_index).to(tl.int64)
+    query_pos = context_len + q_index
+    q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
+                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+    m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    # Keys up to the last query position of this block (masked rows hold smaller positions).
+    kv_len = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    for tile in range(0, tl.cdiv(kv_len, TILE_N)):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+                                     tile * TILE_N, kv_len, query_pos, qk_scale, stride_k_block, stride_k_offset,
+                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, True)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4    # the interpreter: any small number, so tests exercise several splits
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
+    """How many programs share one (sequence, KV head): enough for about two programs per SM, and
+    at least two even when the batch alone fills the GPU, never more than the longest context has
+    tiles. The second split pays at every batch size of the benchmark's schedule: a wave of
+    programs ends with its longest contexts, and halving them shortens that tail by more than the
+    reduce kernel costs (benchmarks/decode_sweep.py on the H200: decode attention over the whole
+    run 3.94 s with at least two splits, 4.13 s with one at large batches). Host ints only, so a
+    captured graph keeps its grid."""
+    programs = num_seqs * num_kv_heads
+    return max(1, min(max(2, triton.cdiv(2 * num_sms, programs)), triton.cdiv(max_seq_len, tile_n), 64))
+
+
+def _dot_in_fp32(q: torch.Tensor) -> bool:
+    # Triton 3.9's interpreter (CPU tensors) multiplies bf16/fp16 tl.dot operands wrongly; there the
+    # kernels feed tl.dot fp32 copies. On the GPU the dots stay in the model dtype.
+    return q.device.type == "cpu"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _check_shapes(q, k_cache, v_cache, block_tables):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    return num_heads, num_kv_heads, head_dim
+
+
+def _cache_strides(k_cache, v_cache):
+    return (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                           scale: float, max_seq_len: int, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, tile_n: int = 128, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
+    """Flash-decoding for batches of one query token per sequence. The tile, split and launch
+    knobs are exposed for benchmarks/kernel_check.py; paged_attention uses the defaults, the
+    fastest of its sweep on the H200 (256 sequences x ~1000 tokens: tile 128, 2 stages, 88.6% of
+    copy bandwidth, against 81.6% for tile 64, 3 stages)."""
+    num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        return out
+    if num_seqs > 65535:
+        raise ValueError(f"decode attention takes at most 65,535 sequences a launch (CUDA's grid z), got {num_seqs}")
+    queries_per_kv = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
+    if num_splits > 1:
+        partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+        partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_max = partial_sum = out     # unused
+    _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n, NUM_SPLITS=num_splits,
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        block_splits = triton.next_power_of_2(num_splits)
+        # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
+        block_heads = min(triton.next_power_of_2(num_heads), max(1, 4096 // (block_splits * _block_d(head_dim))))
+        _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
+            partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None, block_m: int = 64, tile_n: int = 64,
+                            num_warps: int = 4, num_stages: int = 2, block_seqs: int = 256) -> torch.Tensor:
+    """One launch for a mixed variable-length batch (any query lengths). block_seqs is how many
+    query_start_loc entries a program scans at a time to find its sequence: a constant, so that
+    batches of any width share one compiled kernel."""
+    num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
+    out = torch.empty_like(q) if out is None else out
+    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    queries_per_kv = num_heads // num_kv_heads
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * math.log2(math.e), num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_SEQS=block_seqs,
+        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
+    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch. Every host
+    choice depends on shapes and the two host ints only, so the decode path can be graph-captured
+    (pass max_seq_len = max_model_len there)."""
+    if max_query_len == 1:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      max_seq_len, out)
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
