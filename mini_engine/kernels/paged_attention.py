@@ -321,16 +321,19 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
 
 
-# The most block-table entries a decode program keeps in registers (4 a thread at 4 warps); a
-# longer row (a max_model_len above 8,192 tokens at block size 16) loads each tile's ids instead.
-ROW_BLOCKS_LIMIT = 512
+# How many block-table entries a decode program keeps in registers (one or four a thread at 4
+# warps): the smallest of these that holds every block a tile can reach. Two sizes, not one per
+# table width, so that an eager run, whose tables are as wide as the batch's longest sequence,
+# compiles at most two variants. A longer row (a max_model_len above 8,192 tokens at block size
+# 16) loads each tile's ids instead.
+ROW_BLOCKS_SIZES = (128, 512)
 
 
 def _row_blocks(table_width: int, block_size: int, tile_n: int) -> int:
-    """The decode kernel's ROW_BLOCKS: every block id a tile can reach (the row rounded up to whole
-    tiles, then to a power of two), or 0 where that is more than ROW_BLOCKS_LIMIT."""
-    reach = triton.next_power_of_2(max(1, triton.cdiv(table_width * block_size, tile_n) * tile_n // block_size))
-    return reach if reach <= ROW_BLOCKS_LIMIT else 0
+    """The decode kernel's ROW_BLOCKS for a block table table_width entries wide: the smallest size
+    in ROW_BLOCKS_SIZES covering the row rounded up to whole tiles, or 0 where none does."""
+    reach = triton.cdiv(table_width * block_size, tile_n) * tile_n // block_size
+    return next((size for size in ROW_BLOCKS_SIZES if reach <= size), 0)
 
 
 def _dot_in_fp32(q: torch.Tensor) -> bool:
@@ -362,7 +365,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
                            num_stages: int = 3, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
-    knobs are exposed for benchmarks and tests (row_blocks_limit: see ROW_BLOCKS_LIMIT);
+    knobs are exposed for benchmarks and tests (row_blocks_limit: the most entries of the block-table
+    row a program may keep, 0 for per-tile id loads);
     paged_attention uses the defaults, the fastest of a sweep over the benchmark's schedule on the
     H200 (tile 64, 3 stages, 4 warps: 3.55 s of decode attention over the run, against 3.69 s
     for tile 128 with 2 stages; benchmarks/NOTES.md, entry 22)."""
@@ -384,7 +388,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial_out = partial_max = partial_sum = out     # unused
     block_size, table_width = k_cache.shape[1], block_tables.shape[1]
     row_blocks = _row_blocks(table_width, block_size, tile_n)
-    if row_blocks > (ROW_BLOCKS_LIMIT if row_blocks_limit is None else row_blocks_limit):
+    if row_blocks_limit is not None and row_blocks > row_blocks_limit:
         row_blocks = 0
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,

@@ -58,23 +58,17 @@ def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_li
 
 
 def test_decode_row_blocks():
-    """The row a decode program keeps covers every block a tile can reach, rounded up to whole
-    tiles and a power of two; a row over the limit falls back to per-tile loads (0)."""
-    from mini_engine.kernels.paged_attention import ROW_BLOCKS_LIMIT, _row_blocks
+    """The row a decode program keeps covers every block a tile can reach (the row rounded up to
+    whole tiles), in one of two sizes so that tables of any width compile at most two variants; a
+    row longer than the largest falls back to per-tile loads (0)."""
+    from mini_engine.kernels.paged_attention import ROW_BLOCKS_SIZES, _row_blocks
+    assert ROW_BLOCKS_SIZES == (128, 512)
     assert _row_blocks(128, 16, 64) == 128             # max_model_len 2,048 at block size 16
-    assert _row_blocks(3, 16, 64) == 4                 # 48 tokens: one tile of 64 reaches block 3
-    assert _row_blocks(5, 1, 16) == 16
-    assert _row_blocks(1, 256, 64) == 1
-    assert _row_blocks(ROW_BLOCKS_LIMIT, 16, 64) == ROW_BLOCKS_LIMIT
-    assert _row_blocks(ROW_BLOCKS_LIMIT + 1, 16, 64) == 0
-
-
-def test_decode_with_graph_upper_bound(device):
-    """Under CUDA graphs max_seq_len is max_model_len, far above every real context: the split
-    count comes from it, and the short contexts leave most splits empty."""
-    batch = make_batch([1, 1], [40, 3], 4, 2, 16, device)
-    out = paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=4096)
-    check(out, *batch)
+    assert _row_blocks(3, 16, 64) == 128
+    assert _row_blocks(129, 16, 64) == 512             # 2,064 tokens: reaches block 131
+    assert _row_blocks(512, 16, 64) == 512
+    assert _row_blocks(513, 16, 64) == 0
+    assert _row_blocks(130, 1, 16) == 512              # block size 1: 144 entries with whole tiles
 
 
 # Mixed batch: decode rows, a fresh prefill, chunks that follow cached context (prefix hits,
