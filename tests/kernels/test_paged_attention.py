@@ -71,6 +71,14 @@ def test_decode_row_blocks():
     assert _row_blocks(130, 1, 16) == 512              # block size 1: 144 entries with whole tiles
 
 
+def test_decode_with_graph_upper_bound(device):
+    """Under CUDA graphs max_seq_len is max_model_len, far above every real context: the split
+    count comes from it, and the short contexts leave most splits empty."""
+    batch = make_batch([1, 1], [40, 3], 4, 2, 16, device)
+    out = paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=4096)
+    check(out, *batch)
+
+
 # Mixed batch: decode rows, a fresh prefill, chunks that follow cached context (prefix hits,
 # earlier chunks), chunks crossing block boundaries, and a decode row after the prefills.
 MIXED_QUERY_LENS = [1, 1, 9, 17, 5, 1, 33]
