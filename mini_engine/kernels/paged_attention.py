@@ -365,11 +365,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
                            num_stages: int = 3, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
-    knobs are exposed for benchmarks and tests (row_blocks_limit: the most entries of the block-table
-    row a program may keep, 0 for per-tile id loads);
-    paged_attention uses the defaults, the fastest of a sweep over the benchmark's schedule on the
-    H200 (tile 64, 3 stages, 4 warps: 3.55 s of decode attention over the run, against 3.69 s
-    for tile 128 with 2 stages; benchmarks/NOTES.md, entry 22)."""
+    knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
+    program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
+    a sweep over the benchmark's schedule on the H200 (tile 64, 3 stages, 4 warps: 3.55 s of
+    decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
+    entry 22)."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
