@@ -9,12 +9,11 @@ overhead is out of the picture:
   * every projection of a layer (qkv, o, gate_up, down) at every captured batch size, cuBLAS
     against the skinny Triton kernel's configurations;
   * prefill attention on the first prefill step, for a few tile shapes;
-  * the sampler at a few batch sizes;
-  * the fused projections (QKV + rotary + KV write; SwiGLU + down) against what they replace.
+  * the sampler at a few batch sizes.
 Each table ends with the run total it implies (28 layers x the steps at that batch size), so a
 choice is judged by what it would save over the whole benchmark. Needs CUDA.
 
-    PYTHONPATH=. python benchmarks/decode_sweep.py [--sections attention gemm prefill sampler fused] [--out DIR]
+    PYTHONPATH=. python benchmarks/decode_sweep.py [--sections attention gemm sampler] [--out DIR]
 """
 import argparse
 import collections
@@ -260,105 +259,6 @@ def sweep_gemm(schedule, results: dict, max_rows: int = 256, only_rows: list[int
     results["gemm_totals"] = dict(cublas=dict(cublas_total), best=dict(best_total))
 
 
-def qkv_rope_configs(num_rows: int):
-    from mini_engine.kernels.qkv_proj_rope import QKVRopeConfig as C
-    bm = max(16, min(64, 1 << (num_rows - 1).bit_length()))
-    if num_rows <= 16:
-        return [C(16, 128), C(16, 64), C(16, 256, num_stages=3), C(16, 128, w_on_m=False), C(16, 128, num_warps=8)]
-    if num_rows <= 64:
-        return [C(bm, 128), C(bm, 64), C(16, 128), C(bm, 128, w_on_m=False), C(bm, 64, num_warps=8, num_stages=3),
-                C(bm, 128, num_stages=3)]
-    return [C(64, 64), C(64, 128, num_stages=3), C(32, 128), C(128, 64, num_warps=8, num_stages=3),
-            C(64, 64, w_on_m=False), C(64, 128, num_warps=8, num_stages=3), C(16, 128)]
-
-
-def gated_down_configs(num_rows: int):
-    from mini_engine.kernels.linear import SkinnyConfig
-    if num_rows <= 64:
-        return skinny_configs(num_rows) + [SkinnyConfig(16, 256, 4, 4, 4), SkinnyConfig(16, 256, 2, 4, 4)]
-    return [c for c in skinny_configs(num_rows) if c.block_m and c.block_m <= 128]
-
-
-def sweep_fused(schedule, results: dict, only_rows: list[int] | None = None):
-    """The two fusions into projections, against the kernels they replace, at every captured batch
-    size the run uses: the QKV projection with QK-norm, rotary and KV write (kernels/qkv_proj_rope.py)
-    against cuBLAS + the rotary kernel; the down projection with SwiGLU in its loads (skinny_linear
-    gated) against the SwiGLU kernel + the layer's current down projection (skinny or cuBLAS)."""
-    import torch.nn.functional as F
-    from mini_engine.kernels.activation import silu_and_mul
-    from mini_engine.kernels.linear import skinny_config, skinny_linear
-    from mini_engine.kernels.qkv_proj_rope import qkv_proj_rope
-    from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write, rope_cos_sin_cache
-    steps_at = collections.Counter(size for size in map(graph_size, map(len, schedule))
-                                   if not only_rows or size in only_rows)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    n_qkv = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    w_qkv = [torch.randn(n_qkv, HIDDEN, device="cuda", generator=gen).to(DTYPE) / HIDDEN ** 0.5 for _ in range(LAYERS)]
-    w_down = [torch.randn(HIDDEN, INTERMEDIATE, device="cuda", generator=gen).to(DTYPE) / INTERMEDIATE ** 0.5
-              for _ in range(LAYERS)]
-    cos_sin = rope_cos_sin_cache(HEAD_DIM, MAX_MODEL_LEN, 1e6, device="cuda")
-    norm_w = torch.ones(HEAD_DIM, device="cuda", dtype=DTYPE)
-    num_blocks = 256 * MAX_MODEL_LEN // BLOCK_SIZE
-    k_cache, v_cache = make_kv_cache(num_blocks, BLOCK_SIZE, "token", gen)
-    totals = collections.Counter()
-    print("\n== fused projections against the kernels they replace (us a layer) ==")
-    for m in sorted(steps_at):
-        x = torch.randn(m, HIDDEN, device="cuda", generator=gen).to(DTYPE)
-        pos = torch.randint(0, MAX_MODEL_LEN, (m,), device="cuda", generator=gen)
-        slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda", generator=gen)[:m]
-        rope_args = (pos, cos_sin, norm_w, norm_w, 1e-6, k_cache, v_cache, slots, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
-        base = time_us(lambda: [qk_norm_rope_kv_write(F.linear(x, w), *rope_args) for w in w_qkv]) / LAYERS
-        ref = qk_norm_rope_kv_write(F.linear(x, w_qkv[0]), *rope_args).float()
-        row = {"cublas+rope": base}
-        for cfg in qkv_rope_configs(m):
-            label = f"qkv m{cfg.block_m} k{cfg.block_k} {'wx' if cfg.w_on_m else 'xw'} w{cfg.num_warps} s{cfg.num_stages}"
-            try:
-                err = (qkv_proj_rope(x, w_qkv[0], *rope_args, config=cfg).float() - ref).abs().max().item()
-                if err > 0.1:
-                    print(f"  m={m} {label}: WRONG (max err {err:.3g})")
-                    continue
-                row[label] = time_us(lambda cfg=cfg: [qkv_proj_rope(x, w, *rope_args, config=cfg)
-                                                      for w in w_qkv]) / LAYERS
-            except Exception as e:
-                print(f"  m={m} {label}: failed ({type(e).__name__}: {str(e)[:80]})")
-        best = min(row, key=row.get)
-        totals["qkv base"] += base * steps_at[m] * LAYERS / 1e6
-        totals["qkv best"] += row[best] * steps_at[m] * LAYERS / 1e6
-        print(f"  qkv  m={m:3d} ({steps_at[m]:3d} steps): cuBLAS + rope {base:6.2f}  best {row[best]:6.2f} ({best})"
-              + "".join(f"\n      {k}: {v:.2f}" for k, v in row.items() if k not in ("cublas+rope", best)), flush=True)
-        results["fused"].append(dict(kind="qkv", m=m, steps=steps_at[m], us=row))
-
-        gate_up = torch.randn(m, 2 * INTERMEDIATE, device="cuda", generator=gen).to(DTYPE)
-        current = skinny_config(m, HIDDEN, INTERMEDIATE)
-
-        def down(w):
-            act = silu_and_mul(gate_up)
-            return skinny_linear(act, w, current) if current else F.linear(act, w)
-        base = time_us(lambda: [down(w) for w in w_down]) / LAYERS
-        ref = down(w_down[0]).float()
-        row = {"swiglu+down": base}
-        for cfg in gated_down_configs(m):
-            label = (f"down {f'm{cfg.block_m} ' if cfg.block_m else ''}n{cfg.block_n} k{cfg.block_k} "
-                     f"split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}")
-            try:
-                err = (skinny_linear(gate_up, w_down[0], cfg, gated=True).float() - ref).abs().max().item()
-                if err > 0.1:
-                    print(f"  m={m} {label}: WRONG (max err {err:.3g})")
-                    continue
-                row[label] = time_us(lambda cfg=cfg: [skinny_linear(gate_up, w, cfg, gated=True)
-                                                      for w in w_down]) / LAYERS
-            except Exception as e:
-                print(f"  m={m} {label}: failed ({type(e).__name__}: {str(e)[:80]})")
-        best = min(row, key=row.get)
-        totals["down base"] += base * steps_at[m] * LAYERS / 1e6
-        totals["down best"] += row[best] * steps_at[m] * LAYERS / 1e6
-        print(f"  down m={m:3d} ({steps_at[m]:3d} steps): SwiGLU + down {base:6.2f}  best {row[best]:6.2f} ({best})"
-              + "".join(f"\n      {k}: {v:.2f}" for k, v in row.items() if k not in ("swiglu+down", best)), flush=True)
-        results["fused"].append(dict(kind="down", m=m, steps=steps_at[m], us=row))
-    print("  run totals (s): " + "  ".join(f"{k} {v:.3f}" for k, v in totals.items()))
-    results["fused_totals"] = dict(totals)
-
-
 def sweep_sampler(results: dict):
     from mini_engine.kernels.sampling import sample
     print("\n== sampler (bf16 logits, temperature 0.6) ==")
@@ -398,7 +298,7 @@ def main(argv=None) -> int:
     from benchmarks.floor import copy_bandwidth
     schedule = decode_schedule()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "copy_GBps": copy_bandwidth(torch.device("cuda")) / 1e9, "attention": [], "gemm": [], "sampler": [], "fused": []}
+               "copy_GBps": copy_bandwidth(torch.device("cuda")) / 1e9, "attention": [], "gemm": [], "sampler": []}
     print(f"{results['device']}, copy {results['copy_GBps']:.0f} GB/s; {len(schedule)} decode steps")
     if "attention" in args.sections:
         results["read_GBps"] = read_bandwidth() / 1e9        # the attention's own ceiling
@@ -409,8 +309,6 @@ def main(argv=None) -> int:
         sweep_prefill(results)
     if "sampler" in args.sections:
         sweep_sampler(results)
-    if "fused" in args.sections:
-        sweep_fused(schedule, results, args.gemm_rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_sweep.json"), "w") as f:

@@ -14,25 +14,18 @@ from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
-def silu_and_mul_tile(gate, up):
-    """silu(gate) * up on tiles in the model dtype. SiLU runs in fp32 and is rounded to the model
-    dtype before the product, as the eager F.silu(gate) * up does."""
-    gate = gate.to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(up.dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, intermediate_size, stride_in, stride_out,
                          BLOCK: tl.constexpr):
     """Program (token, column block): out = silu(gate) * up for BLOCK columns of one token, where
-    gate and up are the two halves of the packed row."""
+    gate and up are the two halves of the packed row. SiLU runs in fp32 and is rounded to the
+    model dtype before the product, as the eager F.silu(gate) * up does."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + intermediate_size + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, silu_and_mul_tile(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

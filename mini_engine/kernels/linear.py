@@ -18,7 +18,6 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 from dataclasses import dataclass  # noqa: E402
 
-from mini_engine.kernels.activation import silu_and_mul_tile  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
@@ -26,14 +25,11 @@ from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                          INPUT_PRECISION: tl.constexpr, GATED: tl.constexpr):
+                          INPUT_PRECISION: tl.constexpr):
     """Program (n_block, m_block, k_split): out[m_block, n_block] over the k_split-th of SPLIT_K
     equal shares of K, accumulated in fp32. With one share the result is rounded and stored; with
     more, the fp32 partial goes to partial[k_split] and _sum_splits_kernel adds the shares.
-    BLOCK_M covers the whole batch, so each weight tile is read from memory once.
-    GATED: x is the packed [gate | up] output of the MLP's first projection, K columns each, and
-    the kernel multiplies silu(gate) * up (activation.py's SwiGLU, with its roundings) as it
-    loads, so the activation never makes a round trip through memory."""
+    BLOCK_M covers the whole batch, so each weight tile is read from memory once."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -48,16 +44,12 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm
     for k in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            x_mask = row_ok[:, None]
+            x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None], other=0.0)
         else:
             k_ok = offs_k < K
-            x_mask = row_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-        if GATED:
-            up = tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0)
-            x = silu_and_mul_tile(x, up)
         if DOT_IN_FP32:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
@@ -94,7 +86,7 @@ class SkinnyConfig:
 SKINNY_MAX_ROWS = 64
 
 
-def skinny_config(num_rows: int, out_features: int, in_features: int, gated: bool = False) -> SkinnyConfig | None:
+def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
     """The skinny kernel's configuration for an [num_rows, in_features] x [out_features,
     in_features]^T product, or None where cuBLAS is as fast. From benchmarks/decode_sweep.py on
     the H200 (Qwen3-0.6B's projections, weights read from HBM, CUDA-graph replay): the kernel wins
@@ -108,13 +100,11 @@ def skinny_config(num_rows: int, out_features: int, in_features: int, gated: boo
     return SkinnyConfig() if num_rows <= 16 else None
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
-                  gated: bool = False) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """linear_ref(x, weight) for x [M, K] with M small, weight [N, K] row-major -> [M, N] in x's
-    dtype. gated: x is [M, 2K], the packed gate/up output, and the product is
-    linear_ref(silu_and_mul_ref(x), weight). The grid depends on shapes only (CUDA-graph safe)."""
-    m, (n, k) = x.shape[0], weight.shape
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.shape[-1] == (2 * k if gated else k)
+    dtype. The grid depends on shapes only (CUDA-graph safe)."""
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
+    (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -131,7 +121,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
                                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
                                 EVEN_K=k % (block_k * cfg.split_k) == 0, DOT_IN_FP32=x.device.type == "cpu",
                                 # fp32 weights get fp32 products, not TF32 (bf16/fp16 ignore this)
-                                INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated,
+                                INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024

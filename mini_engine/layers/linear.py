@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mini_engine.kernels.linear import SkinnyConfig, skinny_config
+from mini_engine.kernels.linear import skinny_config
 
 
 class Linear(nn.Linear):
@@ -14,20 +14,12 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.use_triton = use_triton
 
-    def skinny_config(self, num_rows: int, gated: bool = False) -> SkinnyConfig | None:
-        if not self.use_triton or self.bias is not None:
-            return None
-        return skinny_config(num_rows, self.out_features, self.in_features, gated)
-
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """gated: x is a packed [gate | up] pair and the layer computes linear(silu(gate) * up), in
-        the skinny kernel; only where skinny_config(rows, gated=True) gives a configuration."""
-        config = self.skinny_config(x.shape[0], gated)
-        if config is not None:
-            from mini_engine.kernels.linear import skinny_linear
-            return skinny_linear(x, self.weight, config, gated)
-        if gated:
-            raise ValueError(f"no gated skinny configuration for {x.shape[0]} rows")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and self.bias is None:
+            config = skinny_config(x.shape[0], self.out_features, self.in_features)
+            if config is not None:
+                from mini_engine.kernels.linear import skinny_linear
+                return skinny_linear(x, self.weight, config)
         return F.linear(x, self.weight, self.bias)
 
 

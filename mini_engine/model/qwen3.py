@@ -3,7 +3,6 @@ import torch
 from torch import nn
 
 from mini_engine.config import ModelConfig
-from mini_engine.kernels.qkv_proj_rope import qkv_rope_config
 from mini_engine.layers.activation import SiluAndMul
 from mini_engine.layers.attention import Attention, AttentionMetadata
 from mini_engine.layers.layernorm import RMSNorm
@@ -22,22 +21,10 @@ class Qwen3Attention(nn.Module):
         self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, config.max_position_embeddings,
                                               config.rope_theta, use_triton="rope_kv" in kernels)
         self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
-        self.fuse_qkv_rope = "qkv_rope" in kernels and not config.attention_bias
-
-    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q, normed and rotated, as [T, Hq, D]; k and v written to the cache. At decode batch
-        sizes one kernel does the projection and everything after it (kernels/qkv_proj_rope.py)."""
-        rope, k_cache, v_cache = self.qk_norm_rope, self.attn.k_cache, self.attn.v_cache
-        config = qkv_rope_config(x.shape[0]) if self.fuse_qkv_rope else None
-        if config is None:
-            return rope(self.qkv_proj(x), positions, k_cache, v_cache, meta.slot_mapping)
-        from mini_engine.kernels.qkv_proj_rope import qkv_proj_rope
-        return qkv_proj_rope(x, self.qkv_proj.weight, positions, rope.cos_sin_cache, rope.q_norm_weight,
-                             rope.k_norm_weight, rope.eps, k_cache, v_cache, meta.slot_mapping,
-                             rope.num_heads, rope.num_kv_heads, rope.head_dim, config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = self.attn(self.project_qkv(x, positions, meta), meta)
+        q = self.qk_norm_rope(self.qkv_proj(x), positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+        out = self.attn(q, meta)
         return self.o_proj(out.flatten(1))
 
 
@@ -49,13 +36,9 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = PackedLinear(config.hidden_size, [i, i], False, skinny)
         self.down_proj = Linear(i, config.hidden_size, False, skinny)
         self.act = SiluAndMul(use_triton="silu_and_mul" in kernels)
-        self.fuse_swiglu_down = "swiglu_down" in kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fuse_swiglu_down and self.down_proj.skinny_config(x.shape[0], gated=True) is not None:
-            return self.down_proj(gate_up, gated=True)      # SwiGLU inside the down projection's kernel
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):

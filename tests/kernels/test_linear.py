@@ -23,26 +23,6 @@ def test_skinny_linear_matches_reference(device, dtype, config, m, n, k):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [SkinnyConfig(), SkinnyConfig(block_n=32, block_k=64, split_k=2),
-                                    SkinnyConfig(block_n=16, block_k=32, split_k=3, block_m=16)])
-@pytest.mark.parametrize("m,n,k", [(1, 48, 256), (5, 40, 200), (37, 24, 96)])
-def test_gated_skinny_linear_matches_swiglu_then_linear(device, dtype, config, m, n, k):
-    """gated=True is the MLP's SwiGLU and down projection in one: x holds [gate | up], K columns
-    each (K = 200 and 96 fill no tile; 37 rows are three row blocks of 16 in the last config).
-    Against the two kernels it replaces the result is bit for bit the same; against the reference,
-    close (a bf16 SwiGLU output can round the other way, as in test_activation)."""
-    from mini_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-    gen = torch.Generator().manual_seed(m * n + k + 1)
-    gate_up = torch.randn(m, 2 * k, generator=gen).to(device, dtype)
-    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
-    out = skinny_linear(gate_up, weight, config, gated=True)
-    assert out.shape == (m, n) and out.dtype == dtype
-    assert torch.equal(out, skinny_linear(silu_and_mul(gate_up), weight, config))
-    ref = linear_ref(silu_and_mul_ref(gate_up).float(), weight.float()).to(dtype)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-
-
 def test_skinny_linear_strided_rows(device):
     """A row stride wider than K (a view into a wider buffer) reads only each row's K columns."""
     gen = torch.Generator().manual_seed(7)
