@@ -13,7 +13,7 @@ from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
-from mini_engine.runner.batch import BatchRow, StepHandle
+from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.sampling_params import SamplingParams
 
@@ -59,13 +59,15 @@ class ModelRunner:
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
         self.prev_sampled_tokens: torch.Tensor | None = None   # the last launch's samples, on the device
+        self.max_blocks = -(-config.max_model_len // self.block_size)
+        self.inputs = StepInputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
+                                       self.max_blocks, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
-            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
-                                                self.block_size, self.device)
+            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device)
             start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.graph_runner.capture()
+            self.graph_runner.capture(lambda bs: self.prepare_inputs([], graph_size=bs)[:3])
             self.cuda_graph_capture_s = time.perf_counter() - start
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
             if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
@@ -105,14 +107,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak_transient = max(peaks)
-        # CUDA graphs hold their static input/logits buffers, and a private pool about as large as
-        # the biggest decode step's activations (peaks[1]), which the eager path cannot reuse.
+        # CUDA graphs hold their static logits buffer, and a private pool about as large as the
+        # biggest decode step's activations (peaks[1]), which the eager path cannot reuse.
         # (On the H200 the activations alone were 107 MiB against 134 MiB used: the buffers count.)
         self.graph_reserve_bytes = 0
         if self.use_cuda_graphs:
             self.graph_reserve_bytes = peaks[1] + CUDAGraphRunner.buffer_bytes(
-                self.config.max_num_seqs, self.config.max_model_len, self.block_size, self.model_config.vocab_size,
-                self.dtype)
+                self.config.max_num_seqs, self.model_config.vocab_size, self.dtype)
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
                   - self.graph_reserve_bytes)
         num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
@@ -145,10 +146,13 @@ class ModelRunner:
         first (they take the batched decode path). A row whose prev_token_index is set takes its
         input token from the previous launch's samples, still on the device: the host need not
         know it, so the engine can schedule step n+1 while step n runs."""
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(rows)
+        graph_size = None
+        if self.graph_runner is not None:
+            graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(rows, graph_size)
         sample_rows = [r for r in rows if r.sample]
-        if self.graph_runner is not None and self.graph_runner.can_run(len(rows), meta.max_query_len):
-            logits = self.graph_runner.run(input_ids, positions, meta)
+        if graph_size is not None:
+            logits = self.graph_runner.replay(graph_size)[:len(rows)]
             if len(sample_rows) < len(rows):
                 logits = logits[logits_indices]
         else:
@@ -167,9 +171,11 @@ class ModelRunner:
                                                     [sample_rows[i].params.logprobs for i in want]))
         return StepHandle.copying(tokens)
 
-    def prepare_inputs(self, rows: list[BatchRow]):
-        """The step's flat input tensors and attention metadata. A decode row costs a few list
-        appends; block tables are one np.stack of the rows' fixed-width arrays."""
+    def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None):
+        """The step's flat input tensors and attention metadata, staged in StepInputBuffers by one
+        copy per dtype. A decode row costs a few list appends; block tables are one padded array
+        a row. graph_size: lay the step out as the CUDA graph of that batch size was captured
+        (rows padded with ones that write nowhere, tables max_model_len wide)."""
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
         from_prev_dst, from_prev_src = [], []      # input tokens still on the device
         bs = self.block_size
@@ -195,25 +201,32 @@ class ModelRunner:
             seq_lens.append(start + n)
             if row.sample:
                 logits_indices.append(num_tokens - 1)
-        max_blocks = max(len(r.block_table) for r in rows)
-        block_tables = np.stack([self.padded_block_table(r, max_blocks) for r in rows])
         num_decodes = 0
         while num_decodes < len(rows) and len(rows[num_decodes].token_ids) == 1:
             num_decodes += 1
-        meta = AttentionMetadata(
-            slot_mapping=self.to_device(slot_mapping, torch.int64),
-            query_start_loc=self.to_device(query_start_loc, torch.int32),
-            seq_lens=self.to_device(seq_lens, torch.int32),
-            block_tables=self.to_device(block_tables, torch.int32),
-            num_decodes=num_decodes,
-            max_query_len=max(len(r.token_ids) for r in rows),
-            max_seq_len=max(seq_lens),
-        )
-        input_ids = self.to_device(input_ids, torch.int64)
+        if graph_size is None:
+            width, max_seq_len = max(len(r.block_table) for r in rows), max(seq_lens)
+            max_query_len, num_rows = max(len(r.token_ids) for r in rows), len(rows)
+        else:
+            width, max_seq_len, max_query_len, num_rows = self.max_blocks, self.config.max_model_len, 1, graph_size
+            pad = graph_size - len(rows)
+            input_ids += [0] * pad
+            positions += [0] * pad
+            slot_mapping += [-1] * pad
+            seq_lens += [1] * pad
+            query_start_loc += range(num_tokens + 1, num_tokens + pad + 1)
+            num_tokens, num_decodes = graph_size, graph_size
+        tables = [self.padded_block_table(r, width) for r in rows]
+        tables.append(np.zeros((num_rows - len(rows), width), dtype=np.int32))    # padding rows read block 0
+        t = self.inputs.stage([input_ids, positions, slot_mapping, logits_indices, from_prev_dst, from_prev_src],
+                              [seq_lens, query_start_loc, *tables], num_tokens, num_rows, width,
+                              len(logits_indices), len(from_prev_dst))
         if from_prev_dst:
-            input_ids[self.to_device(from_prev_dst, torch.int64)] = \
-                self.prev_sampled_tokens[self.to_device(from_prev_src, torch.int64)]
-        return input_ids, self.to_device(positions, torch.int64), meta, self.to_device(logits_indices, torch.int64)
+            t.input_ids[t.from_prev_dst] = self.prev_sampled_tokens[t.from_prev_src]
+        meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
+                                 block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
+                                 max_seq_len=max_seq_len)
+        return t.input_ids, t.positions, meta, t.logits_indices
 
     @staticmethod
     def padded_block_table(row: BatchRow, width: int) -> np.ndarray:
