@@ -39,8 +39,8 @@ class StepProfiler:
         runner, step, prepare, launch = engine.runner, engine.step, engine.runner.prepare_inputs, engine.runner.launch
         self.launched = None
 
-        def timed_prepare(rows):
-            out = prepare(rows)
+        def timed_prepare(rows, *args):
+            out = prepare(rows, *args)
             if cuda:
                 self.launched = [torch.cuda.Event(enable_timing=True), None]
                 self.launched[0].record()

@@ -86,7 +86,12 @@ def test_cpu_smoke_end_to_end(tmp_path):
     proc = run_bench(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "of the floor" in proc.stdout and "CPU smoke" in proc.stdout
-    run_bench(*args[:6], "--label", "second")   # appends, reuses the checkpoint
+    # appends, reuses the checkpoint; --profile times every step through the runner's hooks
+    proc = run_bench(*args[:6], "--label", "second", "--profile", str(tmp_path / "profile"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = (tmp_path / "profile" / "steps.jsonl").read_text().splitlines()
+    assert len(steps) >= max(make_workload(4, **WORKLOADS["cpu-smoke"])[1])
+    assert (tmp_path / "profile" / "profile.png").stat().st_size > 0
     lines = results.read_text().splitlines()
     assert len(lines) == 2
     record = json.loads(lines[0])

@@ -47,33 +47,57 @@ class StepInputBuffers:
     separate graph buffers before a replay. (Stream order makes reuse safe: a step's copy lands
     after the previous step's kernels have read the buffers.)"""
 
+    # Each array starts on a 128-byte boundary: Triton specialises a kernel on its pointers'
+    # alignment, and a block-table row at an odd offset would lose its vector loads.
+    ALIGN_BYTES = 128
+
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device):
         self.device = device
-        self.int64 = torch.zeros(3 * max_tokens + 3 * max_rows, dtype=torch.int64, device=device)
-        self.int32 = torch.zeros(2 * max_rows + 1 + max_rows * max_blocks, dtype=torch.int32, device=device)
+        slack = 6 * self.ALIGN_BYTES
+        self.int64 = torch.zeros(3 * max_tokens + 3 * max_rows + slack // 8, dtype=torch.int64, device=device)
+        self.int32 = torch.zeros(2 * max_rows + 1 + max_rows * max_blocks + slack // 4, dtype=torch.int32,
+                                 device=device)
+
+    @classmethod
+    def offsets(cls, sizes: list[int], itemsize: int) -> list[int]:
+        """Where each of consecutive arrays of these sizes starts, and (last) where they end."""
+        align = cls.ALIGN_BYTES // itemsize
+        out, end = [], 0
+        for size in sizes:
+            start = -(-end // align) * align
+            out.append(start)
+            end = start + size
+        return out + [end]
+
+    @staticmethod
+    def sizes(num_tokens: int, num_rows: int, table_width: int, num_samples: int,
+              num_from_prev: int) -> tuple[list[int], list[int]]:
+        """The int64 arrays' sizes and the int32 arrays', in StepTensors' order."""
+        t, r, p = num_tokens, num_rows, num_from_prev
+        return [t, t, t, num_samples, p, p], [r, r + 1, r * table_width]
 
     def views(self, num_tokens: int, num_rows: int, table_width: int, num_samples: int = 0,
               num_from_prev: int = 0) -> StepTensors:
-        t, r, s, p = num_tokens, num_rows, num_samples, num_from_prev
-        b64, b32 = self.int64, self.int32
-        return StepTensors(
-            input_ids=b64[:t], positions=b64[t:2 * t], slot_mapping=b64[2 * t:3 * t],
-            logits_indices=b64[3 * t:3 * t + s], from_prev_dst=b64[3 * t + s:3 * t + s + p],
-            from_prev_src=b64[3 * t + s + p:3 * t + s + 2 * p],
-            seq_lens=b32[:r], query_start_loc=b32[r:2 * r + 1],
-            block_tables=b32[2 * r + 1:2 * r + 1 + r * table_width].view(r, table_width))
+        sizes64, sizes32 = self.sizes(num_tokens, num_rows, table_width, num_samples, num_from_prev)
+        o64, o32 = self.offsets(sizes64, 8), self.offsets(sizes32, 4)
+        v64 = [self.int64[o:o + n] for o, n in zip(o64, sizes64)]
+        v32 = [self.int32[o:o + n] for o, n in zip(o32, sizes32)]
+        return StepTensors(*v64, v32[0], v32[1], v32[2].view(num_rows, table_width))
 
     def stage(self, int64_parts: list, int32_parts: list, num_tokens: int, num_rows: int, table_width: int,
               num_samples: int, num_from_prev: int) -> StepTensors:
-        """Packs the parts (in StepTensors' order) and copies each dtype's pack to the device."""
-        for parts, buf in ((int64_parts, self.int64), (int32_parts, self.int32)):
-            n = sum(len(p) if isinstance(p, list) else p.size for p in parts)
+        """Packs the parts (in StepTensors' order, block tables as one [rows, width] array) at
+        their offsets and copies each dtype's pack to the device."""
+        sizes = self.sizes(num_tokens, num_rows, table_width, num_samples, num_from_prev)
+        for parts, sizes, buf in ((int64_parts, sizes[0], self.int64), (int32_parts, sizes[1], self.int32)):
+            offsets = self.offsets(sizes, buf.element_size())
             # The caching host allocator hands out pinned memory, and does not reuse it before the
             # copy from it has run: packs of steps in flight never overwrite each other.
-            host = torch.empty(n, dtype=buf.dtype, pin_memory=buf.is_cuda)
-            if n:
-                np.concatenate([np.ravel(p) for p in parts], out=host.numpy(), casting="unsafe")
-            buf[:n].copy_(host, non_blocking=True)
+            host = torch.empty(offsets[-1], dtype=buf.dtype, pin_memory=buf.is_cuda)
+            packed = host.numpy()
+            for part, start, size in zip(parts, offsets, sizes):
+                packed[start:start + size] = np.ravel(part)
+            buf[:offsets[-1]].copy_(host, non_blocking=True)
         return self.views(num_tokens, num_rows, table_width, num_samples, num_from_prev)
 
 

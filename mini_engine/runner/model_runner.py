@@ -216,10 +216,11 @@ class ModelRunner:
             seq_lens += [1] * pad
             query_start_loc += range(num_tokens + 1, num_tokens + pad + 1)
             num_tokens, num_decodes = graph_size, graph_size
-        tables = [self.padded_block_table(r, width) for r in rows]
-        tables.append(np.zeros((num_rows - len(rows), width), dtype=np.int32))    # padding rows read block 0
+        block_tables = np.zeros((num_rows, width), dtype=np.int32)       # padding rows read block 0
+        for i, row in enumerate(rows):
+            block_tables[i] = self.padded_block_table(row, width)
         t = self.inputs.stage([input_ids, positions, slot_mapping, logits_indices, from_prev_dst, from_prev_src],
-                              [seq_lens, query_start_loc, *tables], num_tokens, num_rows, width,
+                              [seq_lens, query_start_loc, block_tables], num_tokens, num_rows, width,
                               len(logits_indices), len(from_prev_dst))
         if from_prev_dst:
             t.input_ids[t.from_prev_dst] = self.prev_sampled_tokens[t.from_prev_src]

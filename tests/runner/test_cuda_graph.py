@@ -75,3 +75,21 @@ def test_tokens_from_the_previous_launch_fill_the_staged_ids(tiny_checkpoint):
     runner.prev_sampled_tokens = torch.tensor([7, 8, 9])
     ids = runner.prepare_inputs(rows, graph_size=8)[0]
     assert ids.tolist() == [100, 9, 102, 7, 104, 0, 0, 0]
+
+
+def test_staged_arrays_start_aligned(tiny_checkpoint):
+    """Every staged array starts 128 bytes from another into its buffer (whose base the CUDA
+    allocator aligns to 512): Triton specialises its kernels on pointer alignment, and a
+    block-table row at an odd offset would lose its vector loads. Odd sizes too."""
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
+                                      max_num_seqs=24, block_size=4))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for n, graph_size in ((13, None), (13, 16), (1, 1), (7, None)):
+        rows = _decode_rows(n, 4, params)
+        rows[0].prev_token_index = 0
+        runner.prev_sampled_tokens = torch.tensor([3])
+        ids, pos, meta, logits_indices = runner.prepare_inputs(rows, graph_size)
+        for t in (ids, pos, logits_indices, meta.slot_mapping):
+            assert (t.data_ptr() - runner.inputs.int64.data_ptr()) % 128 == 0
+        for t in (meta.seq_lens, meta.query_start_loc, meta.block_tables):
+            assert (t.data_ptr() - runner.inputs.int32.data_ptr()) % 128 == 0
