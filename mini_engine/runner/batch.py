@@ -52,7 +52,6 @@ class StepInputBuffers:
     ALIGN_BYTES = 128
 
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device):
-        self.device = device
         slack = 6 * self.ALIGN_BYTES
         self.int64 = torch.zeros(3 * max_tokens + 3 * max_rows + slack // 8, dtype=torch.int64, device=device)
         self.int32 = torch.zeros(2 * max_rows + 1 + max_rows * max_blocks + slack // 4, dtype=torch.int32,
@@ -88,8 +87,8 @@ class StepInputBuffers:
               num_samples: int, num_from_prev: int) -> StepTensors:
         """Packs the parts (in StepTensors' order, block tables as one [rows, width] array) at
         their offsets and copies each dtype's pack to the device."""
-        sizes = self.sizes(num_tokens, num_rows, table_width, num_samples, num_from_prev)
-        for parts, sizes, buf in ((int64_parts, sizes[0], self.int64), (int32_parts, sizes[1], self.int32)):
+        sizes64, sizes32 = self.sizes(num_tokens, num_rows, table_width, num_samples, num_from_prev)
+        for parts, sizes, buf in ((int64_parts, sizes64, self.int64), (int32_parts, sizes32, self.int32)):
             offsets = self.offsets(sizes, buf.element_size())
             # The caching host allocator hands out pinned memory, and does not reuse it before the
             # copy from it has run: packs of steps in flight never overwrite each other.
