@@ -47,8 +47,9 @@ class StepInputBuffers:
     separate graph buffers before a replay. (Stream order makes reuse safe: a step's copy lands
     after the previous step's kernels have read the buffers.)"""
 
-    # Each array starts on a 128-byte boundary: Triton specialises a kernel on its pointers'
-    # alignment, and a block-table row at an odd offset would lose its vector loads.
+    # Each array starts on a 128-byte boundary. Triton specialises a kernel on whether each pointer
+    # is 16-byte aligned: with offsets that moved with the step's sizes, a fresh machine compiled
+    # new variants during the run (benchmarks/NOTES.md, entry 24).
     ALIGN_BYTES = 128
 
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device):

@@ -79,8 +79,8 @@ def test_tokens_from_the_previous_launch_fill_the_staged_ids(tiny_checkpoint):
 
 def test_staged_arrays_start_aligned(tiny_checkpoint):
     """Every staged array starts 128 bytes from another into its buffer (whose base the CUDA
-    allocator aligns to 512): Triton specialises its kernels on pointer alignment, and a
-    block-table row at an odd offset would lose its vector loads. Odd sizes too."""
+    allocator aligns to 512): Triton specialises its kernels on pointer alignment, so views whose
+    alignment moved with the step's sizes compiled new kernel variants mid-run. Odd sizes too."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
                                       max_num_seqs=24, block_size=4))
     params = SamplingParams(temperature=0, max_tokens=4)
