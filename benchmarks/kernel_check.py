@@ -89,22 +89,18 @@ def paged_batch(query_lens, seq_lens, gen, num_extra_blocks=64):
 
 def check_elementwise(rep: Report, gen):
     from mini_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-    from mini_engine.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+    from mini_engine.kernels.rms_norm import rms_norm, rms_norm_ref
     from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref, rope_cos_sin_cache
     dev = "cuda"
     for T in (1, 257, 16384):
-        x = torch.randn(T, HIDDEN, generator=gen, device=dev).to(DTYPE)
-        residual = torch.randn(T, HIDDEN, generator=gen, device=dev).to(DTYPE)
+        x = (4 * torch.randn(T, HIDDEN, generator=gen, device=dev)).to(DTYPE)     # the residual stream
         weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen, device=dev)).to(DTYPE)
-        out_ref, res_ref = add_rms_norm_ref(x, residual, weight, EPS)
-        out, res = add_rms_norm(x, residual.clone(), weight, EPS)
-        rep.check(f"add_rms_norm T={T} out", out, out_ref, 3e-2, 1.6e-2)
-        rep.check(f"add_rms_norm T={T} residual", res, res_ref, 3e-2, 1.6e-2)
-        out, _ = add_rms_norm(x, None, weight, EPS)
-        rep.check(f"add_rms_norm T={T} no residual", out, add_rms_norm_ref(x, None, weight, EPS)[0], 3e-2, 1.6e-2)
+        rep.check(f"rms_norm T={T}", rms_norm(x, weight, EPS), rms_norm_ref(x, weight, EPS), 3e-2, 1.6e-2)
 
         gate_up = (2 * torch.randn(T, 2 * INTERMEDIATE, generator=gen, device=dev)).to(DTYPE)
         rep.check(f"silu_and_mul T={T}", silu_and_mul(gate_up), silu_and_mul_ref(gate_up), 2e-2, 1.6e-2)
+        rep.check(f"silu_and_mul T={T} with the folded norm's 1/rms", silu_and_mul(gate_up, x, EPS),
+                  silu_and_mul_ref(gate_up, x, EPS), 2e-2, 3.2e-2)
 
         qkv = torch.randn(T, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen, device=dev).to(DTYPE)
         positions = torch.randint(0, MAX_MODEL_LEN, (T,), generator=gen, device=dev)
@@ -124,6 +120,12 @@ def check_elementwise(rep: Report, gen):
         rep.check(f"qk_norm_rope_kv_write T={T} q", q, q_ref, 6.3e-2, 3.2e-2)
         rep.check(f"qk_norm_rope_kv_write T={T} k_cache (NaN = unwritten)", k_cache, k_ref, 6.3e-2, 3.2e-2)
         rep.check(f"qk_norm_rope_kv_write T={T} v_cache (NaN = unwritten)", v_cache, v_ref, 0.0, 0.0)
+        q_ref = qk_norm_rope_kv_write_ref(*args, k_ref, v_ref, *shape, x)
+        q = qk_norm_rope_kv_write(*args, k_cache, v_cache, *shape, x)
+        label = f"qk_norm_rope_kv_write T={T} with the folded norm's 1/rms"
+        rep.check(f"{label} q", q, q_ref, 6.3e-2, 3.2e-2)
+        rep.check(f"{label} k_cache (NaN = unwritten)", k_cache, k_ref, 6.3e-2, 3.2e-2)
+        rep.check(f"{label} v_cache (NaN = unwritten)", v_cache, v_ref, 6.3e-2, 3.2e-2)
 
 
 def check_attention(rep: Report, gen):
@@ -264,17 +266,18 @@ def bench_decode(rep: Report, gen, copy_bw: float):
 
 def bench_elementwise(rep: Report, gen, copy_bw: float):
     from mini_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-    from mini_engine.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+    from mini_engine.kernels.rms_norm import rms_norm, rms_norm_ref
     T, e = 16384, 2
     x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
-    residual = torch.randn_like(x)
     weight = torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
-    nbytes = 4 * T * HIDDEN * e                  # read x, residual; write out, residual
-    rep.time(f"add_rms_norm T={T}", lambda: add_rms_norm(x, residual, weight, EPS), nbytes, copy_bw)
-    rep.time(f"add_rms_norm_ref T={T} (eager)", lambda: add_rms_norm_ref(x, residual, weight, EPS), nbytes, copy_bw)
+    nbytes = 2 * T * HIDDEN * e                  # read x, write out
+    rep.time(f"rms_norm T={T}", lambda: rms_norm(x, weight, EPS), nbytes, copy_bw)
+    rep.time(f"rms_norm_ref T={T} (eager)", lambda: rms_norm_ref(x, weight, EPS), nbytes, copy_bw)
     gate_up = torch.randn(T, 2 * INTERMEDIATE, device="cuda", dtype=DTYPE)
     nbytes = 3 * T * INTERMEDIATE * e
     rep.time(f"silu_and_mul T={T}", lambda: silu_and_mul(gate_up), nbytes, copy_bw)
+    rep.time(f"silu_and_mul T={T} with the folded norm's 1/rms", lambda: silu_and_mul(gate_up, x, EPS),
+             nbytes + T * HIDDEN * e, copy_bw)
     rep.time(f"silu_and_mul_ref T={T} (eager)", lambda: silu_and_mul_ref(gate_up), nbytes, copy_bw)
     from mini_engine.kernels.sampling import SAMPLE_CHUNK_SIZE, _chunk_stats, sample
     for B in (1, 256):

@@ -2,40 +2,58 @@
 import torch
 import torch.nn.functional as F
 
+from mini_engine.kernels.rms_norm import inv_rms_ref
 
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+
+def silu_and_mul_ref(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """With norm_input, gate_up is first scaled row by row by 1/rms(norm_input): the rest of the
+    RMSNorm folded into the projection that made gate_up (layers.linear.NormedLinear)."""
+    if norm_input is not None:
+        gate_up = (gate_up.float() * inv_rms_ref(norm_input, eps)).to(gate_up.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 # ---- Triton ----
 
+from mini_engine.kernels.rms_norm import inv_rms  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, intermediate_size, stride_in, stride_out,
-                         BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, norm_input_ptr, intermediate_size, hidden_size, eps,
+                         stride_in, stride_out, HAS_NORM: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
     """Program (token, column block): out = silu(gate) * up for BLOCK columns of one token, where
     gate and up are the two halves of the packed row. SiLU runs in fp32 and is rounded to the
-    model dtype before the product, as the eager F.silu(gate) * up does."""
+    model dtype before the product, as the eager F.silu(gate) * up does. With HAS_NORM, gate and
+    up are first scaled by 1/rms of the token's norm_input row (rounded as the reference does)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + intermediate_size + cols, mask=mask, other=0.0)
-    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    dtype = up.dtype
+    if HAS_NORM:
+        scale = inv_rms(norm_input_ptr + row * hidden_size, hidden_size, eps, BLOCK_H)
+        gate = (gate.to(tl.float32) * scale).to(dtype)
+        up = (up.to(tl.float32) * scale).to(dtype)
+    gate = gate.to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]; the rows of gate_up may be strided, each row's columns contiguous."""
-    assert gate_up.stride(-1) == 1
+def silu_and_mul(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """[T, 2I] -> [T, I]; the rows of gate_up may be strided, each row's columns contiguous.
+    norm_input, when given: [T, H] contiguous (see silu_and_mul_ref)."""
+    assert gate_up.stride(-1) == 1 and (norm_input is None or norm_input.is_contiguous())
     num_tokens, intermediate_size = gate_up.shape[0], gate_up.shape[1] // 2
+    hidden_size = 1 if norm_input is None else norm_input.shape[1]
     out = torch.empty(num_tokens, intermediate_size, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = min(triton.next_power_of_2(intermediate_size), 1024)
         grid = (num_tokens, triton.cdiv(intermediate_size, block))
-        _silu_and_mul_kernel[grid](gate_up, out, intermediate_size, gate_up.stride(0), out.stride(0),
-                                   BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](gate_up, out, gate_up if norm_input is None else norm_input, intermediate_size,
+                                   hidden_size, eps, gate_up.stride(0), out.stride(0), HAS_NORM=norm_input is not None,
+                                   BLOCK=block, BLOCK_H=triton.next_power_of_2(hidden_size), num_warps=4)
     return out

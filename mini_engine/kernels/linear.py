@@ -10,8 +10,12 @@ import torch
 import torch.nn.functional as F
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T; with residual, residual + x W^T written into residual's storage, rounded once (the
+    decoder's residual add, taken into the product as cuBLAS's beta = 1 takes it)."""
+    if residual is None:
+        return F.linear(x, weight)
+    return residual.addmm_(x, weight.t())
 
 
 # ---- Triton ----
@@ -25,11 +29,12 @@ from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                          INPUT_PRECISION: tl.constexpr):
+                          INPUT_PRECISION: tl.constexpr, ADD_OUT: tl.constexpr):
     """Program (n_block, m_block, k_split): out[m_block, n_block] over the k_split-th of SPLIT_K
-    equal shares of K, accumulated in fp32. With one share the result is rounded and stored; with
-    more, the fp32 partial goes to partial[k_split] and _sum_splits_kernel adds the shares.
-    BLOCK_M covers the whole batch, so each weight tile is read from memory once."""
+    equal shares of K, accumulated in fp32. With one share the result is rounded and stored (added
+    to what out holds, with ADD_OUT); with more, the fp32 partial goes to partial[k_split] and
+    _sum_splits_kernel adds the shares. BLOCK_M covers the whole batch, so each weight tile is read
+    from memory once."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -55,21 +60,28 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm
         acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        if ADD_OUT:
+            acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(partial_ptr + (split * M + rows.to(tl.int64))[:, None] * N + cols[None, :], acc, mask=mask)
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum over s of partial[s, m, n], rounded once to out's dtype."""
+def _sum_splits_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                       ADD_OUT: tl.constexpr):
+    """out[m, n] = sum over s of partial[s, m, n] (+ out[m, n] with ADD_OUT), rounded once to
+    out's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
+    out_ptrs = out_ptr + (offs // N).to(tl.int64) * stride_om + offs % N
     acc = tl.zeros([BLOCK], tl.float32)
+    if ADD_OUT:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + (offs // N).to(tl.int64) * stride_om + offs % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -100,12 +112,18 @@ def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyC
     return SkinnyConfig() if num_rows <= 16 else None
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """linear_ref(x, weight) for x [M, K] with M small, weight [N, K] row-major -> [M, N] in x's
-    dtype. The grid depends on shapes only (CUDA-graph safe)."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_ref(x, weight, residual) for x [M, K] with M small, weight [N, K] row-major -> [M, N]
+    in x's dtype (with residual: into residual, [M, N] with contiguous rows). The grid depends on
+    shapes only (CUDA-graph safe)."""
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
     (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if residual is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        assert residual.shape == (m, n) and residual.stride(-1) == 1
+        out = residual
     if m == 0:
         return out
     cfg = config or skinny_config(m, n, k) or SkinnyConfig()
@@ -122,9 +140,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
                                 EVEN_K=k % (block_k * cfg.split_k) == 0, DOT_IN_FP32=x.device.type == "cpu",
                                 # fp32 weights get fp32 products, not TF32 (bf16/fp16 ignore this)
                                 INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                ADD_OUT=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=cfg.split_k,
-                                                        BLOCK=block, num_warps=4)
+                                                        BLOCK=block, ADD_OUT=residual is not None, num_warps=4)
     return out

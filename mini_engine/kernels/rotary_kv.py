@@ -2,7 +2,7 @@
 and write k and v into their KV-cache slots."""
 import torch
 
-from mini_engine.kernels.rms_norm import rms_norm_ref
+from mini_engine.kernels.rms_norm import inv_rms_ref, rms_norm_ref
 
 
 def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, device=None) -> torch.Tensor:
@@ -34,9 +34,14 @@ def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
 def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                               q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float,
                               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                              num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """qkv: [T, (Hq + 2 Hkv) D]. Returns the rotated, normed q as [T, Hq, D]."""
+                              num_heads: int, num_kv_heads: int, head_dim: int,
+                              norm_input: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv: [T, (Hq + 2 Hkv) D]. Returns the rotated, normed q as [T, Hq, D]. With norm_input
+    ([T, H]), qkv is first scaled row by row by 1/rms(norm_input): the rest of the decoder's input
+    RMSNorm, folded into the QKV projection (layers.linear.NormedLinear)."""
     T = qkv.shape[0]
+    if norm_input is not None:
+        qkv = (qkv.float() * inv_rms_ref(norm_input, eps)).to(qkv.dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = rms_norm_ref(q.reshape(T, num_heads, head_dim), q_norm_weight, eps)
     k = rms_norm_ref(k.reshape(T, num_kv_heads, head_dim), k_norm_weight, eps)
@@ -49,6 +54,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
 
 # ---- Triton ----
 
+from mini_engine.kernels.rms_norm import inv_rms  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
@@ -71,29 +77,42 @@ def _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, scale, HAS_NORM: tl.constexpr):
+    """x * scale in fp32, rounded back to x's dtype; x itself where there is no scale."""
+    if HAS_NORM:
+        x = (x.to(tl.float32) * scale).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _qk_norm_rope_kv_write_kernel(
         qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr,
-        k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
+        k_cache_ptr, v_cache_ptr, slot_mapping_ptr, norm_input_ptr, hidden_size, eps,
         stride_qkv, stride_cos_sin, stride_cache_block, stride_cache_offset, stride_cache_head,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+        HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
     """One program per token, all of its heads at once: q and k are loaded as [heads, D/2] halves
     (the two operands of the neox rotation), normed per head, rotated with this position's cos and
     sin (loaded once for all heads), q stored to q_out, k and v stored into the paged cache at
-    slot_mapping[token] (a slot of -1 stores nothing)."""
+    slot_mapping[token] (a slot of -1 stores nothing). With HAS_NORM, q, k and v are first scaled
+    by 1/rms of the token's norm_input row, rounded to the model dtype as the reference does."""
     token = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, HEAD_DIM // 2)
     pos = tl.load(positions_ptr + token)
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + half)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HEAD_DIM // 2 + half)[None, :]
     row = qkv_ptr + token * stride_qkv
+    scale = 1.0
+    if HAS_NORM:
+        scale = inv_rms(norm_input_ptr + token * hidden_size, hidden_size, eps, BLOCK_H)
 
     # q: heads [0, NUM_HEADS) of the packed row
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     mq = hq < NUM_HEADS
     q_offs = hq * HEAD_DIM + half[None, :]
-    q1 = tl.load(row + q_offs, mask=mq, other=0.0)
-    q2 = tl.load(row + q_offs + HEAD_DIM // 2, mask=mq, other=0.0)
+    q1 = _scaled(tl.load(row + q_offs, mask=mq, other=0.0), scale, HAS_NORM)
+    q2 = _scaled(tl.load(row + q_offs + HEAD_DIM // 2, mask=mq, other=0.0), scale, HAS_NORM)
     q_w1 = tl.load(q_norm_ptr + half)[None, :]
     q_w2 = tl.load(q_norm_ptr + HEAD_DIM // 2 + half)[None, :]
     q1, q2 = _rms_norm_rope(q1, q2, q_w1, q_w2, cos, sin, eps, HEAD_DIM)
@@ -105,14 +124,14 @@ def _qk_norm_rope_kv_write_kernel(
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     mk = hk < NUM_KV_HEADS
     k_offs = NUM_HEADS * HEAD_DIM + hk * HEAD_DIM + half[None, :]
-    k1 = tl.load(row + k_offs, mask=mk, other=0.0)
-    k2 = tl.load(row + k_offs + HEAD_DIM // 2, mask=mk, other=0.0)
+    k1 = _scaled(tl.load(row + k_offs, mask=mk, other=0.0), scale, HAS_NORM)
+    k2 = _scaled(tl.load(row + k_offs + HEAD_DIM // 2, mask=mk, other=0.0), scale, HAS_NORM)
     k_w1 = tl.load(k_norm_ptr + half)[None, :]
     k_w2 = tl.load(k_norm_ptr + HEAD_DIM // 2 + half)[None, :]
     k1, k2 = _rms_norm_rope(k1, k2, k_w1, k_w2, cos, sin, eps, HEAD_DIM)
     v_offs = k_offs + NUM_KV_HEADS * HEAD_DIM
-    v1 = tl.load(row + v_offs, mask=mk, other=0.0)
-    v2 = tl.load(row + v_offs + HEAD_DIM // 2, mask=mk, other=0.0)
+    v1 = _scaled(tl.load(row + v_offs, mask=mk, other=0.0), scale, HAS_NORM)
+    v2 = _scaled(tl.load(row + v_offs + HEAD_DIM // 2, mask=mk, other=0.0), scale, HAS_NORM)
 
     slot = tl.load(slot_mapping_ptr + token)
     # A padded token (slot -1) stores no head. (Written as a head count, not `mk & (slot >= 0)`:
@@ -130,18 +149,23 @@ def _qk_norm_rope_kv_write_kernel(
 def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                           q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                          num_heads: int, num_kv_heads: int, head_dim: int,
+                          norm_input: torch.Tensor | None = None) -> torch.Tensor:
     """Fused qk_norm_rope_kv_write_ref, one launch. qkv: [T, (Hq + 2 Hkv) D] with contiguous rows;
-    caches [num_blocks, block_size, Hkv, D] with contiguous heads. Returns q as [T, Hq, D]."""
+    caches [num_blocks, block_size, Hkv, D] with contiguous heads; norm_input, when given, [T, H]
+    contiguous. Returns q as [T, Hq, D]."""
     num_tokens = qkv.shape[0]
     assert qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert norm_input is None or norm_input.is_contiguous()
+    hidden_size = 1 if norm_input is None else norm_input.shape[1]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens:
         _qk_norm_rope_kv_write_kernel[(num_tokens,)](
-            qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, q, k_cache, v_cache, slot_mapping, eps,
+            qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, q, k_cache, v_cache, slot_mapping,
+            qkv if norm_input is None else norm_input, hidden_size, eps,
             qkv.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-            num_warps=4)
+            HAS_NORM=norm_input is not None, BLOCK_H=triton.next_power_of_2(hidden_size), num_warps=4)
     return q

@@ -5,8 +5,9 @@ from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write_ref, rope_cos_si
 
 
 class QKNormRopeKVWrite(nn.Module):
-    """Everything between the QKV projection and attention: split q/k/v, Qwen3's per-head RMSNorm
-    on q and k, rotary embedding, and the KV-cache write. Returns q as [T, Hq, D]."""
+    """Everything between the QKV projection and attention: the rest of the folded input norm,
+    split q/k/v, Qwen3's per-head RMSNorm on q and k, rotary embedding, and the KV-cache write.
+    Returns q as [T, Hq, D]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  max_position: int, rope_theta: float, use_triton: bool = False):
@@ -22,6 +23,9 @@ class QKNormRopeKVWrite(nn.Module):
             from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write
             self.impl = qk_norm_rope_kv_write
 
-    def forward(self, qkv, positions, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    def forward(self, qkv, positions, k_cache, v_cache, slot_mapping, norm_input=None) -> torch.Tensor:
+        """norm_input: the rows whose 1/rms first scales qkv (the folded input norm:
+        layers.linear.NormedPackedLinear); Qwen3 gives every norm the same eps."""
         return self.impl(qkv, positions, self.cos_sin_cache, self.q_norm_weight, self.k_norm_weight, self.eps,
-                         k_cache, v_cache, slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+                         k_cache, v_cache, slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                         norm_input)

@@ -29,8 +29,7 @@ def load_model(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters())       # tied lm_head shares embed_tokens.weight: listed once
     tied = model.config.tie_word_embeddings
     loaded: set[tuple[str, int]] = set()
-    needed = {(name, shard) for name, p in params.items()
-              for shard in range(len(getattr(module_of(model, name), "output_sizes", [0])))}
+    needed = {(name, shard) for name in params for shard in range(num_shards(model, name))}
     for file in checkpoint_files(path):
         try:
             handle = safe_open(file, framework="pt")
@@ -63,6 +62,15 @@ def load_model(model: nn.Module, path: str) -> None:
     if missing:
         names = [untranslate(model, name, shard) for name, shard in missing]
         raise ValueError(f"{path}: checkpoint is missing tensors {names[:8]}" + (" ..." if len(names) > 8 else ""))
+    model.fold_norm_weights()
+
+
+def num_shards(model: nn.Module, param_name: str) -> int:
+    """How many checkpoint tensors fill a parameter: one per packed projection for a packed
+    layer's weight and bias, else one."""
+    module, _, attr = param_name.rpartition(".")
+    output_sizes = getattr(model.get_submodule(module), "output_sizes", None)
+    return len(output_sizes) if output_sizes and attr in ("weight", "bias") else 1
 
 
 def translate(model: nn.Module, ckpt_name: str) -> tuple[str, int | None]:

@@ -6,7 +6,7 @@ from mini_engine.config import ModelConfig
 from mini_engine.layers.activation import SiluAndMul
 from mini_engine.layers.attention import Attention, AttentionMetadata
 from mini_engine.layers.layernorm import RMSNorm
-from mini_engine.layers.linear import Linear, PackedLinear
+from mini_engine.layers.linear import Linear, NormedPackedLinear
 from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
 
@@ -16,16 +16,20 @@ class Qwen3Attention(nn.Module):
         h, d = config.num_attention_heads, config.head_dim
         hkv = config.num_key_value_heads
         skinny = "linear" in kernels
-        self.qkv_proj = PackedLinear(config.hidden_size, [h * d, hkv * d, hkv * d], config.attention_bias, skinny)
+        # The layer's input_layernorm lives here, folded into the QKV projection.
+        self.qkv_proj = NormedPackedLinear(config.hidden_size, [h * d, hkv * d, hkv * d], config.attention_bias,
+                                           config.rms_norm_eps, skinny)
         self.o_proj = Linear(h * d, config.hidden_size, config.attention_bias, skinny)
         self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, config.max_position_embeddings,
                                               config.rope_theta, use_triton="rope_kv" in kernels)
         self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q = self.qk_norm_rope(self.qkv_proj(x), positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """hidden + attention(input_layernorm(hidden)), written into hidden."""
+        qkv, norm_input = self.qkv_proj(hidden)
+        q = self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, norm_input)
         out = self.attn(q, meta)
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(out.flatten(1), residual=hidden)
 
 
 class Qwen3MLP(nn.Module):
@@ -33,28 +37,29 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         i = config.intermediate_size
         skinny = "linear" in kernels
-        self.gate_up_proj = PackedLinear(config.hidden_size, [i, i], False, skinny)
+        # The layer's post_attention_layernorm lives here, folded into the gate/up projection.
+        self.gate_up_proj = NormedPackedLinear(config.hidden_size, [i, i], False, config.rms_norm_eps, skinny)
         self.down_proj = Linear(i, config.hidden_size, False, skinny)
-        self.act = SiluAndMul(use_triton="silu_and_mul" in kernels)
+        self.act = SiluAndMul(config.rms_norm_eps, use_triton="silu_and_mul" in kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden + mlp(post_attention_layernorm(hidden)), written into hidden."""
+        return self.down_proj(self.act(*self.gate_up_proj(hidden)), residual=hidden)
 
 
 class Qwen3DecoderLayer(nn.Module):
+    """transformers' layer computes h = h + attn(norm1(h)), then h = h + mlp(norm2(h)). Here each norm
+    is folded into the projection after it and each residual add into the projection before it,
+    so a layer is 7 launches: qkv, qk-norm/rope/kv-write, attention, o_proj(+h), gate_up, SwiGLU,
+    down(+h)."""
+
     def __init__(self, config: ModelConfig, kernels: frozenset[str]):
         super().__init__()
-        use_norm_kernel = "rms_norm" in kernels
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_norm_kernel)
         self.self_attn = Qwen3Attention(config, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_norm_kernel)
         self.mlp = Qwen3MLP(config, kernels)
 
-    def forward(self, x, residual, positions, meta):
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.mlp(self.self_attn(hidden, positions, meta))
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -64,7 +69,10 @@ class Qwen3ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     # checkpoint name -> our name, where a module moved
-    renamed_modules = {"self_attn.q_norm.": "self_attn.qk_norm_rope.q_norm_", "self_attn.k_norm.": "self_attn.qk_norm_rope.k_norm_"}
+    renamed_modules = {
+        "self_attn.q_norm.": "self_attn.qk_norm_rope.q_norm_", "self_attn.k_norm.": "self_attn.qk_norm_rope.k_norm_",
+        "input_layernorm.": "self_attn.qkv_proj.norm_", "post_attention_layernorm.": "mlp.gate_up_proj.norm_",
+    }
 
     def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset()):
         super().__init__()
@@ -76,13 +84,18 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def fold_norm_weights(self) -> None:
+        """Once the checkpoint is loaded: each layer norm's weight into the projection after it."""
+        for module in self.modules():
+            if isinstance(module, NormedPackedLinear):
+                module.fold_norm_weight()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states, [T, hidden]."""
-        x, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)       # the residual stream, updated in place by each layer
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta)
-        x, _ = self.norm(x, residual)
-        return x
+            hidden = layer(hidden, positions, meta)
+        return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, vocab]; into `out` when given (a CUDA graph's static buffer: writing

@@ -23,6 +23,24 @@ def test_skinny_linear_matches_reference(device, dtype, config, m, n, k):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [SkinnyConfig(), SkinnyConfig(block_n=32, block_k=64, split_k=2)])
+def test_skinny_linear_adds_into_residual(device, dtype, config):
+    """With a residual, out = residual + x W^T, written into the residual's storage, for one share
+    of K (added in the product's store) and for split K (added by the shares' sum)."""
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 5, 40, 256
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
+    residual = (10 * torch.randn(m, n, generator=gen)).to(device, dtype)
+    ref = (residual.float() + linear_ref(x.float(), weight.float())).to(dtype)
+    ref_in_place = linear_ref(x, weight, residual.clone())
+    out = skinny_linear(x, weight, config, residual)
+    assert out.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(ref_in_place, ref, **TOL[dtype])
+
+
 def test_skinny_linear_strided_rows(device):
     """A row stride wider than K (a view into a wider buffer) reads only each row's K columns."""
     gen = torch.Generator().manual_seed(7)
@@ -47,6 +65,11 @@ def test_linear_layer_takes_the_kernel_only_where_configured(device, monkeypatch
         for rows in (3, 65):
             x = torch.randn(rows, 3072, device=device)
             torch.testing.assert_close(down(x), linear_ref(x, down.weight), **TOL[torch.float32])
+            residual = torch.randn(rows, 64, device=device)
+            expected = residual + linear_ref(x, down.weight)
+            out = down(x, residual=residual)            # the residual add, in place, on either path
+            assert out.data_ptr() == residual.data_ptr()
+            torch.testing.assert_close(out, expected, **TOL[torch.float32])
         x = torch.randn(3, 64, device=device)
         torch.testing.assert_close(wide(x), linear_ref(x, wide.weight), **TOL[torch.float32])
-    assert calls == [3]
+    assert calls == [3, 3]

@@ -12,7 +12,10 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=6.3e
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 1), (4, 2, 4), (8, 1, 16), (6, 2, 64)])
-def test_qk_norm_rope_kv_write_matches_reference(device, dtype, num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("hidden_size", [None, 40])
+def test_qk_norm_rope_kv_write_matches_reference(device, dtype, num_heads, num_kv_heads, block_size, hidden_size):
+    """With hidden_size, qkv is first scaled by 1/rms of a norm_input row (the folded input norm).
+    q and k are normed per head after it, so only v (compared exactly) shows a wrong scale."""
     head_dim, num_tokens, num_blocks = 32, 11, 12
     gen = torch.Generator().manual_seed(num_heads * 100 + block_size)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device, dtype)
@@ -30,14 +33,23 @@ def test_qk_norm_rope_kv_write_matches_reference(device, dtype, num_heads, num_k
     v_cache = torch.full_like(k_cache, float("nan"))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
 
+    norm_input = None
+    if hidden_size:
+        norm_input = (5 * torch.randn(num_tokens, hidden_size, generator=gen)).to(device, dtype)
+
     args = (qkv, positions, cos_sin_cache, q_norm, k_norm, 1e-6)
-    shape = (slot_mapping, num_heads, num_kv_heads, head_dim)
+    shape = (slot_mapping, num_heads, num_kv_heads, head_dim, norm_input)
     q_ref = qk_norm_rope_kv_write_ref(*args, k_ref, v_ref, *shape)
     q = qk_norm_rope_kv_write(*args, k_cache, v_cache, *shape)
 
     torch.testing.assert_close(q, q_ref, **TOL[dtype])
     # equal_nan: every slot the reference left untouched (NaN) must still be untouched.
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **TOL[dtype])
-    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0)
+    # v is copied exactly, unless scaled (then by a 1/rms summed in another order than the reference's)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, **(TOL[dtype] if hidden_size else dict(atol=0, rtol=0)))
     written = ~k_cache.isnan().flatten(0, 1).all(-1).all(-1)
     assert written.sum() == num_tokens - 2
+    if hidden_size:     # the scale reached v: an unscaled write differs
+        v_unscaled = torch.full_like(v_ref, float("nan"))
+        qk_norm_rope_kv_write_ref(*args, k_ref.clone(), v_unscaled, *shape[:-1])
+        assert not torch.allclose(v_unscaled.nan_to_num(), v_ref.nan_to_num())

@@ -49,12 +49,20 @@ def test_chunked_prefill_logits_match(tiny_checkpoint):
     torch.testing.assert_close(torch.cat(got), hf_logits(tiny_checkpoint, prompt), rtol=1e-4, atol=1e-4)
 
 
-def test_packed_weights_equal_checkpoint(tiny_checkpoint):
+def test_packed_weights_equal_checkpoint_with_norms_folded(tiny_checkpoint):
+    """q/k/v and gate/up are packed, each scaled column by column by the norm before it; folding
+    again (a second load_model's call) changes nothing."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8))
-    hf = hf_model(tiny_checkpoint)
-    ours = runner.model.layers[1].self_attn.qkv_proj.weight
-    ref = hf.model.layers[1].self_attn
-    torch.testing.assert_close(ours, torch.cat([ref.q_proj.weight, ref.k_proj.weight, ref.v_proj.weight]))
+    hf = hf_model(tiny_checkpoint).model.layers[1]
+    ours = runner.model.layers[1]
+    attn, mlp = hf.self_attn, hf.mlp
+    assert not torch.allclose(hf.input_layernorm.weight, torch.ones_like(hf.input_layernorm.weight))
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) * hf.input_layernorm.weight
+    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * hf.post_attention_layernorm.weight
+    for _ in range(2):
+        torch.testing.assert_close(ours.self_attn.qkv_proj.weight, qkv)
+        torch.testing.assert_close(ours.mlp.gate_up_proj.weight, gate_up)
+        runner.model.fold_norm_weights()
     assert runner.model.lm_head.weight is runner.model.embed_tokens.weight    # tied
 
 
