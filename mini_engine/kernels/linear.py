@@ -11,11 +11,13 @@ import torch.nn.functional as F
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T; with residual, residual + x W^T written into residual's storage, rounded once (the
-    decoder's residual add, taken into the product as cuBLAS's beta = 1 takes it)."""
+    """x W^T; with residual, residual + x W^T written into residual's storage (the decoder's
+    residual add). The product is rounded to the model dtype before the add, as transformers
+    rounds it, and as cuBLAS's beta = 1 epilogue does (tests/kernels/test_linear.py checks that on
+    the GPU): so a row's bits do not depend on which of the two its batch size takes."""
     if residual is None:
         return F.linear(x, weight)
-    return residual.addmm_(x, weight.t())
+    return residual.add_(F.linear(x, weight))
 
 
 # ---- Triton ----
@@ -61,7 +63,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        if ADD_OUT:
+        if ADD_OUT:     # the product rounded first, as linear_ref rounds it
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -71,16 +74,16 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm
 @triton.jit
 def _sum_splits_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                        ADD_OUT: tl.constexpr):
-    """out[m, n] = sum over s of partial[s, m, n] (+ out[m, n] with ADD_OUT), rounded once to
-    out's dtype."""
+    """out[m, n] = sum over s of partial[s, m, n], rounded to out's dtype; with ADD_OUT, that
+    rounded sum is added to what out holds (the order linear_ref rounds in)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     out_ptrs = out_ptr + (offs // N).to(tl.int64) * stride_om + offs % N
     acc = tl.zeros([BLOCK], tl.float32)
-    if ADD_OUT:
-        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if ADD_OUT:
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

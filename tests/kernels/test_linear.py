@@ -41,6 +41,24 @@ def test_skinny_linear_adds_into_residual(device, dtype, config):
     torch.testing.assert_close(ref_in_place, ref, **TOL[dtype])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks cuBLAS's beta = 1 epilogue")
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 256])
+@pytest.mark.parametrize("in_features", [2048, 3072])       # o_proj, down_proj
+def test_residual_add_rounds_as_the_reference_on_every_path(rows, in_features):
+    """Linear(x, residual) equals residual + Linear(x) bit for bit (the product rounded, then
+    added) whether the rows take the skinny kernel or cuBLAS: otherwise a sequence's bits would
+    change when its batch grows past the skinny kernel's sizes (a preemption, a request finishing)."""
+    from mini_engine.layers.linear import Linear
+    torch.manual_seed(rows)
+    layer = Linear(in_features, 1024, bias=False, use_triton=True).to("cuda", torch.bfloat16)
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    residual = 10 * torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = residual + layer(x)
+        got = layer(x, residual=residual.clone())
+    assert torch.equal(got, expected)
+
+
 def test_skinny_linear_strided_rows(device):
     """A row stride wider than K (a view into a wider buffer) reads only each row's K columns."""
     gen = torch.Generator().manual_seed(7)
