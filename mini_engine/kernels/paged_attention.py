@@ -411,11 +411,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float, out: torch.Tensor | None = None, block_m: int = 64, tile_n: int = 64,
-                            num_warps: int = 4, num_stages: int = 2, block_seqs: int = 256) -> torch.Tensor:
+                            scale: float, out: torch.Tensor | None = None, block_m: int = 64, tile_n: int = 32,
+                            num_warps: int = 4, num_stages: int = 3, block_seqs: int = 256) -> torch.Tensor:
     """One launch for a mixed variable-length batch (any query lengths). block_seqs is how many
     query_start_loc entries a program scans at a time to find its sequence: a constant, so that
-    batches of any width share one compiled kernel."""
+    batches of any width share one compiled kernel. The tile (64 rows, 32 keys, 4 warps, 3 stages)
+    is the fastest of seven on the benchmark's first prefill step (benchmarks/decode_sweep.py
+    --sections prefill on the H200: 233 us a layer, against 260 us for 64 keys and 2 stages)."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
