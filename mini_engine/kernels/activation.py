@@ -7,7 +7,7 @@ from mini_engine.kernels.rms_norm import inv_rms_ref
 
 def silu_and_mul_ref(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """With norm_input, gate_up is first scaled row by row by 1/rms(norm_input): the rest of the
-    RMSNorm folded into the projection that made gate_up (layers.linear.NormedLinear)."""
+    RMSNorm folded into the projection that made gate_up (layers.linear.NormedPackedLinear)."""
     if norm_input is not None:
         gate_up = (gate_up.float() * inv_rms_ref(norm_input, eps)).to(gate_up.dtype)
     gate, up = gate_up.chunk(2, dim=-1)

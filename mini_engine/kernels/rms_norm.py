@@ -1,4 +1,4 @@
-"""RMSNorm, and the per-row 1/rms that the decoder's folded norms need (layers.linear.NormedLinear)."""
+"""RMSNorm, and the per-row 1/rms that the decoder's folded norms need (layers.linear.NormedPackedLinear)."""
 import torch
 
 
@@ -20,7 +20,7 @@ from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 @triton.jit
 def inv_rms(row_ptr, hidden_size, eps, BLOCK_H: tl.constexpr):
     """1 / rms of one contiguous row of hidden_size elements (BLOCK_H >= hidden_size), in fp32.
-    For kernels that scale a projection of the row by it (layers.linear.NormedLinear)."""
+    For kernels that scale a projection of the row by it (layers.linear.NormedPackedLinear)."""
     cols = tl.arange(0, BLOCK_H)
     x = tl.load(row_ptr + cols, mask=cols < hidden_size, other=0.0).to(tl.float32)
     return tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)

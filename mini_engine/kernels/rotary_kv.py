@@ -38,7 +38,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
                               norm_input: torch.Tensor | None = None) -> torch.Tensor:
     """qkv: [T, (Hq + 2 Hkv) D]. Returns the rotated, normed q as [T, Hq, D]. With norm_input
     ([T, H]), qkv is first scaled row by row by 1/rms(norm_input): the rest of the decoder's input
-    RMSNorm, folded into the QKV projection (layers.linear.NormedLinear)."""
+    RMSNorm, folded into the QKV projection (layers.linear.NormedPackedLinear)."""
     T = qkv.shape[0]
     if norm_input is not None:
         qkv = (qkv.float() * inv_rms_ref(norm_input, eps)).to(qkv.dtype)

@@ -6,7 +6,7 @@ from mini_engine.kernels.rms_norm import rms_norm_ref
 
 class RMSNorm(nn.Module):
     """The final norm, before lm_head. The decoder layers' norms are folded into the projections
-    that follow them (layers.linear.NormedLinear)."""
+    that follow them (layers.linear.NormedPackedLinear)."""
 
     def __init__(self, size: int, eps: float, use_triton: bool = False):
         super().__init__()
