@@ -16,7 +16,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor, norm_input: torch.Tensor | None = No
 
 # ---- Triton ----
 
-from mini_engine.kernels.rms_norm import inv_rms  # noqa: E402
+from mini_engine.kernels.rms_norm import load_row_inv_rms  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
@@ -27,7 +27,9 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, norm_input_ptr, intermediate_size
     """Program (token, column block): out = silu(gate) * up for BLOCK columns of one token, where
     gate and up are the two halves of the packed row. SiLU runs in fp32 and is rounded to the
     model dtype before the product, as the eager F.silu(gate) * up does. With HAS_NORM, gate and
-    up are first scaled by 1/rms of the token's norm_input row (rounded as the reference does)."""
+    up are first scaled by 1/rms of the token's norm_input row (rounded as the reference does);
+    each of a token's column blocks reads that row (2 KB at Qwen3-0.6B's width) for itself, where
+    one program a token would read it once but walk its column blocks one after another."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -35,7 +37,7 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, norm_input_ptr, intermediate_size
     up = tl.load(gate_up_ptr + row * stride_in + intermediate_size + cols, mask=mask, other=0.0)
     dtype = up.dtype
     if HAS_NORM:
-        scale = inv_rms(norm_input_ptr + row * hidden_size, hidden_size, eps, BLOCK_H)
+        _, scale = load_row_inv_rms(norm_input_ptr + row * hidden_size, hidden_size, eps, BLOCK_H)
         gate = (gate.to(tl.float32) * scale).to(dtype)
         up = (up.to(tl.float32) * scale).to(dtype)
     gate = gate.to(tl.float32)

@@ -18,12 +18,13 @@ from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
 @triton.jit
-def inv_rms(row_ptr, hidden_size, eps, BLOCK_H: tl.constexpr):
-    """1 / rms of one contiguous row of hidden_size elements (BLOCK_H >= hidden_size), in fp32.
-    For kernels that scale a projection of the row by it (layers.linear.NormedPackedLinear)."""
+def load_row_inv_rms(row_ptr, hidden_size, eps, BLOCK_H: tl.constexpr):
+    """One contiguous row of hidden_size elements (BLOCK_H >= hidden_size) in fp32, and its
+    1 / rms. Kernels that scale a projection of the row by it (layers.linear.NormedPackedLinear)
+    use only the second."""
     cols = tl.arange(0, BLOCK_H)
     x = tl.load(row_ptr + cols, mask=cols < hidden_size, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+    return x, tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
 
 
 @triton.jit
@@ -34,8 +35,7 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, hidden_size, eps, BLOCK_H: tl.c
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
-    x = tl.load(x_ptr + row * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = inv_rms(x_ptr + row * hidden_size, hidden_size, eps, BLOCK_H)
+    x, scale = load_row_inv_rms(x_ptr + row * hidden_size, hidden_size, eps, BLOCK_H)
     normed = (x * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * hidden_size + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)

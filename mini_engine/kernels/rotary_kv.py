@@ -54,7 +54,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
 
 # ---- Triton ----
 
-from mini_engine.kernels.rms_norm import inv_rms  # noqa: E402
+from mini_engine.kernels.rms_norm import load_row_inv_rms  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def _qk_norm_rope_kv_write_kernel(
     row = qkv_ptr + token * stride_qkv
     scale = 1.0
     if HAS_NORM:
-        scale = inv_rms(norm_input_ptr + token * hidden_size, hidden_size, eps, BLOCK_H)
+        _, scale = load_row_inv_rms(norm_input_ptr + token * hidden_size, hidden_size, eps, BLOCK_H)
 
     # q: heads [0, NUM_HEADS) of the packed row
     hq = tl.arange(0, BLOCK_HQ)[:, None]
