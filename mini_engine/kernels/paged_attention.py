@@ -248,6 +248,88 @@ def _paged_decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(heads[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM))
 
 
+@triton.jit
+def _paged_decode_chunk_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, chunks_ptr,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, qk_scale, table_width,
+        stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+        stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """Flash-decoding over a planned work list. Program (kv_head, chunk): the one query token of the
+    chunk's sequence, for the QUERIES_PER_KV heads sharing kv_head, against context tiles
+    [tile_lo, tile_hi) of that sequence. A sequence cut into one chunk writes its result; one cut
+    into several leaves each chunk's unnormalised accumulator, max and sum in the partial buffers
+    at the chunk's slot, and the chunk that arrives last (a counter per sequence and KV head)
+    merges its siblings' partials in slot order and writes the result: no reduce kernel."""
+    kv_head = tl.program_id(0)
+    record = chunks_ptr + tl.program_id(1) * 6
+    seq = tl.load(record + 0)
+    if seq < 0:
+        return
+    tile_lo = tl.load(record + 1)
+    tile_hi = tl.load(record + 2)
+    slot = tl.load(record + 3)
+    first_slot = tl.load(record + 4)
+    count = tl.load(record + 5)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    if ROW_BLOCKS > 0:
+        row_cols = tl.arange(0, ROW_BLOCKS)
+        row_blocks = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows
+    q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
+                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+    m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        if ROW_BLOCKS > 0:
+            block = tl.gather(row_blocks, tl.minimum(offs_n // BLOCK_SIZE, ROW_BLOCKS - 1), axis=0)
+        else:
+            block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=-1)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
+                                     seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
+                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, False)
+    out_ptrs = out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+    if count == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # partial buffers: [slots, NUM_HEADS] (+ [BLOCK_D] for the accumulator)
+        part = slot.to(tl.int64) * NUM_HEADS + head
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(partial_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
+        # Every thread's stores are issued before the one release below publishes them.
+        tl.debug_barrier()
+        counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == count - 1:
+            tl.store(counter, 0)                  # ready for the next launch
+            m_all, l_all, acc_all = _empty_softmax_state(BLOCK_M, BLOCK_D)
+            for i in range(0, count):
+                part = (first_slot + i).to(tl.int64) * NUM_HEADS + head
+                m_s = tl.load(partial_max_ptr + part, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(partial_sum_ptr + part, mask=row_valid, other=0.0, cache_modifier=".cg")
+                acc_s = tl.load(partial_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
+                                mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, m_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                a = tl.math.exp2(m_all - m_safe)
+                b = tl.math.exp2(m_s - m_safe)
+                l_all = l_all * a + l_s * b
+                acc_all = acc_all * a[:, None] + acc_s * b[:, None]
+                m_all = m_new
+            out = acc_all / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
 # num_seqs changes every step: left unspecialised, it costs no recompilation when it does.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_prefill_kernel(
@@ -406,6 +488,78 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
             BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4)
+    return out
+
+
+def plan_decode_chunks(seq_lens, tile_n: int, target_chunks: int, num_rows: int | None = None,
+                       max_chunks: int | None = None):
+    """The work list of a decode step, on the host: every sequence's context tiles cut into chunks of
+    at most tiles_per_chunk tiles, where tiles_per_chunk spreads the batch's tiles over about
+    target_chunks chunks, so that a long context is shared among several programs and every
+    program has about the same work. Chunks run longest first. seq_lens: the real rows' context
+    lengths; rows from len(seq_lens) to num_rows (a graph's padding) get one empty chunk each (they
+    write zeros); records past the last chunk, up to max_chunks, have seq -1 (no work).
+    Returns int32 [n, 6]: seq, tile_lo, tile_hi, slot, first_slot, count."""
+    import numpy as np
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    num_rows = len(seq_lens) if num_rows is None else num_rows
+    tiles = -(-seq_lens // tile_n)
+    tiles_per_chunk = max(1, -(-int(tiles.sum()) // max(1, target_chunks)))
+    counts = np.maximum(1, -(-tiles // tiles_per_chunk))
+    counts = np.concatenate([counts, np.ones(num_rows - len(seq_lens), dtype=np.int64)])
+    tiles = np.concatenate([tiles, np.zeros(num_rows - len(seq_lens), dtype=np.int64)])
+    first = np.cumsum(counts) - counts
+    seq = np.repeat(np.arange(num_rows), counts)
+    slot = np.arange(len(seq))
+    lo = (slot - first[seq]) * tiles_per_chunk
+    hi = np.minimum(lo + tiles_per_chunk, tiles[seq])
+    records = np.stack([seq, lo, hi, slot, first[seq], counts[seq]], axis=1)
+    records = records[np.argsort(lo - hi, kind="stable")]
+    n = len(records) if max_chunks is None else max_chunks
+    if len(records) > n:
+        raise ValueError(f"{len(records)} chunks do not fit a work list of {n}")
+    out = np.full((n, 6), -1, dtype=np.int32)
+    out[:len(records)] = records
+    return out
+
+
+_ARRIVALS: dict = {}
+
+
+def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters that persist between launches (each merge resets its own), so they must
+    not come from a CUDA graph's pool: the first call for a size allocates, outside any capture."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < size:
+        counters = _ARRIVALS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return counters
+
+
+def paged_decode_attention_chunked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                   query_start_loc: torch.Tensor, chunks: torch.Tensor, scale: float,
+                                   out: torch.Tensor | None = None, tile_n: int = 64, num_warps: int = 4,
+                                   num_stages: int = 3) -> torch.Tensor:
+    """Flash-decoding over the work list chunks (plan_decode_chunks with the same tile_n)."""
+    num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs, num_chunks = seq_lens.shape[0], chunks.shape[0]
+    if num_seqs == 0 or num_chunks == 0:
+        return out
+    partial_max = torch.empty(num_chunks, num_heads, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty_like(partial_max)
+    partial_out = torch.empty(num_chunks, num_heads, _block_d(head_dim), dtype=torch.float32, device=q.device)
+    arrivals = _arrival_counters(q.device, num_seqs * num_kv_heads)
+    block_size, table_width = k_cache.shape[1], block_tables.shape[1]
+    queries_per_kv = num_heads // num_kv_heads
+    _paged_decode_chunk_kernel[(num_kv_heads, num_chunks)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, chunks, out, partial_out, partial_max,
+        partial_sum, arrivals, scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), *_cache_strides(k_cache, v_cache),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim), BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)),
+        TILE_N=tile_n, ROW_BLOCKS=_row_blocks(table_width, block_size, tile_n), DOT_IN_FP32=_dot_in_fp32(q),
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
