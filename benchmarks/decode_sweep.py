@@ -163,62 +163,6 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",)):
                                                   "read_bw_floor": read_total}
 
 
-def sweep_chunks(schedule, every: int, results: dict, targets=(66, 99, 132, 198, 264)):
-    """Decode attention over a planned work list (plan_decode_chunks: every program about the same
-    number of tiles, long contexts shared among programs, merged by the last chunk to finish)
-    against the engine's kernel (NUM_SPLITS equal shares of every context, with a reduce kernel
-    below 33 rows), on the schedule's steps with rows longest first as the engine orders them."""
-    import numpy as np
-    from mini_engine.kernels.paged_attention import (paged_attention, paged_decode_attention_chunked,
-                                                     plan_decode_chunks)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    scale = HEAD_DIM ** -0.5
-    num_blocks = max(sum(-(-n // BLOCK_SIZE) for n in c) for c in schedule) + 300
-    k_cache, v_cache = make_kv_cache(num_blocks, BLOCK_SIZE, "token", gen)
-    totals = collections.Counter()
-    print(f"\n== decode attention over a work list, every {every}th step (us a layer); targets {targets} chunks ==")
-    for step in range(0, len(schedule), every):
-        ctx = sorted(schedule[step], reverse=True)
-        b, bs = len(ctx), graph_size(len(ctx))
-        seq_lens = ctx + [1] * (bs - b)
-        q = torch.randn(bs, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
-        sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        qsl = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
-        perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
-        tables = torch.zeros((bs, MAX_MODEL_LEN // BLOCK_SIZE), dtype=torch.int32, device="cuda")
-        used = 0
-        for r, n in enumerate(seq_lens):
-            nb = -(-n // BLOCK_SIZE)
-            tables[r, :nb] = perm[used:used + nb]
-            used += nb
-        out = torch.empty_like(q)
-        ref = paged_attention(q, k_cache, v_cache, tables, sl, qsl, scale, 1, MAX_MODEL_LEN, out).clone()
-        row = {"engine": time_us(lambda: paged_attention(q, k_cache, v_cache, tables, sl, qsl, scale, 1,
-                                                         MAX_MODEL_LEN, out))}
-        nchunks = {}
-        for target in targets:
-            plan = plan_decode_chunks(ctx, 64, target, num_rows=bs, max_chunks=target + bs)
-            nchunks[target] = int((plan[:, 0] >= 0).sum())
-            chunks = torch.from_numpy(plan).cuda()
-            got = paged_decode_attention_chunked(q, k_cache, v_cache, tables, sl, qsl, chunks, scale, out)[:b]
-            err = (got.float() - ref[:b].float()).abs().max().item()
-            if err > 0.02:
-                print(f"  step {step + 1} target {target}: WRONG (max err {err:.3g})")
-            row[f"chunks {target}"] = time_us(lambda: paged_decode_attention_chunked(
-                q, k_cache, v_cache, tables, sl, qsl, chunks, scale, out))
-        weight = min(every, len(schedule) - step) * LAYERS / 1e6
-        for name, us in row.items():
-            totals[name] += us * weight
-        kv_bytes = 2 * sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2
-        print(f"  step {step + 1:4d} batch {b:3d} mean ctx {sum(ctx) / b:5.0f} ({kv_bytes / 1e6:5.0f} MB): "
-              + "  ".join(f"{k} {v:6.1f}" + (f" [{nchunks[int(k.split()[1])]}]" if k != 'engine' else "")
-                          for k, v in row.items()))
-        results.setdefault("chunks", []).append(dict(step=step + 1, batch=b, us=row, num_chunks=nchunks))
-    print("  run totals (s, 28 layers, all decode steps): "
-          + "  ".join(f"{k} {v:.3f}" for k, v in sorted(totals.items(), key=lambda kv: kv[1])))
-    results["chunks_totals"] = dict(totals)
-
-
 def sweep_prefill(results: dict):
     """The first prefill step of the benchmark: whole prompts, in order, up to 16,384 tokens."""
     from mini_engine.kernels.paged_attention import paged_prefill_attention
@@ -359,8 +303,6 @@ def main(argv=None) -> int:
     if "attention" in args.sections:
         results["read_GBps"] = read_bandwidth() / 1e9        # the attention's own ceiling
         sweep_attention(schedule, args.every, results, tuple(args.layouts))
-    if "chunks" in args.sections:
-        sweep_chunks(schedule, args.every, results)
     if "gemm" in args.sections:
         sweep_gemm(schedule, results, args.gemm_max_rows, args.gemm_rows)
     if "prefill" in args.sections:
