@@ -40,7 +40,7 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
             token_ids.append(ids)
-        seqs = [engine.add_request(ids, params) for ids, params in zip(token_ids, sampling_params)]
+        seqs = [engine.add_request(ids, params, validated=True) for ids, params in zip(token_ids, sampling_params)]
         # Stop strings are matched on the text as it grows, so that a request that hits one is
         # aborted (its blocks freed) before the engine spends another step on it.
         stoppers = {seq.request_id: IncrementalDetokenizer(engine.tokenizer, params.stop)

@@ -47,6 +47,22 @@ def test_prompt_too_long_is_rejected_and_others_carry_on(tiny_checkpoint):
     assert good.num_output_tokens == 8 and engine.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("prompt", [[5, -1], [5, 100000], [5, 6.0], [5, "6"], [5, None], [[5, 6]], [True, False]])
+def test_bad_prompt_token_ids_are_rejected(tiny_checkpoint, prompt):
+    engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", max_model_len=64, num_kv_blocks=64))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request(prompt, SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+
+
+def test_numpy_integer_token_ids_are_accepted(tiny_checkpoint):
+    import numpy as np
+    llm = LLM(tiny_checkpoint, device="cpu", max_model_len=64, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate([list(np.arange(5, 9, dtype=np.int32)), [5, 6, 7, 8]], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+
+
 def test_request_larger_than_the_pool_is_rejected(tiny_checkpoint):
     engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=4, block_size=4))
     with pytest.raises(ValueError, match="KV blocks"):

@@ -4,6 +4,8 @@ import gc
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
+
 from mini_engine.config import EngineConfig
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
@@ -80,7 +82,10 @@ class LLMEngine:
         if n == 0:
             raise ValueError("the prompt is empty")
         vocab = self.config.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+        # One numpy pass, not a Python test per token: a mix of ints and anything else (floats,
+        # strings, None) makes a float or object array.
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         limit = self.config.max_model_len
         if n + params.max_tokens > limit:
@@ -92,9 +97,13 @@ class LLMEngine:
             raise ValueError(f"request needs {blocks} KV blocks but the pool holds "
                              f"{self.block_manager.num_blocks}; it could never run")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    validated: bool = False) -> Sequence:
+        """validated: the caller has already passed these token ids and params to validate() (a
+        batch is validated whole before any of it is added), so the prompt is not checked twice."""
         prompt_token_ids = self.tokenize(prompt)
-        self.validate(prompt_token_ids, params)
+        if not validated:
+            self.validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self.request_counter))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -155,7 +155,7 @@ class AsyncEngine:
             if command == "add":
                 state: RequestState = arg
                 try:
-                    self.engine.add_request(state.prompt_token_ids, state.params, state.request_id)
+                    self.engine.add_request(state.prompt_token_ids, state.params, state.request_id, validated=True)
                 except (ValueError, TypeError) as e:
                     deltas.append((state.stream, self.final_delta(state, "error", str(e))))
                     continue
