@@ -2,21 +2,21 @@
 import torch
 import torch.nn.functional as F
 
-from mini_engine.kernels.rms_norm import inv_rms_ref
+from mini_engine.kernels.rms_norm import scale_by_inv_rms_ref
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """With norm_input, gate_up is first scaled row by row by 1/rms(norm_input): the rest of the
     RMSNorm folded into the projection that made gate_up (layers.linear.NormedPackedLinear)."""
     if norm_input is not None:
-        gate_up = (gate_up.float() * inv_rms_ref(norm_input, eps)).to(gate_up.dtype)
+        gate_up = scale_by_inv_rms_ref(gate_up, norm_input, eps)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 # ---- Triton ----
 
-from mini_engine.kernels.rms_norm import load_row_inv_rms  # noqa: E402
+from mini_engine.kernels.rms_norm import load_row_inv_rms, scale_by_inv_rms  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
@@ -36,11 +36,11 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, norm_input_ptr, intermediate_size
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + intermediate_size + cols, mask=mask, other=0.0)
     dtype = up.dtype
+    inv_rms = 1.0
     if HAS_NORM:
-        _, scale = load_row_inv_rms(norm_input_ptr + row * hidden_size, hidden_size, eps, BLOCK_H)
-        gate = (gate.to(tl.float32) * scale).to(dtype)
-        up = (up.to(tl.float32) * scale).to(dtype)
-    gate = gate.to(tl.float32)
+        _, inv_rms = load_row_inv_rms(norm_input_ptr + row * hidden_size, hidden_size, eps, BLOCK_H)
+    gate = scale_by_inv_rms(gate, inv_rms, HAS_NORM).to(tl.float32)
+    up = scale_by_inv_rms(up, inv_rms, HAS_NORM)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 

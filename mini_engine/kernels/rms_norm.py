@@ -7,6 +7,13 @@ def inv_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
+def scale_by_inv_rms_ref(x: torch.Tensor, norm_input: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, N] scaled row by row by 1/rms(norm_input [T, H]) in fp32 and rounded back to x's
+    dtype: what is left of an RMSNorm whose weight was folded into the projection that made x
+    from norm_input (layers.linear.NormedPackedLinear), as transformers rounds the normed row."""
+    return (x.float() * inv_rms_ref(norm_input, eps)).to(x.dtype)
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as transformers' Qwen3RMSNorm: normalise in fp32, cast, then scale.
     return weight * (x.float() * inv_rms_ref(x, eps)).to(x.dtype)
@@ -25,6 +32,15 @@ def load_row_inv_rms(row_ptr, hidden_size, eps, BLOCK_H: tl.constexpr):
     cols = tl.arange(0, BLOCK_H)
     x = tl.load(row_ptr + cols, mask=cols < hidden_size, other=0.0).to(tl.float32)
     return x, tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+
+
+@triton.jit
+def scale_by_inv_rms(x, inv_rms, HAS_NORM: tl.constexpr):
+    """scale_by_inv_rms_ref inside a kernel, given the row's 1/rms (load_row_inv_rms); x itself
+    where there is no folded norm."""
+    if HAS_NORM:
+        x = (x.to(tl.float32) * inv_rms).to(x.dtype)
+    return x
 
 
 @triton.jit

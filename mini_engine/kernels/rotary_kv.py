@@ -2,7 +2,7 @@
 and write k and v into their KV-cache slots."""
 import torch
 
-from mini_engine.kernels.rms_norm import inv_rms_ref, rms_norm_ref
+from mini_engine.kernels.rms_norm import rms_norm_ref, scale_by_inv_rms_ref
 
 
 def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, device=None) -> torch.Tensor:
@@ -41,7 +41,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
     RMSNorm, folded into the QKV projection (layers.linear.NormedPackedLinear)."""
     T = qkv.shape[0]
     if norm_input is not None:
-        qkv = (qkv.float() * inv_rms_ref(norm_input, eps)).to(qkv.dtype)
+        qkv = scale_by_inv_rms_ref(qkv, norm_input, eps)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = rms_norm_ref(q.reshape(T, num_heads, head_dim), q_norm_weight, eps)
     k = rms_norm_ref(k.reshape(T, num_kv_heads, head_dim), k_norm_weight, eps)
@@ -54,7 +54,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
 
 # ---- Triton ----
 
-from mini_engine.kernels.rms_norm import load_row_inv_rms  # noqa: E402
+from mini_engine.kernels.rms_norm import load_row_inv_rms, scale_by_inv_rms  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 
@@ -77,14 +77,6 @@ def _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _scaled(x, scale, HAS_NORM: tl.constexpr):
-    """x * scale in fp32, rounded back to x's dtype; x itself where there is no scale."""
-    if HAS_NORM:
-        x = (x.to(tl.float32) * scale).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _qk_norm_rope_kv_write_kernel(
         qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr,
         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, norm_input_ptr, hidden_size, eps,
@@ -103,16 +95,16 @@ def _qk_norm_rope_kv_write_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + half)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HEAD_DIM // 2 + half)[None, :]
     row = qkv_ptr + token * stride_qkv
-    scale = 1.0
+    inv_rms = 1.0
     if HAS_NORM:
-        _, scale = load_row_inv_rms(norm_input_ptr + token * hidden_size, hidden_size, eps, BLOCK_H)
+        _, inv_rms = load_row_inv_rms(norm_input_ptr + token * hidden_size, hidden_size, eps, BLOCK_H)
 
     # q: heads [0, NUM_HEADS) of the packed row
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     mq = hq < NUM_HEADS
     q_offs = hq * HEAD_DIM + half[None, :]
-    q1 = _scaled(tl.load(row + q_offs, mask=mq, other=0.0), scale, HAS_NORM)
-    q2 = _scaled(tl.load(row + q_offs + HEAD_DIM // 2, mask=mq, other=0.0), scale, HAS_NORM)
+    q1 = scale_by_inv_rms(tl.load(row + q_offs, mask=mq, other=0.0), inv_rms, HAS_NORM)
+    q2 = scale_by_inv_rms(tl.load(row + q_offs + HEAD_DIM // 2, mask=mq, other=0.0), inv_rms, HAS_NORM)
     q_w1 = tl.load(q_norm_ptr + half)[None, :]
     q_w2 = tl.load(q_norm_ptr + HEAD_DIM // 2 + half)[None, :]
     q1, q2 = _rms_norm_rope(q1, q2, q_w1, q_w2, cos, sin, eps, HEAD_DIM)
@@ -124,14 +116,14 @@ def _qk_norm_rope_kv_write_kernel(
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     mk = hk < NUM_KV_HEADS
     k_offs = NUM_HEADS * HEAD_DIM + hk * HEAD_DIM + half[None, :]
-    k1 = _scaled(tl.load(row + k_offs, mask=mk, other=0.0), scale, HAS_NORM)
-    k2 = _scaled(tl.load(row + k_offs + HEAD_DIM // 2, mask=mk, other=0.0), scale, HAS_NORM)
+    k1 = scale_by_inv_rms(tl.load(row + k_offs, mask=mk, other=0.0), inv_rms, HAS_NORM)
+    k2 = scale_by_inv_rms(tl.load(row + k_offs + HEAD_DIM // 2, mask=mk, other=0.0), inv_rms, HAS_NORM)
     k_w1 = tl.load(k_norm_ptr + half)[None, :]
     k_w2 = tl.load(k_norm_ptr + HEAD_DIM // 2 + half)[None, :]
     k1, k2 = _rms_norm_rope(k1, k2, k_w1, k_w2, cos, sin, eps, HEAD_DIM)
     v_offs = k_offs + NUM_KV_HEADS * HEAD_DIM
-    v1 = _scaled(tl.load(row + v_offs, mask=mk, other=0.0), scale, HAS_NORM)
-    v2 = _scaled(tl.load(row + v_offs + HEAD_DIM // 2, mask=mk, other=0.0), scale, HAS_NORM)
+    v1 = scale_by_inv_rms(tl.load(row + v_offs, mask=mk, other=0.0), inv_rms, HAS_NORM)
+    v2 = scale_by_inv_rms(tl.load(row + v_offs + HEAD_DIM // 2, mask=mk, other=0.0), inv_rms, HAS_NORM)
 
     slot = tl.load(slot_mapping_ptr + token)
     # A padded token (slot -1) stores no head. (Written as a head count, not `mk & (slot >= 0)`:
