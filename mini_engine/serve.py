@@ -51,19 +51,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from mini_engine.engine.engine import LLMEngine
     from mini_engine.model.random_checkpoint import default_checkpoint
     from mini_engine.server.app import build_app
 
     model = args.model or default_checkpoint()
     name = args.served_model_name or args.model or "qwen3-0.6b-random"
     options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in SKIPPED_FIELDS}
-    engine = LLMEngine(EngineConfig.from_kwargs(model, **options))
+    config = EngineConfig.from_kwargs(model, **options)
+    app = build_app(config, name)
+    limits = app.state.server.async_engine.limits
     logging.getLogger("mini_engine.server").info(
-        "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name,
-        engine.block_manager.num_blocks, engine.config.block_size, engine.config.max_model_len)
-    uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+        "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
+        limits.block_size, limits.max_model_len)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":

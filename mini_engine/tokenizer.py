@@ -16,3 +16,12 @@ def load_tokenizer_config(path: str) -> dict:
         return {}
     with open(file) as f:
         return json.load(f)
+
+
+def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int]) -> list[int]:
+    """A prompt as token ids: text through the tokenizer (no special tokens added), ids as given."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token ids")
+        return tokenizer.encode(prompt, add_special_tokens=False).ids
+    return list(prompt)

@@ -4,17 +4,16 @@ import gc
 import itertools
 from dataclasses import dataclass
 
-import numpy as np
-
 from mini_engine.config import EngineConfig
 from mini_engine.engine.block_manager import BlockManager
+from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
-from mini_engine.tokenizer import load_tokenizer
+from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 # Engines freeze the heap they start with (LLMEngine.__init__); unfrozen at exit, so that the
 # interpreter's shutdown still frees it (Triton's bindings report leaked objects otherwise).
@@ -47,6 +46,8 @@ class LLMEngine:
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len)
+        self.limits = RequestLimits(config.model_config.vocab_size, config.max_model_len, config.block_size,
+                                    self.block_manager.num_blocks, self.tokenizer is not None)
         self.in_flight: InFlightStep | None = None
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
@@ -63,39 +64,14 @@ class LLMEngine:
     # ---- requests ----
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request that could never run; it then touches no engine state."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the checkpoint's tokenizer.json, which it does not have")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        vocab = self.config.model_config.vocab_size
-        # One numpy pass, not a Python test per token: a mix of ints and anything else (floats,
-        # strings, None) makes a float or object array.
-        ids = np.asarray(prompt_token_ids)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        limit = self.config.max_model_len
-        if n + params.max_tokens > limit:
-            raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
-                             f"max_model_len={limit}")
-        # The last sampled token is never computed, so the sequence holds at most this many slots.
-        blocks = self.block_manager.blocks_for(n + params.max_tokens - 1)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks but the pool holds "
-                             f"{self.block_manager.num_blocks}; it could never run")
+        self.limits.validate(prompt_token_ids, params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     validated: bool = False) -> Sequence:

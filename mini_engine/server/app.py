@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: routes, request checks, and response shapes.
 
-Each request is checked and tokenized on the event loop, then handed to the AsyncEngine; its
-tokens come back as RequestDeltas. Anything wrong with a request is a 4xx with OpenAI's error
+Each request is checked and tokenized on the event loop, then handed to the AsyncEngine, which
+sends it to the engine process; its tokens come back as RequestDeltas. Anything wrong with a request is a 4xx with OpenAI's error
 JSON before it reaches the engine, so one bad request never disturbs the others. A client that
 goes away gets its request aborted, which frees its KV blocks before the engine's next step.
 """
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mini_engine.engine.engine import LLMEngine
+from mini_engine.config import EngineConfig
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.chat_template import ChatTemplate
@@ -25,6 +25,7 @@ from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ProtocolError,
                                          SamplingRequest, completion_body, error_body, model_card, random_id,
                                          usage)
+from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
 
@@ -62,12 +63,13 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine = engine
+    def __init__(self, config: EngineConfig, model_name: str):
+        self.config = config
         self.model_name = model_name
         self.metrics = ServerMetrics(model_name)
-        self.async_engine = AsyncEngine(engine, self.metrics)
-        self.chat_template = ChatTemplate.from_pretrained(engine.config.model)
+        self.async_engine = AsyncEngine(config, self.metrics)
+        self.tokenizer = load_tokenizer(config.model)
+        self.chat_template = ChatTemplate.from_pretrained(config.model)
 
     # ---- from an OpenAI request to the engine's ----
 
@@ -94,7 +96,7 @@ class OpenAIServer:
                                     param="prompt")
             prompt = prompt[0]
         try:
-            return self.engine.tokenize(prompt)
+            return encode_prompt(self.tokenizer, prompt)
         except ValueError as e:
             raise ProtocolError(str(e), param="prompt") from None
 
@@ -103,12 +105,14 @@ class OpenAIServer:
             return self.async_engine.add_request(request_id, prompt_token_ids, params)
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
+        except RuntimeError as e:        # the engine process is gone
+            raise ProtocolError(str(e), 503) from None
 
     def remaining_tokens(self, prompt_token_ids: list[int]) -> int:
-        left = self.engine.config.max_model_len - len(prompt_token_ids)
+        left = self.config.max_model_len - len(prompt_token_ids)
         if left < 1:
             raise ProtocolError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
-                                f"within max_model_len={self.engine.config.max_model_len}", param="messages")
+                                f"within max_model_len={self.config.max_model_len}", param="messages")
         return left
 
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:
@@ -128,7 +132,7 @@ class OpenAIServer:
     # ---- from the engine's deltas to OpenAI's responses ----
 
     def token_text(self, token_id: int) -> str:
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok else f"token_id:{token_id}"
 
     def completion_logprobs(self, delta: RequestDelta, text_offset: int) -> dict | None:
@@ -226,8 +230,9 @@ class OpenAIServer:
         return await self.respond(raw, stream, request_id, True, req.stream, req.include_usage)
 
 
-def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
-    server = OpenAIServer(engine, model_name)
+def build_app(config: EngineConfig, model_name: str) -> FastAPI:
+    """Starts the engine process (and waits for it) before it returns."""
+    server = OpenAIServer(config, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -269,12 +274,12 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(model_name, engine.config.max_model_len)]}
+        return {"object": "list", "data": [model_card(model_name, config.max_model_len)]}
 
     @app.get("/health")
     async def health():
         if not server.async_engine.is_alive:
-            return error_response("the engine loop is not running", 503)
+            return error_response("the engine process is not running", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -1,25 +1,21 @@
-"""The engine's step loop, running in one background thread, fed by request handlers.
+"""The API process's handle on the engine process (server/engine_process.py).
 
-LLMEngine is synchronous and not thread-safe, so only the engine thread ever touches it. Handlers
-on the asyncio side hand it commands (add, abort) through a queue it drains between steps; it
-hands each request's output back through that request's asyncio.Queue, one call_soon_threadsafe
-per step. Detokenization and stop strings run on the engine thread too, so a request that hits
-a stop string is aborted, and its blocks freed, before the next step.
+Handlers on the asyncio side check a request against the engine's RequestLimits, register its
+RequestStream and send it to the engine process. A reader thread waits on the engine's output
+queue and hands each step's deltas to the event loop, one call_soon_threadsafe per step, where
+they go to each request's asyncio.Queue and into the metrics.
 """
 import asyncio
-import logging
+import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from mini_engine.engine.engine import LLMEngine, StepOutput
+from mini_engine.config import EngineConfig
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.sampling_params import SamplingParams
-from mini_engine.detokenizer import IncrementalDetokenizer
+from mini_engine.server.engine_process import EngineStats, start_engine_process
 from mini_engine.server.metrics import ServerMetrics
-
-logger = logging.getLogger("mini_engine.server")
 
 
 @dataclass
@@ -37,10 +33,14 @@ class RequestDelta:
 class RequestStream:
     """The handler's side of a request: iterate it for deltas until the one with a finish_reason."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, num_prompt_tokens: int):
         self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self.finished = False
+        self.num_output_tokens = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
 
     def __aiter__(self):
         return self
@@ -64,160 +64,100 @@ def merge(first: RequestDelta, second: RequestDelta) -> RequestDelta:
                         second.finish_reason, second.num_prompt_tokens, second.num_output_tokens, second.error)
 
 
-@dataclass
-class RequestState:
-    """The engine thread's side of a request."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    stream: RequestStream
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    num_output_tokens: int = 0
-
-
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics):
-        self.engine = engine
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics):
+        """Starts the engine process and waits for its engine (model, KV pool, CUDA graphs)."""
         self.metrics = metrics
-        self.commands: deque[tuple[str, object]] = deque()   # appended by handlers, drained by the loop
-        self.wakeup = threading.Event()
-        self.states: dict[str, RequestState] = {}            # engine thread only
+        self.process, self.commands, self.outputs, self.limits = start_engine_process(config)
+        self.streams: dict[str, RequestStream] = {}         # event loop thread only
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: threading.Thread | None = None
+        self.reader: threading.Thread | None = None
         self.stopping = False
-
-    # ---- the handlers' side (event loop thread) ----
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.thread = threading.Thread(target=self.run, name="mini_engine-step-loop", daemon=True)
-        self.thread.start()
+        self.reader = threading.Thread(target=self.read, name="mini_engine-engine-reader", daemon=True)
+        self.reader.start()
 
     def shutdown(self) -> None:
         self.stopping = True
-        self.wakeup.set()
-        if self.thread is not None:
-            self.thread.join(timeout=30)
+        self.commands.put(("shutdown",))
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+        if self.reader is not None:
+            self.reader.join(timeout=5)
+        # Dropped, so that their semaphores are released now: uvicorn ends the process by its
+        # signal, which skips the exit hooks that would (the resource tracker then warns of leaks).
+        self.commands.close()
+        self.commands.join_thread()
+        self.outputs.close()
+        self.commands = self.outputs = None
 
     @property
     def is_alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+        return self.process.is_alive() and self.reader is not None and self.reader.is_alive()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Raises ValueError for a request the engine could never run (validation reads only
-        the engine's fixed configuration, so it is safe off the engine thread)."""
-        self.engine.validate(prompt_token_ids, params)
-        stream = RequestStream(request_id)
-        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, params.stop)
-        self.submit("add", RequestState(request_id, prompt_token_ids, params, detokenizer, stream))
+        """Raises ValueError for a request the engine could never run, before it is sent."""
+        self.limits.validate(prompt_token_ids, params)
+        if not self.is_alive:
+            raise RuntimeError("the engine process is not running")
+        stream = RequestStream(request_id, len(prompt_token_ids))
+        self.streams[request_id] = stream
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        self.commands.put(("add", request_id, list(prompt_token_ids), params))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Idempotent; the engine frees the request's blocks before its next step."""
-        self.submit("abort", request_id)
+        self.commands.put(("abort", request_id))
 
-    def submit(self, command: str, arg: object) -> None:
-        self.commands.append((command, arg))
-        self.wakeup.set()
+    # ---- the reader thread ----
 
-    def deliver(self, deltas: list[tuple[RequestStream, RequestDelta]]) -> None:
-        for stream, delta in deltas:
-            stream.queue.put_nowait(delta)
-
-    # ---- the engine thread ----
-
-    def run(self) -> None:
-        try:
-            while not self.stopping:
-                self.drain_commands()
-                if not self.engine.has_unfinished_requests():
-                    self.metrics.update_engine_state(self.engine)
-                    self.wakeup.wait()
-                    self.wakeup.clear()
-                    continue
-                try:
-                    outputs = self.engine.step()
-                except Exception:
-                    logger.exception("engine step failed; failing every request in flight")
-                    self.fail_all("the engine failed while running this request")
-                    continue
-                self.process(outputs)
-                self.metrics.update_engine_state(self.engine)
-        finally:
-            self.fail_all("the server is shutting down")
-
-    def drain_commands(self) -> None:
-        deltas = []
-        while self.commands:
-            command, arg = self.commands.popleft()
-            if command == "add":
-                state: RequestState = arg
-                try:
-                    self.engine.add_request(state.prompt_token_ids, state.params, state.request_id, validated=True)
-                except (ValueError, TypeError) as e:
-                    deltas.append((state.stream, self.final_delta(state, "error", str(e))))
-                    continue
-                self.states[state.request_id] = state
-                self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
-            elif command == "abort":
-                state = self.states.get(arg)
-                if state is not None:
-                    self.engine.abort_request(state.request_id)
-                    deltas.append((state.stream, self.finish(state, "abort")))
-        self.send(deltas)
-
-    def process(self, outputs: list[StepOutput]) -> None:
-        now = time.perf_counter()
-        deltas = []
-        for out in outputs:
-            state = self.states.get(out.seq.request_id)
-            if state is None:
+    def read(self) -> None:
+        while True:
+            try:
+                message = self.outputs.get(timeout=1.0)
+            except queue.Empty:
+                if self.stopping or not self.process.is_alive():
+                    break
                 continue
-            if state.first_token_time is None:
-                state.first_token_time = now
-                self.metrics.ttft.observe(now - state.arrival_time)
-            state.num_output_tokens += len(out.new_token_ids)
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
-            text = state.detokenizer.update(out.new_token_ids, out.finished)
-            reason = out.seq.finish_reason if out.finished else None
-            if state.detokenizer.stopped:
-                if not out.finished:
-                    self.engine.abort_request(state.request_id)    # blocks free before the next step
-                reason = "stop"
-            delta = RequestDelta(text, out.new_token_ids, out.logprobs, None, len(state.prompt_token_ids),
-                                 state.num_output_tokens)
-            if reason is not None:
-                self.finish(state, reason)
-                delta.finish_reason = reason
-            deltas.append((state.stream, delta))
-        self.send(deltas)
+            except (EOFError, OSError):
+                break
+            if message[0] == "step":
+                self.loop.call_soon_threadsafe(self.deliver, message[1], message[2])
+        if not self.loop.is_closed():
+            reason = "the server is shutting down" if self.stopping else "the engine process exited"
+            self.loop.call_soon_threadsafe(self.fail_all, reason)
 
-    def finish(self, state: RequestState, reason: str) -> RequestDelta:
-        self.states.pop(state.request_id, None)
+    # ---- the event loop thread ----
+
+    def deliver(self, deltas: list[tuple], stats: EngineStats) -> None:
         now = time.perf_counter()
-        self.metrics.finished(reason)
-        self.metrics.e2e.observe(now - state.arrival_time)
-        if state.first_token_time is not None and state.num_output_tokens > 1:
-            self.metrics.tpot.observe((now - state.first_token_time) / (state.num_output_tokens - 1))
-        return self.final_delta(state, reason)
-
-    def final_delta(self, state: RequestState, reason: str, error: str | None = None) -> RequestDelta:
-        return RequestDelta("", [], None, reason, len(state.prompt_token_ids), state.num_output_tokens, error)
+        m = self.metrics
+        for request_id, text, token_ids, logprobs, reason, num_output_tokens, error in deltas:
+            stream = self.streams.get(request_id)
+            if stream is None:
+                continue
+            stream.num_output_tokens = num_output_tokens
+            if token_ids:
+                m.generation_tokens.inc(len(token_ids))
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    m.ttft.observe(now - stream.arrival_time)
+            if reason is not None:
+                del self.streams[request_id]
+                m.finished(reason)
+                m.e2e.observe(now - stream.arrival_time)
+                if stream.first_token_time is not None and num_output_tokens > 1:
+                    m.tpot.observe((now - stream.first_token_time) / (num_output_tokens - 1))
+            stream.queue.put_nowait(RequestDelta(text, token_ids, logprobs, reason, stream.num_prompt_tokens,
+                                                 num_output_tokens, error))
+        m.update_engine_state(stats)
 
     def fail_all(self, message: str) -> None:
-        deltas = []
-        for state in list(self.states.values()):
-            self.engine.abort_request(state.request_id)
-            self.states.pop(state.request_id, None)
-            deltas.append((state.stream, self.final_delta(state, "error", message)))
-        while self.commands:
-            command, arg = self.commands.popleft()
-            if command == "add":
-                deltas.append((arg.stream, self.final_delta(arg, "error", message)))
-        self.send(deltas)
-
-    def send(self, deltas: list[tuple[RequestStream, RequestDelta]]) -> None:
-        if deltas and self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.deliver, deltas)
+        for stream in self.streams.values():
+            stream.queue.put_nowait(RequestDelta("", [], None, "error", stream.num_prompt_tokens,
+                                                 stream.num_output_tokens, message))
+        self.streams.clear()

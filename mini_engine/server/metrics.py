@@ -1,8 +1,9 @@
 """Prometheus metrics, named like vLLM's (vllm:* there, mini_engine:* here). Each server has
-its own registry, so several can live in one process (tests). Written by the engine thread."""
+its own registry, so several can live in one process (tests). Written on the event loop, from
+what the engine process reports after each step (server/async_engine.py)."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mini_engine.engine.engine import LLMEngine
+from mini_engine.server.engine_process import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -41,17 +42,15 @@ class ServerMetrics:
                               "/ (output tokens - 1).")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
 
-    def update_engine_state(self, engine: LLMEngine) -> None:
-        bm = engine.block_manager
-        self.num_requests_running.set(len(engine.scheduler.running))
-        self.num_requests_waiting.set(len(engine.scheduler.waiting))
-        used = bm.num_blocks - bm.num_free_blocks
-        self.kv_blocks_used.set(used)
-        self.kv_blocks_total.set(bm.num_blocks)
-        self.kv_usage.set(used / bm.num_blocks)
-        queried = bm.prefix_cache_queried_tokens
-        self.prefix_hit_rate.set(bm.prefix_cache_hit_tokens / queried if queried else 0.0)
-        self.num_preemptions.set(engine.num_preemptions)
+    def update_engine_state(self, stats: EngineStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+        queried = stats.prefix_cache_queried_tokens
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_tokens / queried if queried else 0.0)
+        self.num_preemptions.set(stats.num_preemptions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

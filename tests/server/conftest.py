@@ -1,6 +1,7 @@
 """The server under test: a tiny random Qwen3 with a small byte-level BPE tokenizer (trained here,
 so multi-byte UTF-8 is exercised) and a ChatML template, served by `python -m mini_engine.serve`
 on a free loopback port in a subprocess."""
+import contextlib
 import json
 import os
 import re
@@ -106,13 +107,14 @@ class ServerHandle:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
+@contextlib.contextmanager
+def launched_server(model: str, log_dir):
+    """`python -m mini_engine.serve` on a free loopback port, healthy, stopped on exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "mini_engine.serve", "--model", tiny_model, "--served-model-name", MODEL_NAME,
+    cmd = [sys.executable, "-m", "mini_engine.serve", "--model", model, "--served-model-name", MODEL_NAME,
            "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_KV_BLOCKS),
            "--max-num-seqs", "128", "--log-level", "warning"]
-    log_path = tmp_path_factory.mktemp("server-log") / "server.log"
+    log_path = log_dir / "server.log"
     log = open(log_path, "w")      # a file, not a pipe: nobody reads a pipe while tests run
     process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
@@ -121,9 +123,8 @@ def server(tiny_model, tmp_path_factory):
     except SystemExit as e:          # bench_serving's helper exits; a fixture should raise
         process.kill()
         raise RuntimeError(str(e)) from None
-    handle = ServerHandle(base_url, process, log_path)
     try:
-        yield handle
+        yield ServerHandle(base_url, process, log_path)
     finally:
         process.terminate()
         try:
@@ -132,6 +133,12 @@ def server(tiny_model, tmp_path_factory):
             process.kill()
             process.wait(timeout=5)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    with launched_server(tiny_model, tmp_path_factory.mktemp("server-log")) as handle:
+        yield handle
 
 
 @pytest.fixture

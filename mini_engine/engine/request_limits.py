@@ -1,0 +1,40 @@
+"""What a request may ask of an engine. Checked from the engine's fixed configuration alone, so
+that the API server, in another process than the engine, rejects a bad request before sending it."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from mini_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int             # the KV pool's size, known once the engine has measured memory
+    has_tokenizer: bool
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError (TypeError for params that are not SamplingParams) for a request that
+        could never run."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and not self.has_tokenizer:
+            raise ValueError("stop strings need the checkpoint's tokenizer.json, which it does not have")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        # One numpy pass, not a Python test per token: a mix of ints and anything else (floats,
+        # strings, None) makes a float or object array.
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        # The last sampled token is never computed, so the sequence holds at most this many slots.
+        blocks = -(-(n + params.max_tokens - 1) // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.num_blocks}; "
+                             "it could never run")

@@ -1,0 +1,178 @@
+"""The server's engine, in a process of its own (vLLM v1's engine core does the same).
+
+In one process, the engine's step loop and the HTTP side shared one interpreter lock: with 256
+requests streaming, their Python work per token (JSON chunks, queues, socket writes) took
+turns with the step loop's, and the saturated server ran at half the offline engine's speed
+(benchmarks/NOTES.md, "Serving"). Here the step loop owns a process and the GPU; the API process
+sends it commands and reads, once a step, what every request gained. If the HTTP side falls
+behind, its deltas pile up and are sent merged; the engine never waits for it.
+
+Messages (tuples, cheap to pickle), the API process to the engine:
+    ("add", request_id, prompt_token_ids, params), ("abort", request_id), ("shutdown",)
+and the engine to the API process:
+    ("ready", RequestLimits) or ("failed", traceback text), once, at start-up;
+    ("step", deltas, EngineStats) after every step, and after commands that changed something,
+where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error).
+Detokenization and stop strings run here, beside the scheduler, so that a request that hits a
+stop string is aborted, and its blocks freed, before the next step.
+"""
+import logging
+import multiprocessing
+import queue
+import traceback
+from dataclasses import dataclass
+
+from mini_engine.config import EngineConfig
+from mini_engine.detokenizer import IncrementalDetokenizer
+from mini_engine.engine.engine import LLMEngine, StepOutput
+
+logger = logging.getLogger("mini_engine.server")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """The engine's state after a step, for the server's gauges."""
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_queried_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineStats":
+        bm = engine.block_manager
+        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
+                   bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the engine process keeps of a request besides its Sequence."""
+    detokenizer: IncrementalDetokenizer
+    num_output_tokens: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, outputs: multiprocessing.Queue):
+        self.engine = engine
+        self.outputs = outputs
+        self.states: dict[str, RequestState] = {}
+
+    def run(self, commands: multiprocessing.Queue) -> None:
+        while True:
+            batch = []
+            if not self.engine.has_unfinished_requests():
+                try:        # idle: wait for work, and check each second that the server is still there
+                    batch.append(commands.get(timeout=1.0))
+                except queue.Empty:
+                    if not multiprocessing.parent_process().is_alive():
+                        return
+                    continue
+            while True:
+                try:
+                    batch.append(commands.get_nowait())
+                except queue.Empty:
+                    break
+            if any(command[0] == "shutdown" for command in batch):
+                return
+            if batch:
+                self.send([delta for command in batch for delta in self.apply(command)])
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                logger.exception("engine step failed; failing every request in flight")
+                self.send(self.fail_all("the engine failed while running this request"))
+                continue
+            self.send(self.process(outputs))
+
+    def send(self, deltas: list[tuple]) -> None:
+        self.outputs.put(("step", deltas, EngineStats.of(self.engine)))
+
+    def apply(self, command: tuple) -> list[tuple]:
+        if command[0] == "add":
+            _, request_id, prompt_token_ids, params = command
+            try:
+                # The API process validated it with the same RequestLimits.
+                self.engine.add_request(prompt_token_ids, params, request_id, validated=True)
+            except (ValueError, TypeError) as e:
+                return [(request_id, "", [], None, "error", 0, str(e))]
+            self.states[request_id] = RequestState(IncrementalDetokenizer(self.engine.tokenizer, params.stop))
+            return []
+        if command[0] == "abort":
+            request_id = command[1]
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                self.engine.abort_request(request_id)
+                return [(request_id, "", [], None, "abort", state.num_output_tokens, None)]
+        return []
+
+    def process(self, outputs: list[StepOutput]) -> list[tuple]:
+        deltas = []
+        for out in outputs:
+            request_id = out.seq.request_id
+            state = self.states.get(request_id)
+            if state is None:
+                continue
+            state.num_output_tokens += len(out.new_token_ids)
+            text = state.detokenizer.update(out.new_token_ids, out.finished)
+            reason = out.seq.finish_reason if out.finished else None
+            if state.detokenizer.stopped:
+                if not out.finished:
+                    self.engine.abort_request(request_id)    # blocks free before the next step
+                reason = "stop"
+            if reason is not None:
+                del self.states[request_id]
+            deltas.append((request_id, text, out.new_token_ids, out.logprobs, reason, state.num_output_tokens, None))
+        return deltas
+
+    def fail_all(self, message: str) -> list[tuple]:
+        deltas = []
+        for request_id, state in self.states.items():
+            self.engine.abort_request(request_id)
+            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message))
+        self.states.clear()
+        return deltas
+
+
+def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: multiprocessing.Queue) -> None:
+    """The engine process: builds the engine (model, KV pool, CUDA graphs), reports ready or the
+    error that stopped it, then steps until told to shut down or the server is gone."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except BaseException:
+        outputs.put(("failed", traceback.format_exc()))
+        return
+    outputs.put(("ready", engine.limits))
+    EngineLoop(engine, outputs).run(commands)
+
+
+def start_engine_process(config: EngineConfig, timeout: float = 900.0):
+    """Starts the engine process and waits until its engine is built. Returns the process, its
+    command and output queues, and the engine's RequestLimits; raises RuntimeError if it failed."""
+    # spawn, not fork: the child initialises CUDA, and a forked copy of a parent that touched
+    # torch's state is not safe to.
+    ctx = multiprocessing.get_context("spawn")
+    commands, outputs = ctx.Queue(), ctx.Queue()
+    process = ctx.Process(target=engine_main, args=(config, commands, outputs), name="mini_engine-engine",
+                          daemon=True)
+    process.start()
+    waited = 0.0
+    while True:
+        try:
+            message = outputs.get(timeout=1.0)
+            break
+        except queue.Empty:
+            waited += 1.0
+            if not process.is_alive() or waited > timeout:
+                process.kill()
+                raise RuntimeError(f"the engine process exited (code {process.exitcode}) before it was ready")
+    if message[0] == "failed":
+        process.join(timeout=10)
+        raise RuntimeError(f"the engine failed to start:\n{message[1]}")
+    return process, commands, outputs, message[1]
+

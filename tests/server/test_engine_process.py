@@ -1,0 +1,49 @@
+"""The engine runs in a process of its own (server/engine_process.py): if it dies, the requests in
+flight end with an error, new ones are refused with 503, and /health says so."""
+import os
+import signal
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME, launched_server
+
+
+def child_pids(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def engine_pid(server_pid: int) -> int:
+    """The spawned engine process (the other child is multiprocessing's resource tracker)."""
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline") as f:
+            if "spawn_main" in f.read():
+                return pid
+    raise AssertionError("no engine process under the server")
+
+
+def test_a_dead_engine_fails_requests_in_flight_and_refuses_new_ones(tiny_model, tmp_path):
+    with launched_server(tiny_model, tmp_path) as server:
+        body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 2:                     # tokens are flowing: kill the engine
+                    os.kill(engine_pid(server.process.pid), signal.SIGKILL)
+        errors = [e for e in events if '"error"' in e]
+        assert len(errors) == 1 and "the engine process exited" in errors[0], events[-3:]
+        assert events[-1] == "data: [DONE]"
+        assert len(events) < 400
+        health = httpx.get(server.base_url + "/health", timeout=10)
+        assert health.status_code == 503 and "engine process" in health.text
+        refused = httpx.post(server.base_url + "/v1/completions", timeout=10,
+                             json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2})
+        assert refused.status_code == 503 and "engine process" in refused.json()["error"]["message"]
+        assert server.process.poll() is None             # the API server itself stays up
