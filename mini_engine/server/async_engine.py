@@ -81,7 +81,8 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self.stopping = True
-        self.commands.put(("shutdown",))
+        if self.process.is_alive():
+            self.commands.put(("shutdown",))
         self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
@@ -111,7 +112,8 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Idempotent; the engine frees the request's blocks before its next step."""
-        self.commands.put(("abort", request_id))
+        if self.commands is not None and self.process.is_alive():
+            self.commands.put(("abort", request_id))
 
     # ---- the reader thread ----
 
@@ -127,9 +129,11 @@ class AsyncEngine:
                 break
             if message[0] == "step":
                 self.loop.call_soon_threadsafe(self.deliver, message[1], message[2])
-        if not self.loop.is_closed():
-            reason = "the server is shutting down" if self.stopping else "the engine process exited"
+        reason = "the server is shutting down" if self.stopping else "the engine process exited"
+        try:
             self.loop.call_soon_threadsafe(self.fail_all, reason)
+        except RuntimeError:        # the event loop has already closed: nobody is waiting
+            pass
 
     # ---- the event loop thread ----
 
