@@ -168,11 +168,12 @@ def start_engine_process(config: EngineConfig, timeout: float = 900.0):
             break
         except queue.Empty:
             waited += 1.0
-            if not process.is_alive() or waited > timeout:
-                process.kill()
+            if not process.is_alive():
                 raise RuntimeError(f"the engine process exited (code {process.exitcode}) before it was ready")
+            if waited > timeout:
+                process.kill()
+                raise RuntimeError(f"the engine process was not ready after {timeout:.0f} s")
     if message[0] == "failed":
         process.join(timeout=10)
         raise RuntimeError(f"the engine failed to start:\n{message[1]}")
     return process, commands, outputs, message[1]
-
