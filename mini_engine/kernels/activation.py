@@ -17,19 +17,20 @@ def silu_and_mul_ref(gate_up: torch.Tensor, norm_input: torch.Tensor | None = No
 # ---- Triton ----
 
 from mini_engine.kernels.rms_norm import load_row_inv_rms, scale_by_inv_rms  # noqa: E402
-from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, norm_input_ptr, intermediate_size, hidden_size, eps,
                          stride_in, stride_out, HAS_NORM: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+                         BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (token, column block): out = silu(gate) * up for BLOCK columns of one token, where
     gate and up are the two halves of the packed row. SiLU runs in fp32 and is rounded to the
     model dtype before the product, as the eager F.silu(gate) * up does. With HAS_NORM, gate and
     up are first scaled by 1/rms of the token's norm_input row (rounded as the reference does);
     each of a token's column blocks reads that row (2 KB at Qwen3-0.6B's width) for itself, where
     one program a token would read it once but walk its column blocks one after another."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -57,5 +58,6 @@ def silu_and_mul(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, 
         grid = (num_tokens, triton.cdiv(intermediate_size, block))
         _silu_and_mul_kernel[grid](gate_up, out, gate_up if norm_input is None else norm_input, intermediate_size,
                                    hidden_size, eps, gate_up.stride(0), out.stride(0), HAS_NORM=norm_input is not None,
-                                   BLOCK=block, BLOCK_H=triton.next_power_of_2(hidden_size), num_warps=4)
+                                   BLOCK=block, BLOCK_H=triton.next_power_of_2(hidden_size), num_warps=4,
+                                   **pdl_options(gate_up.device))
     return out

@@ -25,19 +25,19 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | N
 
 from dataclasses import dataclass  # noqa: E402
 
-from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                          INPUT_PRECISION: tl.constexpr, ADD_OUT: tl.constexpr):
+                          INPUT_PRECISION: tl.constexpr, ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (n_block, m_block, k_split): out[m_block, n_block] over the k_split-th of SPLIT_K
     equal shares of K, accumulated in fp32. With one share the result is rounded and stored (added
     to what out holds, with ADD_OUT); with more, the fp32 partial goes to partial[k_split] and
-    _sum_splits_kernel adds the shares. BLOCK_M covers the whole batch, so each weight tile is read
-    from memory once."""
+    _sum_splits_kernel adds the shares. BLOCK_M covers the whole batch at few rows, so each weight
+    tile is read from memory once."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -46,6 +46,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm
     row_ok, col_ok = rows < M, cols < N
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = split * k_per_split
+    pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -74,9 +75,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, M, N, K, stride_xm
 
 @triton.jit
 def _sum_splits_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                       ADD_OUT: tl.constexpr):
+                       ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr):
     """out[m, n] = sum over s of partial[s, m, n], rounded to out's dtype; with ADD_OUT, that
     rounded sum is added to what out holds (the order linear_ref rounds in)."""
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     out_ptrs = out_ptr + (offs // N).to(tl.int64) * stride_om + offs % N
@@ -139,14 +141,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
     if cfg.split_k > 1:
         partial = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), cfg.split_k)
+    pdl = pdl_options(x.device)
     _skinny_linear_kernel[grid](x, weight, out, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
                                 EVEN_K=k % (block_k * cfg.split_k) == 0, DOT_IN_FP32=x.device.type == "cpu",
                                 # fp32 weights get fp32 products, not TF32 (bf16/fp16 ignore this)
                                 INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                ADD_OUT=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                ADD_OUT=residual is not None,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if cfg.split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=cfg.split_k,
-                                                        BLOCK=block, ADD_OUT=residual is not None, num_warps=4)
+                                                        BLOCK=block, ADD_OUT=residual is not None, num_warps=4,
+                                                        **pdl)
     return out

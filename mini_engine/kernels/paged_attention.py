@@ -73,7 +73,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 import functools  # noqa: E402
 import math  # noqa: E402
 
-from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -151,7 +151,7 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -181,6 +181,8 @@ def _paged_decode_kernel(
         row_blocks = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    # the step inputs above are written by no kernel of the step; q and the cache's new slot are
+    pdl_enter(USE_PDL)
 
     num_tiles = tl.cdiv(seq_len, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -222,13 +224,14 @@ def _paged_decode_reduce_kernel(
         partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, out_ptr,
         stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+        BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, second half. Program (seq, head block): for each of BLOCK_HEADS heads,
     rescales each split's partial result by exp2(its max - the overall max) and divides by the
     rescaled total sum. Empty splits carry max -inf and sum 0 and drop out; a row with no context
     at all gets zeros. Several heads a program: with one tiny program per (seq, head), launching
     them was the cost (on the H200 at 256 sequences x 2 splits: 4.67 us one head a program, 2.24 us
     sixteen; at 64 sequences 2.27 -> 1.86 us)."""
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     splits = tl.arange(0, BLOCK_SPLITS)
@@ -397,7 +400,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl_options(q.device))
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
@@ -405,7 +408,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
             partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4)
+            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4, **pdl_options(q.device))
     return out
 
 

@@ -21,7 +21,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 # ---- Triton ----
 
-from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -44,10 +44,11 @@ def scale_by_inv_rms(x, inv_rms, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, hidden_size, eps, BLOCK_H: tl.constexpr):
+def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, hidden_size, eps, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per token; the whole row fits one tile (BLOCK_H >= hidden_size), so the sum of
     squares needs no second pass over memory. Roundings match the reference: the normed row is
     rounded to the model dtype before the weight multiplies it."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
@@ -65,5 +66,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if num_tokens:
         block_h = triton.next_power_of_2(hidden_size)
         _rms_norm_kernel[(num_tokens,)](x, weight, out, hidden_size, eps, BLOCK_H=block_h,
-                                        num_warps=min(max(block_h // 256, 1), 8))
+                                        num_warps=min(max(block_h // 256, 1), 8), **pdl_options(x.device))
     return out

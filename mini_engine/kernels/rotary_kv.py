@@ -55,7 +55,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
 # ---- Triton ----
 
 from mini_engine.kernels.rms_norm import load_row_inv_rms, scale_by_inv_rms  # noqa: E402
-from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _qk_norm_rope_kv_write_kernel(
         stride_qkv, stride_cos_sin, stride_cache_block, stride_cache_offset, stride_cache_head,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-        HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+        HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per token, all of its heads at once: q and k are loaded as [heads, D/2] halves
     (the two operands of the neox rotation), normed per head, rotated with this position's cos and
     sin (loaded once for all heads), q stored to q_out, k and v stored into the paged cache at
@@ -91,9 +91,11 @@ def _qk_norm_rope_kv_write_kernel(
     by 1/rms of the token's norm_input row, rounded to the model dtype as the reference does."""
     token = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, HEAD_DIM // 2)
+    # positions (a step input) and the cos/sin table are written by no kernel of the step
     pos = tl.load(positions_ptr + token)
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + half)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HEAD_DIM // 2 + half)[None, :]
+    pdl_enter(USE_PDL)
     row = qkv_ptr + token * stride_qkv
     inv_rms = 1.0
     if HAS_NORM:
@@ -159,5 +161,6 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_ca
             qkv.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-            HAS_NORM=norm_input is not None, BLOCK_H=triton.next_power_of_2(hidden_size), num_warps=4)
+            HAS_NORM=norm_input is not None, BLOCK_H=triton.next_power_of_2(hidden_size), num_warps=4,
+            **pdl_options(qkv.device))
     return q

@@ -1,6 +1,19 @@
 """`triton` and `triton.language` when Triton is installed; otherwise a stand-in, so that every
 kernel module still imports (its `*_ref` function is the CPU path) and a Triton kernel fails only
-when something calls it. vLLM's `vllm/triton_utils` does the same."""
+when something calls it. vLLM's `vllm/triton_utils` does the same.
+
+Also programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step. A
+kernel launched with `launch_pdl` may become resident before the kernel ahead of it has finished;
+it may read, before `pdl_enter`, only what no kernel of the step writes (weights, the step's
+inputs, copied before the step's first kernel), and it reads or writes anything else only after.
+`pdl_enter` also lets the next PDL kernel launch: once every program of this one has passed it,
+the next one's programs take SM slots as they free up and do their own early reads, so a launch
+overlaps the tail of the kernel ahead instead of following it."""
+import functools
+import os
+
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -25,4 +38,41 @@ except ImportError:
 
     triton = tl = _TritonPlaceholder()
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+
+
+@functools.lru_cache
+def use_pdl(device: torch.device) -> bool:
+    """Whether decode kernels on `device` launch with PDL: CUDA at compute capability 9.0 or newer
+    (the interpreter and older GPUs have no griddepcontrol). MINI_ENGINE_PDL=0 turns it off, for
+    A/B runs."""
+    if not HAS_TRITON or device.type != "cuda" or os.environ.get("MINI_ENGINE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_options(device: torch.device, enabled: bool = True) -> dict:
+    """Launch keywords of a PDL-aware kernel: its USE_PDL switch and Triton's launch flag."""
+    pdl = enabled and use_pdl(device)
+    return {"USE_PDL": pdl, "launch_pdl": pdl}
+
+
+# Whether a kernel lets the next one launch before or after its own wait (MINI_ENGINE_PDL_ORDER,
+# for A/B runs): before lets launches run several kernels ahead; after, one.
+_RELEASE_BEFORE_WAIT = tl.constexpr(os.environ.get("MINI_ENGINE_PDL_ORDER", "release-first") == "release-first") \
+    if HAS_TRITON else True
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Where a PDL kernel's reads of the kernels ahead begin: wait until they have finished and
+    their writes are visible, and let the next kernel launch."""
+    if USE_PDL:
+        if _RELEASE_BEFORE_WAIT:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+__all__ = ["HAS_TRITON", "triton", "tl", "use_pdl", "pdl_options", "pdl_enter"]

@@ -1,0 +1,127 @@
+"""A decode step's forward as one CUDA graph, with and without programmatic dependent launch (PDL,
+kernels/triton_utils.py), and (--all-triton) with every projection on the Triton kernel of
+kernels/linear.py instead of cuBLAS. Times each variant's graph replay at a few batch sizes
+(contexts ~U(ctx/2, 3ctx/2)), in interleaved rounds, and checks its logits against the first
+variant's. MINI_ENGINE_PDL_ORDER=release-after makes each kernel let the next one launch only
+after its own wait. Needs CUDA.
+
+    PYTHONPATH=. python benchmarks/pdl_chain.py --batch 1 8 32 64 128 256
+"""
+import argparse
+import itertools
+import os
+import random
+import sys
+
+import torch
+
+
+def triton_table(tile: tuple):
+    """skinny_config's stand-in: every projection on the Triton kernel, the whole batch in one
+    tile up to 64 rows, `tile` = (block_m, block_n, block_k, warps, stages) above."""
+    from mini_engine.kernels.linear import SkinnyConfig
+
+    def config(num_rows: int, out_features: int, in_features: int):
+        if num_rows <= 64:
+            split = (4 if num_rows <= 32 else 2) if in_features >= 3072 else (2 if in_features >= 2048 else 1)
+            return SkinnyConfig(block_n=16, block_k=256, split_k=split)
+        bm, bn, bk, warps, stages = tile
+        return SkinnyConfig(block_m=bm, block_n=bn, block_k=bk, split_k=2 if out_features <= 1024 else 1,
+                            num_warps=warps, num_stages=stages)
+    return config
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--ctx", type=int, default=1000)
+    ap.add_argument("--replays", type=int, default=40)
+    ap.add_argument("--all-triton", action="store_true", help="also every projection on the Triton kernel")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("pdl_chain.py needs CUDA")
+    import mini_engine.layers.linear as linear_layer
+    from mini_engine import LLM
+    from mini_engine.kernels import triton_utils
+    from mini_engine.model.random_checkpoint import default_checkpoint
+    from mini_engine.runner.batch import BatchRow
+    from mini_engine.sampling_params import SamplingParams
+
+    llm = LLM(default_checkpoint(device="cuda"), max_model_len=2048, max_num_seqs=max(args.batch),
+              enforce_eager=True, gpu_memory_utilization=0.5)
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    original_config = linear_layer.skinny_config
+    tiles = [(64, 64, 64, 4, 4), (64, 32, 128, 4, 4), (128, 64, 64, 8, 3)]
+    variants = {"cublas": (False, original_config), "cublas+pdl": (True, original_config)}
+    if args.all_triton:
+        for tile, pdl in itertools.product(tiles, (False, True)):
+            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile))
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.6, max_tokens=1)
+    bs = runner.block_size
+    summary = {}
+    for batch in args.batch:
+        rows, next_block = [], 0
+        for _ in range(batch):
+            ctx = rng.randint(args.ctx // 2, 3 * args.ctx // 2)
+            n = -(-(ctx + 1) // bs)
+            rows.append(BatchRow([rng.randrange(1000)], ctx, list(range(next_block, next_block + n)), True, params))
+            next_block += n
+        logits = torch.empty(batch, model.config.vocab_size, dtype=torch.bfloat16, device="cuda")
+        reference = None
+        graphs = {}
+        for name, (pdl, config) in variants.items():
+            if batch <= 64 and name.startswith("triton") and not name.startswith(f"triton{tiles[0]}"):
+                continue        # the tile only matters above 64 rows
+            os.environ["MINI_ENGINE_PDL"] = "1" if pdl else "0"
+            triton_utils.use_pdl.cache_clear()
+            linear_layer.skinny_config = config
+            try:
+                with torch.inference_mode():
+                    input_ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)
+                    model.compute_logits(model(input_ids, positions, meta), out=logits)    # compile outside
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        model.compute_logits(model(input_ids, positions, meta), out=logits)
+                graph.replay()
+                torch.cuda.synchronize()
+            except Exception as exc:    # a variant that does not compile is reported, not fatal
+                print(f"batch {batch} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            result = logits.float().clone()
+            if reference is None:
+                reference = result
+            err = (result - reference).abs().max().item()
+            agree = (result.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            graphs[name] = (graph, err, agree)
+        linear_layer.skinny_config = original_config
+        times = {name: [] for name in graphs}
+        for _ in range(3):                         # interleaved rounds: drift hits every variant alike
+            for name, (graph, _, _) in graphs.items():
+                for _ in range(5):
+                    graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / args.replays)
+        base = min(times["cublas"])
+        print(f"\n=== decode batch {batch}, mean context {sum(r.start_position for r in rows) / batch:.0f}")
+        for name, (graph, err, agree) in graphs.items():
+            best = min(times[name])
+            print(f"  {name:<40} {best:7.3f} ms  ({best - base:+.3f})  rounds "
+                  + " ".join(f"{t:.3f}" for t in times[name]) + f"  max|dlogit| {err:.3f}  argmax agree {agree:.3f}",
+                  flush=True)
+            summary.setdefault(name, {})[batch] = best
+        del graphs
+        torch.cuda.empty_cache()
+    print("\nsummary (ms per step):")
+    for name, row in summary.items():
+        print(f"  {name:<40} " + " ".join(f"{b}:{t:.3f}" for b, t in row.items()))
+
+
+if __name__ == "__main__":
+    main()
