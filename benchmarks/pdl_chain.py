@@ -2,8 +2,7 @@
 kernels/triton_utils.py), and (--all-triton) with every projection on the Triton kernel of
 kernels/linear.py instead of cuBLAS. Times each variant's graph replay at a few batch sizes
 (contexts ~U(ctx/2, 3ctx/2)), in interleaved rounds, and checks its logits against the first
-variant's. MINI_ENGINE_PDL_ORDER=release-after makes each kernel let the next one launch only
-after its own wait. Needs CUDA.
+variant's. Needs CUDA.
 
     PYTHONPATH=. python benchmarks/pdl_chain.py --batch 1 8 32 64 128 256
 """

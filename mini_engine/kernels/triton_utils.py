@@ -8,7 +8,8 @@ it may read, before `pdl_enter`, only what no kernel of the step writes (weights
 inputs, copied before the step's first kernel), and it reads or writes anything else only after.
 `pdl_enter` also lets the next PDL kernel launch: once every program of this one has passed it,
 the next one's programs take SM slots as they free up and do their own early reads, so a launch
-overlaps the tail of the kernel ahead instead of following it."""
+overlaps the tail of the kernel ahead instead of following it. cuBLAS's kernels neither wait nor
+release: a PDL kernel after one starts when it ends, as without PDL."""
 import functools
 import os
 
@@ -56,23 +57,15 @@ def pdl_options(device: torch.device, enabled: bool = True) -> dict:
     return {"USE_PDL": pdl, "launch_pdl": pdl}
 
 
-# Whether a kernel lets the next one launch before or after its own wait (MINI_ENGINE_PDL_ORDER,
-# for A/B runs): before lets launches run several kernels ahead; after, one.
-_RELEASE_BEFORE_WAIT = tl.constexpr(os.environ.get("MINI_ENGINE_PDL_ORDER", "release-first") == "release-first") \
-    if HAS_TRITON else True
-
-
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
     """Where a PDL kernel's reads of the kernels ahead begin: wait until they have finished and
-    their writes are visible, and let the next kernel launch."""
+    their writes are visible, then let the next kernel launch. Releasing the next one before the
+    wait instead (so launches run several kernels ahead) measured the same over the benchmark
+    and slower at 1-16 rows (8 rows: 1.36 against 1.28 ms a step; benchmarks/NOTES.md, entry 30)."""
     if USE_PDL:
-        if _RELEASE_BEFORE_WAIT:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        else:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 __all__ = ["HAS_TRITON", "triton", "tl", "use_pdl", "pdl_options", "pdl_enter"]

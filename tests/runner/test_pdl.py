@@ -48,7 +48,7 @@ def test_decode_graph_logits_do_not_change_with_pdl(tiny_checkpoint, monkeypatch
     from mini_engine.runner.model_runner import ModelRunner
     from mini_engine.sampling_params import SamplingParams
 
-    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cuda", num_kv_blocks=640, max_model_len=256,
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cuda", num_kv_blocks=40 * 33, max_model_len=256,
                                       max_num_seqs=48, block_size=4, enforce_eager=True))
     params = SamplingParams(temperature=0, max_tokens=4)
     results = []
@@ -59,7 +59,7 @@ def test_decode_graph_logits_do_not_change_with_pdl(tiny_checkpoint, monkeypatch
         runner.kv_cache.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
         logits_by_batch = []
         for batch in (1, 7, 40):        # one split and several; the skinny and cuBLAS projections
-            rows = [BatchRow([3 + i], 10 + 5 * i, list(range(60 * i // 4, 60 * i // 4 + 15)), True, params)
+            rows = [BatchRow([3 + i], 10 + 3 * i, list(range(33 * i, 33 * i + 33)), True, params)
                     for i in range(batch)]
             model = runner.model
             logits = torch.empty(batch, model.config.vocab_size, dtype=runner.dtype, device="cuda")
