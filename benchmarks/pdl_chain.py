@@ -30,6 +30,15 @@ def triton_table(tile: tuple):
     return config
 
 
+def print_registers(kernel) -> None:
+    """Registers, spills and shared memory of each compiled variant of a Triton kernel: what sets
+    how many of its programs share an SM (benchmarks/NOTES.md, entry 20)."""
+    print(f"\ncompiled variants of {kernel.fn.__name__}:")
+    for cache in getattr(kernel, "device_caches", {}).values():
+        for compiled in (cache[0] if isinstance(cache, tuple) else cache).values():
+            print(f"  regs {compiled.n_regs} spills {compiled.n_spills} shared {compiled.metadata.shared}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
@@ -41,7 +50,7 @@ def main():
         sys.exit("pdl_chain.py needs CUDA")
     import mini_engine.layers.linear as linear_layer
     from mini_engine import LLM
-    from mini_engine.kernels import triton_utils
+    from mini_engine.kernels import paged_attention, triton_utils
     from mini_engine.model.random_checkpoint import default_checkpoint
     from mini_engine.runner.batch import BatchRow
     from mini_engine.sampling_params import SamplingParams
@@ -51,10 +60,12 @@ def main():
     runner, model = llm.engine.runner, llm.engine.runner.model
     original_config = linear_layer.skinny_config
     tiles = [(64, 64, 64, 4, 4), (64, 32, 128, 4, 4), (128, 64, 64, 8, 3)]
-    variants = {"cublas": (False, original_config), "cublas+pdl": (True, original_config)}
+    # name: (PDL, projection configs, decode attention's first tile before its wait)
+    variants = {"cublas": (False, original_config, False), "cublas+pdl": (True, original_config, False),
+                "cublas+pdl+early-tile": (True, original_config, True)}
     if args.all_triton:
         for tile, pdl in itertools.product(tiles, (False, True)):
-            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile))
+            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile), False)
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1)
@@ -70,12 +81,13 @@ def main():
         logits = torch.empty(batch, model.config.vocab_size, dtype=torch.bfloat16, device="cuda")
         reference = None
         graphs = {}
-        for name, (pdl, config) in variants.items():
+        for name, (pdl, config, early) in variants.items():
             if batch <= 64 and name.startswith("triton") and not name.startswith(f"triton{tiles[0]}"):
                 continue        # the tile only matters above 64 rows
             os.environ["MINI_ENGINE_PDL"] = "1" if pdl else "0"
             triton_utils.use_pdl.cache_clear()
             linear_layer.skinny_config = config
+            paged_attention.FIRST_TILE_EARLY = early
             try:
                 with torch.inference_mode():
                     input_ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)
@@ -117,6 +129,7 @@ def main():
             summary.setdefault(name, {})[batch] = best
         del graphs
         torch.cuda.empty_cache()
+    print_registers(paged_attention._paged_decode_kernel)
     print("\nsummary (ms per step):")
     for name, row in summary.items():
         print(f"  {name:<40} " + " ".join(f"{b}:{t:.3f}" for b, t in row.items()))
