@@ -110,31 +110,26 @@ def _empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, block, offs_n, kv_head, lo, hi, stride_k_block, stride_k_offset,
-                  stride_k_head, stride_v_block, stride_v_offset, stride_v_head, dtype,
-                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """K and V [TILE_N, BLOCK_D] of the context tokens offs_n (block: their block-table entries),
-    as dtype. Only tokens in [lo, hi) behind a block id >= 0 are read; the rest are zeros."""
-    valid = (offs_n >= lo) & (offs_n < hi) & (block >= 0)
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head, seq_len,
+                 query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
+                 stride_v_block, stride_v_offset, stride_v_head,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
+    """Folds the context tokens offs_n [TILE_N] (one tile, whose block-table entries are block)
+    into the running softmax state (m_i, l_i, acc) of the query rows q [BLOCK_M, D]. Tokens past
+    seq_len, behind a -1 block-table entry, or (CAUSAL) after a row's position are masked and
+    never read."""
+    valid = (offs_n < seq_len) & (block >= 0)
     block = tl.maximum(block, 0).to(tl.int64)
     offset = (offs_n % BLOCK_SIZE).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
     k = tl.load(k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None]
-                + offs_d[None, :], mask=kv_mask, other=0.0).to(dtype)
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     v = tl.load(v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None]
-                + offs_d[None, :], mask=kv_mask, other=0.0).to(dtype)
-    return k, v
+                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
 
-
-@triton.jit
-def _fold_tile(q, m_i, l_i, acc, k, v, block, offs_n, seq_len, query_pos, qk_scale, CAUSAL: tl.constexpr):
-    """Folds one tile of keys and values k, v [TILE_N, D] (the context tokens offs_n, whose
-    block-table entries are block) into the running softmax state (m_i, l_i, acc) of the query
-    rows q [BLOCK_M, D]. Tokens past seq_len, behind a -1 block-table entry, or (CAUSAL) after a
-    row's position are masked."""
     s = tl.dot(q, tl.trans(k)) * qk_scale                  # [BLOCK_M, TILE_N], log2 units
-    keep = ((offs_n < seq_len) & (block >= 0))[None, :]
+    keep = valid[None, :]
     if CAUSAL:
         keep = keep & (offs_n[None, :] <= query_pos[:, None])
     s = tl.where(keep, s, float("-inf"))
@@ -149,18 +144,6 @@ def _fold_tile(q, m_i, l_i, acc, k, v, block, offs_n, seq_len, query_pos, qk_sca
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head, seq_len,
-                 query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
-                 stride_v_block, stride_v_offset, stride_v_head,
-                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
-    """_load_kv_tile then _fold_tile: tokens past seq_len or behind a -1 entry are never read."""
-    k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block, offs_n, kv_head, 0, seq_len, stride_k_block,
-                         stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head, q.dtype,
-                         BLOCK_SIZE, HEAD_DIM, BLOCK_D)
-    return _fold_tile(q, m_i, l_i, acc, k, v, block, offs_n, seq_len, query_pos, qk_scale, CAUSAL)
-
-
-@triton.jit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, table_width,
@@ -168,8 +151,7 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr,
-        FIRST_TILE_EARLY: tl.constexpr):
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -199,22 +181,14 @@ def _paged_decode_kernel(
         row_blocks = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    # The step inputs above are written by no kernel of the step; q, and the newest token's slot
+    # in the cache, by the rotary kernel ahead.
+    pdl_enter(USE_PDL)
+
     num_tiles = tl.cdiv(seq_len, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    if FIRST_TILE_EARLY:
-        # The share's first tile, but for the newest token, whose K and V this step's rotary
-        # kernel writes: earlier steps wrote the rest, so under PDL these loads overlap the
-        # kernels ahead (the block-table row and seq_len are step inputs).
-        offs_first = tile_lo * TILE_N + tl.arange(0, TILE_N)
-        block_first = tl.gather(row_blocks, tl.minimum(offs_first // BLOCK_SIZE, ROW_BLOCKS - 1), axis=0)
-        k_first, v_first = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_first, offs_first, kv_head, 0,
-                                         tl.minimum(seq_len - 1, tile_hi * TILE_N), stride_k_block,
-                                         stride_k_offset, stride_k_head, stride_v_block, stride_v_offset,
-                                         stride_v_head, q_ptr.dtype.element_ty, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
-    # What follows reads q and the newest token's K and V, which the kernels ahead write.
-    pdl_enter(USE_PDL)
 
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < QUERIES_PER_KV
@@ -222,18 +196,7 @@ def _paged_decode_kernel(
     q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
                                          HEAD_DIM, BLOCK_D, DOT_IN_FP32)
     m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
-    first_in_loop = tile_lo
-    if FIRST_TILE_EARLY:
-        if tile_lo < tile_hi:
-            k_new, v_new = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_first, offs_first, kv_head, seq_len - 1,
-                                         seq_len, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
-                                         stride_v_offset, stride_v_head, q.dtype, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
-            newest = (offs_first == seq_len - 1)[:, None]
-            m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, tl.where(newest, k_new, k_first.to(q.dtype)),
-                                       tl.where(newest, v_new, v_first.to(q.dtype)), block_first, offs_first,
-                                       seq_len, rows, qk_scale, False)
-        first_in_loop = tile_lo + 1
-    for tile in range(first_in_loop, tile_hi):
+    for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         if ROW_BLOCKS > 0:
             # tiles past the row's end (only ever masked tokens of a tile) read its last entry
@@ -362,10 +325,6 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
 
 
-# Whether a decode program loads its first tile (all but the newest token) before it waits for the
-# kernels ahead (PDL): a module switch so that benchmarks can capture the step both ways.
-FIRST_TILE_EARLY = True
-
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4
 # warps): the smallest of these that holds every block a tile can reach. Two sizes, not one per
 # table width, so that an eager run, whose tables are as wide as the batch's longest sequence,
@@ -408,8 +367,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 3, row_blocks_limit: int | None = None,
-                           first_tile_early: bool | None = None) -> torch.Tensor:
+                           num_stages: int = 3, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
@@ -442,9 +400,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
-        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q),
-        FIRST_TILE_EARLY=row_blocks > 0 and (FIRST_TILE_EARLY if first_tile_early is None else first_tile_early),
-        num_warps=num_warps,
+        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
         num_stages=num_stages, **pdl_options(q.device))
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)

@@ -57,17 +57,6 @@ def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_li
     check(out, *batch)
 
 
-@pytest.mark.parametrize("num_splits,tile_n", [(1, 16), (3, 16), (40, 16)])
-def test_decode_first_tile_loaded_early_changes_no_bit(device, num_splits, tile_n):
-    """The first tile of a split read before the kernel's wait (all but the newest token, which is
-    read after it) folds in exactly as the tile loop would fold it."""
-    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 4, device)
-    outs = [paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), num_splits=num_splits,
-                                   tile_n=tile_n, first_tile_early=early) for early in (True, False)]
-    check(outs[0], *batch)
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_decode_row_blocks():
     """The row a decode program keeps covers every block a tile can reach (the row rounded up to
     whole tiles), in one of two sizes so that tables of any width compile at most two variants; a

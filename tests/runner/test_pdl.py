@@ -38,10 +38,6 @@ def test_pdl_kernels_write_nothing_and_read_no_activation_before_they_enter():
         for pointer in re.findall(r"tl\.load\((\w+)", before):
             assert pointer in ("positions_ptr", "cos_sin_ptr", "block_table_ptr", "block_tables_ptr",
                                "seq_lens_ptr", "query_start_loc_ptr"), (name, pointer)
-        # and the KV cache only below the newest token, whose slot this step's rotary kernel writes
-        for call in re.findall(r"_load_kv_tile\(.*?\)\n", before, flags=re.S):
-            assert "seq_len - 1" in call, (name, call)
-        assert not re.search(r"\b_(attend|fold)_tile\(", before), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
