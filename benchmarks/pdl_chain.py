@@ -60,12 +60,11 @@ def main():
     runner, model = llm.engine.runner, llm.engine.runner.model
     original_config = linear_layer.skinny_config
     tiles = [(64, 64, 64, 4, 4), (64, 32, 128, 4, 4), (128, 64, 64, 8, 3)]
-    # name: (PDL, projection configs, decode attention's first-tile prefetch)
-    variants = {"cublas": (False, original_config, True), "cublas+pdl-no-prefetch": (True, original_config, False),
-                "cublas+pdl": (True, original_config, True)}
+    # name: (PDL, projection configs)
+    variants = {"cublas": (False, original_config), "cublas+pdl": (True, original_config)}
     if args.all_triton:
         for tile, pdl in itertools.product(tiles, (False, True)):
-            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile), True)
+            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile))
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1)
@@ -81,13 +80,12 @@ def main():
         logits = torch.empty(batch, model.config.vocab_size, dtype=torch.bfloat16, device="cuda")
         reference = None
         graphs = {}
-        for name, (pdl, config, prefetch) in variants.items():
+        for name, (pdl, config) in variants.items():
             if batch <= 64 and name.startswith("triton") and not name.startswith(f"triton{tiles[0]}"):
                 continue        # the tile only matters above 64 rows
             os.environ["MINI_ENGINE_PDL"] = "1" if pdl else "0"
             triton_utils.use_pdl.cache_clear()
             linear_layer.skinny_config = config
-            paged_attention.PREFETCH_FIRST_TILE = prefetch
             try:
                 with torch.inference_mode():
                     input_ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)

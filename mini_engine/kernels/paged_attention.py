@@ -73,7 +73,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 import functools  # noqa: E402
 import math  # noqa: E402
 
-from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, prefetch_to_l2, tl, triton  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -151,8 +151,7 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr,
-        PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -182,25 +181,14 @@ def _paged_decode_kernel(
         row_blocks = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    # The step inputs above are written by no kernel of the step; q, and the newest token's slot
+    # in the cache, by the rotary kernel ahead.
+    pdl_enter(USE_PDL)
+
     num_tiles = tl.cdiv(seq_len, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    if PREFETCH_LINES > 0:
-        # Under PDL, while the kernels ahead finish: ask L2 for the share's first tile of K and V.
-        # Only a request: loading it into registers here cost a third of the programs an SM.
-        offs_first = tile_lo * TILE_N + tl.arange(0, TILE_N)
-        block_first = tl.gather(row_blocks, tl.minimum(offs_first // BLOCK_SIZE, ROW_BLOCKS - 1), axis=0)
-        block_first = tl.where(offs_first < seq_len, block_first, -1)
-        row = (tl.maximum(block_first, 0).to(tl.int64) * stride_k_block
-               + (offs_first % BLOCK_SIZE).to(tl.int64) * stride_k_offset + kv_head * stride_k_head)
-        line_starts = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, HEAD_DIM - 1)
-        lines = tl.where((block_first >= 0)[:, None], row[:, None] + line_starts[None, :], 0)
-        prefetch_to_l2(k_cache_ptr + lines)
-        prefetch_to_l2(v_cache_ptr + lines)
-    # The step inputs above are written by no kernel of the step; q, and the newest token's slot
-    # in the cache, by the rotary kernel ahead.
-    pdl_enter(USE_PDL)
 
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < QUERIES_PER_KV
@@ -337,10 +325,6 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
 
 
-# Whether a decode program under PDL asks L2 for its first tile before it waits for the kernels
-# ahead (a module switch, so that benchmarks can capture the step both ways).
-PREFETCH_FIRST_TILE = True
-
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4
 # warps): the smallest of these that holds every block a tile can reach. Two sizes, not one per
 # table width, so that an eager run, whose tables are as wide as the batch's longest sequence,
@@ -410,11 +394,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     row_blocks = _row_blocks(table_width, block_size, tile_n)
     if row_blocks_limit is not None and row_blocks > row_blocks_limit:
         row_blocks = 0
-    pdl = pdl_options(q.device)
-    # 128-byte lines a head's row of K (or V) spans: what the early prefetch asks L2 for
-    line_elems = 128 // k_cache.element_size()
-    prefetch = PREFETCH_FIRST_TILE and pdl["USE_PDL"] and row_blocks > 0 and k_cache.stride() == v_cache.stride()
-    prefetch_lines = triton.next_power_of_2(triton.cdiv(head_dim, line_elems)) if prefetch else 0
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
         scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -422,7 +401,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
-        num_stages=num_stages, PREFETCH_LINES=prefetch_lines, LINE_ELEMS=line_elems, **pdl)
+        num_stages=num_stages, **pdl_options(q.device))
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)

@@ -68,13 +68,4 @@ def pdl_enter(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_to_l2(ptrs):
-    """Asks L2 for the 128-byte line at each address of ptrs and waits for none of them: the reads
-    start early and hold no register. L2 is where the SMs' writes meet, so a line fetched before a
-    kernel ahead writes it is updated by that write, never read stale. CUDA only (inline PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-__all__ = ["HAS_TRITON", "triton", "tl", "use_pdl", "pdl_options", "pdl_enter", "prefetch_to_l2"]
+__all__ = ["HAS_TRITON", "triton", "tl", "use_pdl", "pdl_options", "pdl_enter"]
