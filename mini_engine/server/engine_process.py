@@ -138,10 +138,13 @@ class EngineLoop:
         return deltas
 
 
-def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: multiprocessing.Queue) -> None:
+def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: multiprocessing.Queue,
+                log_level: int = logging.WARNING) -> None:
     """The engine process: builds the engine (model, KV pool, CUDA graphs), reports ready or the
-    error that stopped it, then steps until told to shut down or the server is gone."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    error that stopped it, then steps until told to shut down or the server is gone. It logs at
+    the server's level (a spawned process starts with logging unconfigured)."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level)
     try:
         engine = LLMEngine(config)
     except BaseException:
@@ -158,8 +161,8 @@ def start_engine_process(config: EngineConfig, timeout: float = 900.0):
     # torch's state is not safe to.
     ctx = multiprocessing.get_context("spawn")
     commands, outputs = ctx.Queue(), ctx.Queue()
-    process = ctx.Process(target=engine_main, args=(config, commands, outputs), name="mini_engine-engine",
-                          daemon=True)
+    process = ctx.Process(target=engine_main, args=(config, commands, outputs, logging.getLogger().getEffectiveLevel()),
+                          name="mini_engine-engine", daemon=True)
     process.start()
     waited = 0.0
     while True:

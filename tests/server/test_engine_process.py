@@ -47,3 +47,29 @@ def test_a_dead_engine_fails_requests_in_flight_and_refuses_new_ones(tiny_model,
                              json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2})
         assert refused.status_code == 503 and "engine process" in refused.json()["error"]["message"]
         assert server.process.poll() is None             # the API server itself stays up
+
+
+def test_the_engine_process_logs_at_the_servers_level(tiny_model, tmp_path):
+    """engine_main sets the level it is given (the server's --log-level), not a fixed one; here
+    run in this process, on a checkpoint whose weights file is garbage, so it stops after
+    reporting that."""
+    import logging
+    import multiprocessing
+    import shutil
+
+    from mini_engine.config import EngineConfig
+    from mini_engine.server.engine_process import engine_main
+
+    shutil.copy(os.path.join(tiny_model, "config.json"), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    root = logging.getLogger()
+    before = root.level
+    outputs = multiprocessing.Queue()
+    try:
+        for level in (logging.DEBUG, logging.ERROR):
+            engine_main(EngineConfig(str(tmp_path), device="cpu"), multiprocessing.Queue(), outputs, level)
+            assert root.level == level
+            status, detail = outputs.get(timeout=10)
+            assert status == "failed" and "safetensors" in detail
+    finally:
+        root.setLevel(before)
