@@ -77,3 +77,14 @@ def test_decode_graph_logits_do_not_change_with_pdl(tiny_checkpoint, monkeypatch
     triton_utils.use_pdl.cache_clear()
     for without, with_pdl in zip(*results):
         assert torch.equal(without, with_pdl)
+
+
+def test_pdl_is_off_without_a_hopper_gpu_or_when_turned_off(monkeypatch):
+    """The interpreter and older GPUs have no griddepcontrol; MINI_ENGINE_PDL=0 is the A/B switch."""
+    triton_utils.use_pdl.cache_clear()
+    try:
+        assert triton_utils.pdl_options(torch.device("cpu")) == {"USE_PDL": False, "launch_pdl": False}
+        monkeypatch.setenv("MINI_ENGINE_PDL", "0")
+        assert not triton_utils.use_pdl(torch.device("cuda"))       # decided before any CUDA call
+    finally:
+        triton_utils.use_pdl.cache_clear()
