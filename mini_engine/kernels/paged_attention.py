@@ -394,6 +394,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     row_blocks = _row_blocks(table_width, block_size, tile_n)
     if row_blocks_limit is not None and row_blocks > row_blocks_limit:
         row_blocks = 0
+    pdl = pdl_options(q.device)
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
         scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -401,7 +402,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(q.device))
+        num_stages=num_stages, **pdl)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
@@ -409,7 +410,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
             partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4, **pdl_options(q.device))
+            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4, **pdl)
     return out
 
 

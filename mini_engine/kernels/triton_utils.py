@@ -40,7 +40,6 @@ except ImportError:
     triton = tl = _TritonPlaceholder()
 
 
-
 @functools.lru_cache
 def use_pdl(device: torch.device) -> bool:
     """Whether decode kernels on `device` launch with PDL: CUDA at compute capability 9.0 or newer
@@ -51,9 +50,9 @@ def use_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_options(device: torch.device, enabled: bool = True) -> dict:
+def pdl_options(device: torch.device) -> dict:
     """Launch keywords of a PDL-aware kernel: its USE_PDL switch and Triton's launch flag."""
-    pdl = enabled and use_pdl(device)
+    pdl = use_pdl(device)
     return {"USE_PDL": pdl, "launch_pdl": pdl}
 
 
