@@ -11,6 +11,18 @@ import sys
 import torch
 
 
+def synthetic_decode_rows(batch: int, ctx: int, block_size: int, rng: random.Random, params) -> list:
+    """One decode row per sequence, contexts ~U(ctx/2, 3ctx/2), each on blocks of its own."""
+    from mini_engine.runner.batch import BatchRow
+    rows, next_block = [], 0
+    for _ in range(batch):
+        context = rng.randint(ctx // 2, 3 * ctx // 2)
+        n = -(-(context + 1) // block_size)
+        rows.append(BatchRow([rng.randrange(1000)], context, list(range(next_block, next_block + n)), True, params))
+        next_block += n
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
@@ -23,7 +35,6 @@ def main():
     from torch.profiler import ProfilerActivity, profile
     from mini_engine import LLM
     from mini_engine.model.random_checkpoint import default_checkpoint
-    from mini_engine.runner.batch import BatchRow
     from mini_engine.sampling_params import SamplingParams
 
     llm = LLM(default_checkpoint(device="cuda"), max_model_len=2048, max_num_seqs=max(args.batch),
@@ -33,13 +44,7 @@ def main():
     params = SamplingParams(temperature=0.6, max_tokens=1)
     bs = runner.block_size
     for batch in args.batch:
-        rows, next_block = [], 0
-        for _ in range(batch):
-            ctx = rng.randint(args.ctx // 2, 3 * args.ctx // 2)
-            n = -(-(ctx + 1) // bs)
-            blocks = list(range(next_block, next_block + n))
-            next_block += n
-            rows.append(BatchRow([rng.randrange(1000)], ctx, blocks, True, params))
+        rows = synthetic_decode_rows(batch, args.ctx, bs, rng, params)
         for _ in range(3):
             runner.execute(rows)
         torch.cuda.synchronize()

@@ -52,7 +52,7 @@ def main():
     from mini_engine import LLM
     from mini_engine.kernels import paged_attention, triton_utils
     from mini_engine.model.random_checkpoint import default_checkpoint
-    from mini_engine.runner.batch import BatchRow
+    from benchmarks.decode_step_profile import synthetic_decode_rows
     from mini_engine.sampling_params import SamplingParams
 
     llm = LLM(default_checkpoint(device="cuda"), max_model_len=2048, max_num_seqs=max(args.batch),
@@ -71,12 +71,7 @@ def main():
     bs = runner.block_size
     summary = {}
     for batch in args.batch:
-        rows, next_block = [], 0
-        for _ in range(batch):
-            ctx = rng.randint(args.ctx // 2, 3 * args.ctx // 2)
-            n = -(-(ctx + 1) // bs)
-            rows.append(BatchRow([rng.randrange(1000)], ctx, list(range(next_block, next_block + n)), True, params))
-            next_block += n
+        rows = synthetic_decode_rows(batch, args.ctx, bs, rng, params)
         logits = torch.empty(batch, model.config.vocab_size, dtype=torch.bfloat16, device="cuda")
         reference = None
         graphs = {}
