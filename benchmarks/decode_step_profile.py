@@ -29,6 +29,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=1000)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="also profile one prefill step: the benchmark's first prompts, whole, up to this many tokens")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step_profile.py needs CUDA")
@@ -68,6 +70,40 @@ def main():
               f"{step_ms:.3f} ms per step back to back (graphs: {runner.graph_runner is not None}); "
               f"KV {kv_gb:.2f} GB -> {kv_gb / 4.25:.3f} ms at 4.25 TB/s, weights 0.28 ms")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+    if args.prefill_tokens:
+        profile_prefill(runner, args.prefill_tokens, params, args.top)
+
+
+def profile_prefill(runner, max_tokens: int, params, top: int) -> None:
+    """One prefill step as the scheduler's first one is: the workload's prompts in order, whole,
+    while they fit max_tokens. Prefill runs eagerly (no graph), so every kernel shows by name."""
+    from torch.profiler import ProfilerActivity, profile
+    from bench import make_workload
+    from mini_engine.runner.batch import BatchRow
+    prompts, _ = make_workload()
+    rows, tokens, next_block = [], 0, 0
+    for prompt in prompts:
+        if tokens + len(prompt) > max_tokens:
+            break
+        n = -(-len(prompt) // runner.block_size)
+        rows.append(BatchRow(list(prompt), 0, list(range(next_block, next_block + n)), True, params))
+        tokens, next_block = tokens + len(prompt), next_block + n
+    for _ in range(2):
+        runner.execute(rows)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        runner.execute(rows)
+    end.record()
+    end.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runner.execute(rows)
+        torch.cuda.synchronize()
+    print(f"\n=== prefill step, {len(rows)} prompts, {tokens} tokens: {start.elapsed_time(end) / 5:.2f} ms per step "
+          f"(kernel times below are over 3 steps)")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ def read_bandwidth(nbytes: int = 4 << 30) -> float:
     return best * 1e9
 
 
-def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",)):
+def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), tile_configs: bool = True,
+                    kv_heads_per_program=()):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(sum(c) for c in schedule)
@@ -107,7 +108,7 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",)):
         num_blocks = max_tokens // block_size + len(schedule[0]) + 64
         caches[spec] = (block_size, num_blocks, *make_kv_cache(num_blocks, block_size, layout, gen))
     for step in range(0, len(schedule), every):
-        ctx = schedule[step]
+        ctx = sorted(schedule[step], reverse=True)          # the engine's row order (entry 19)
         b = len(ctx)
         bs = graph_size(b)
         seq_lens = ctx + [1] * (bs - b)                      # padded rows, as the graph runs them
@@ -126,9 +127,11 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",)):
                 tables[r, :nb] = perm[used:used + nb]
                 used += nb
             configs = {f"{spec} default": None}
-            for tile, warps, stages, splits in ATTENTION_CONFIGS:
+            for tile, warps, stages, splits in ATTENTION_CONFIGS if tile_configs else ():
                 configs[f"{spec} tile {tile} w{warps} s{stages} splits {splits}"] = dict(
                     tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits)
+            for heads in kv_heads_per_program:
+                configs[f"{spec} {heads} KV heads a program"] = dict(kv_heads_per_program=heads)
             for name, cfg in configs.items():
                 try:
                     if cfg is None:
@@ -287,6 +290,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", nargs="+", default=["token:16"],
                     help="attention: KV pool layouts as LAYOUT:BLOCK_SIZE, LAYOUT 'token' (the engine's "
                          "[block, offset, head, dim]) or 'head' ([block, head, offset, dim])")
+    ap.add_argument("--tile-configs", action=argparse.BooleanOptionalAction, default=True,
+                    help="attention: time ATTENTION_CONFIGS beside the default")
+    ap.add_argument("--kv-heads-per-program", type=int, nargs="*", default=[],
+                    help="attention: also time programs that walk this many KV heads each")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")
     ap.add_argument("--gemm-rows", type=int, nargs="+", help="projections: only these captured batch sizes")
     ap.add_argument("--out")
@@ -302,7 +309,11 @@ def main(argv=None) -> int:
     print(f"{results['device']}, copy {results['copy_GBps']:.0f} GB/s; {len(schedule)} decode steps")
     if "attention" in args.sections:
         results["read_GBps"] = read_bandwidth() / 1e9        # the attention's own ceiling
-        sweep_attention(schedule, args.every, results, tuple(args.layouts))
+        sweep_attention(schedule, args.every, results, tuple(args.layouts), args.tile_configs,
+                        args.kv_heads_per_program)
+        from benchmarks.pdl_chain import print_registers
+        from mini_engine.kernels.paged_attention import _paged_decode_kernel
+        print_registers(_paged_decode_kernel, ("KV_HEADS_PER_PROGRAM", "NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))
     if "gemm" in args.sections:
         sweep_gemm(schedule, results, args.gemm_max_rows, args.gemm_rows)
     if "prefill" in args.sections:

@@ -30,13 +30,17 @@ def triton_table(tile: tuple):
     return config
 
 
-def print_registers(kernel) -> None:
+def print_registers(kernel, show=()) -> None:
     """Registers, spills and shared memory of each compiled variant of a Triton kernel: what sets
-    how many of its programs share an SM (benchmarks/NOTES.md, entry 20)."""
+    how many of its programs share an SM (benchmarks/NOTES.md, entry 20). show: constexpr names
+    whose values label each variant."""
     print(f"\ncompiled variants of {kernel.fn.__name__}:")
     for cache in getattr(kernel, "device_caches", {}).values():
         for compiled in (cache[0] if isinstance(cache, tuple) else cache).values():
-            print(f"  regs {compiled.n_regs} spills {compiled.n_spills} shared {compiled.metadata.shared}")
+            constants = getattr(getattr(compiled, "src", None), "constants", {}) or {}
+            named = {kernel.arg_names[k[0] if isinstance(k, tuple) else k]: v for k, v in constants.items()}
+            label = " ".join(f"{name}={named[name]}" for name in show if name in named)
+            print(f"  regs {compiled.n_regs} spills {compiled.n_spills} shared {compiled.metadata.shared} {label}")
 
 
 def main():
@@ -122,7 +126,7 @@ def main():
             summary.setdefault(name, {})[batch] = best
         del graphs
         torch.cuda.empty_cache()
-    print_registers(paged_attention._paged_decode_kernel)
+    print_registers(paged_attention._paged_decode_kernel, ("KV_HEADS_PER_PROGRAM", "NUM_SPLITS", "ROW_BLOCKS"))
     print("\nsummary (ms per step):")
     for name, row in summary.items():
         print(f"  {name:<40} " + " ".join(f"{b}:{t:.3f}" for b, t in row.items()))
