@@ -56,7 +56,6 @@ def main():
     from mini_engine import LLM
     from mini_engine.kernels import paged_attention, triton_utils
     from mini_engine.model.random_checkpoint import default_checkpoint
-    from mini_engine.runner.graph_edges import programmatic_gemm_edges
     from benchmarks.decode_step_profile import synthetic_decode_rows
     from mini_engine.sampling_params import SamplingParams
 
@@ -65,12 +64,11 @@ def main():
     runner, model = llm.engine.runner, llm.engine.runner.model
     original_config = linear_layer.skinny_config
     tiles = [(64, 64, 64, 4, 4), (64, 32, 128, 4, 4), (128, 64, 64, 8, 3)]
-    # name: (PDL, projection configs, programmatic edges into cuBLAS's GEMMs)
-    variants = {"cublas": (False, original_config, False), "cublas+pdl": (True, original_config, False),
-                "cublas+pdl+gemm-edges": (True, original_config, True)}
+    # name: (PDL, projection configs)
+    variants = {"cublas": (False, original_config), "cublas+pdl": (True, original_config)}
     if args.all_triton:
         for tile, pdl in itertools.product(tiles, (False, True)):
-            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile), False)
+            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile))
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1)
@@ -81,7 +79,7 @@ def main():
         logits = torch.empty(batch, model.config.vocab_size, dtype=torch.bfloat16, device="cuda")
         reference = None
         graphs = {}
-        for name, (pdl, config, gemm_edges) in variants.items():
+        for name, (pdl, config) in variants.items():
             if batch <= 64 and name.startswith("triton") and not name.startswith(f"triton{tiles[0]}"):
                 continue        # the tile only matters above 64 rows
             os.environ["MINI_ENGINE_PDL"] = "1" if pdl else "0"
@@ -91,12 +89,9 @@ def main():
                 with torch.inference_mode():
                     input_ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)
                     model.compute_logits(model(input_ids, positions, meta), out=logits)    # compile outside
-                    graph = torch.cuda.CUDAGraph(keep_graph=gemm_edges)
+                    graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         model.compute_logits(model(input_ids, positions, meta), out=logits)
-                    if gemm_edges:
-                        print(f"batch {batch} {name}: {programmatic_gemm_edges(graph)} edges made programmatic")
-                        graph.instantiate()
                 graph.replay()
                 torch.cuda.synchronize()
             except Exception as exc:    # a variant that does not compile is reported, not fatal

@@ -7,7 +7,6 @@ from typing import Callable
 import torch
 
 from mini_engine.layers.attention import AttentionMetadata
-from mini_engine.runner.graph_edges import gemm_edges_enabled, programmatic_gemm_edges
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -27,8 +26,6 @@ class CUDAGraphRunner:
         self.logits = torch.zeros(max_batch_size, model.config.vocab_size, dtype=model.embed_tokens.weight.dtype,
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.gemm_edges = gemm_edges_enabled(device)
-        self.programmatic_edges: dict[int, int] = {}     # batch size -> edges into GEMMs made programmatic
 
     @staticmethod
     def buffer_bytes(max_batch_size: int, vocab_size: int, dtype: torch.dtype) -> int:
@@ -45,12 +42,9 @@ class CUDAGraphRunner:
         for bs in reversed(self.batch_sizes):      # largest first: the smaller ones reuse its pool
             inputs = padded_inputs(bs)               # staged here: a copy inside the capture would replay
             self.forward(*inputs)                    # warm-up: compile and autotune outside capture
-            graph = torch.cuda.CUDAGraph(keep_graph=self.gemm_edges)
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.forward(*inputs)
-            if self.gemm_edges:
-                self.programmatic_edges[bs] = programmatic_gemm_edges(graph)
-                graph.instantiate()
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
