@@ -92,8 +92,7 @@ def read_bandwidth(nbytes: int = 4 << 30) -> float:
     return best * 1e9
 
 
-def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), tile_configs: bool = True,
-                    kv_heads_per_program=()):
+def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), tile_configs: bool = True):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(sum(c) for c in schedule)
@@ -130,8 +129,6 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
             for tile, warps, stages, splits in ATTENTION_CONFIGS if tile_configs else ():
                 configs[f"{spec} tile {tile} w{warps} s{stages} splits {splits}"] = dict(
                     tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits)
-            for heads in kv_heads_per_program:
-                configs[f"{spec} {heads} KV heads a program"] = dict(kv_heads_per_program=heads)
             for name, cfg in configs.items():
                 try:
                     if cfg is None:
@@ -292,8 +289,6 @@ def main(argv=None) -> int:
                          "[block, offset, head, dim]) or 'head' ([block, head, offset, dim])")
     ap.add_argument("--tile-configs", action=argparse.BooleanOptionalAction, default=True,
                     help="attention: time ATTENTION_CONFIGS beside the default")
-    ap.add_argument("--kv-heads-per-program", type=int, nargs="*", default=[],
-                    help="attention: also time programs that walk this many KV heads each")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")
     ap.add_argument("--gemm-rows", type=int, nargs="+", help="projections: only these captured batch sizes")
     ap.add_argument("--out")
@@ -309,11 +304,10 @@ def main(argv=None) -> int:
     print(f"{results['device']}, copy {results['copy_GBps']:.0f} GB/s; {len(schedule)} decode steps")
     if "attention" in args.sections:
         results["read_GBps"] = read_bandwidth() / 1e9        # the attention's own ceiling
-        sweep_attention(schedule, args.every, results, tuple(args.layouts), args.tile_configs,
-                        args.kv_heads_per_program)
+        sweep_attention(schedule, args.every, results, tuple(args.layouts), args.tile_configs)
         from benchmarks.pdl_chain import print_registers
         from mini_engine.kernels.paged_attention import _paged_decode_kernel
-        print_registers(_paged_decode_kernel, ("KV_HEADS_PER_PROGRAM", "NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))
+        print_registers(_paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))
     if "gemm" in args.sections:
         sweep_gemm(schedule, results, args.gemm_max_rows, args.gemm_rows)
     if "prefill" in args.sections:

@@ -126,7 +126,7 @@ def main():
             summary.setdefault(name, {})[batch] = best
         del graphs
         torch.cuda.empty_cache()
-    print_registers(paged_attention._paged_decode_kernel, ("KV_HEADS_PER_PROGRAM", "NUM_SPLITS", "ROW_BLOCKS"))
+    print_registers(paged_attention._paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS"))
     print("\nsummary (ms per step):")
     for name, row in summary.items():
         print(f"  {name:<40} " + " ".join(f"{b}:{t:.3f}" for b, t in row.items()))

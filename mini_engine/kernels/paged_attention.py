@@ -151,11 +151,9 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, KV_HEADS_PER_PROGRAM: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-        USE_PDL: tl.constexpr):
-    """Flash-decoding, first half. Program (split, kv_group, seq): the one query token of sequence
-    seq, for the query heads of the KV_HEADS_PER_PROGRAM KV heads of group kv_group, against the
-    split-th of NUM_SPLITS equal
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
+    """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
+    seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
     depends only on the batch shape (CUDA-graph safe) and a short context just leaves some splits
     empty. With one split the result is final and goes straight to out; otherwise the unnormalised
@@ -175,7 +173,7 @@ def _paged_decode_kernel(
     and the whole benchmark ran ~0.1-0.2 s faster (benchmarks/NOTES.md, entry 22). A longer row
     falls back to loading each tile's ids (ROW_BLOCKS = 0)."""
     split = tl.program_id(0)
-    kv_group = tl.program_id(1)
+    kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     if ROW_BLOCKS > 0:
@@ -193,22 +191,12 @@ def _paged_decode_kernel(
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     rows = tl.arange(0, BLOCK_M)
-    row_valid = rows < KV_HEADS_PER_PROGRAM * QUERIES_PER_KV
-    head = kv_group * KV_HEADS_PER_PROGRAM * QUERIES_PER_KV + rows
+    row_valid = rows < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows
     q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
                                          HEAD_DIM, BLOCK_D, DOT_IN_FP32)
     m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
-    # With several KV heads a program, one loop walks them in turn inside each tile (head fastest:
-    # their rows of a token are neighbours in the pool), so the loads stay pipelined across them
-    # and the program's start-up is paid once for all. A tile of KV head h updates only h's query
-    # rows: the others get query position -1, which the causal mask turns into "no key".
-    for step in range(tile_lo * KV_HEADS_PER_PROGRAM, tile_hi * KV_HEADS_PER_PROGRAM):
-        tile = step // KV_HEADS_PER_PROGRAM
-        kv_head = kv_group * KV_HEADS_PER_PROGRAM + step % KV_HEADS_PER_PROGRAM
-        if KV_HEADS_PER_PROGRAM > 1:
-            query_pos = tl.where(rows // QUERIES_PER_KV == step % KV_HEADS_PER_PROGRAM, seq_len, -1)
-        else:
-            query_pos = rows
+    for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         if ROW_BLOCKS > 0:
             # tiles past the row's end (only ever masked tokens of a tile) read its last entry
@@ -216,9 +204,9 @@ def _paged_decode_kernel(
         else:
             block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=-1)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
-                                     seq_len, query_pos, qk_scale, stride_k_block, stride_k_offset,
+                                     seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
                                      stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, KV_HEADS_PER_PROGRAM > 1)
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, False)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -379,8 +367,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 3, row_blocks_limit: int | None = None,
-                           kv_heads_per_program: int = 1) -> torch.Tensor:
+                           num_stages: int = 3, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
@@ -395,11 +382,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs > 65535:
         raise ValueError(f"decode attention takes at most 65,535 sequences a launch (CUDA's grid z), got {num_seqs}")
     queries_per_kv = num_heads // num_kv_heads
-    if num_kv_heads % kv_heads_per_program:
-        raise ValueError(f"kv_heads_per_program {kv_heads_per_program} does not divide {num_kv_heads} KV heads")
-    kv_groups = num_kv_heads // kv_heads_per_program
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, kv_groups, max_seq_len, tile_n, _num_sms(q.device))
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
     if num_splits > 1:
         partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
@@ -411,14 +395,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if row_blocks_limit is not None and row_blocks > row_blocks_limit:
         row_blocks = 0
     pdl = pdl_options(q.device)
-    _paged_decode_kernel[(num_splits, kv_groups, num_seqs)](
+    _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
         scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(kv_heads_per_program * queries_per_kv)),
-        TILE_N=tile_n, NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, KV_HEADS_PER_PROGRAM=kv_heads_per_program,
-        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
+        BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
+        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
         num_stages=num_stages, **pdl)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)

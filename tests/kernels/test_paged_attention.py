@@ -57,23 +57,6 @@ def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_li
     check(out, *batch)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,kv_heads_per_program", [(4, 2, 2), (16, 8, 4), (8, 8, 8), (8, 4, 2)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_several_kv_heads_a_program(device, num_heads, num_kv_heads, kv_heads_per_program, num_splits):
-    """A program that walks several KV heads in turn gives each query head its own KV head's
-    attention (a head that read another's tiles would not match), split or not."""
-    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, num_heads, num_kv_heads, 16, device, seed=3)
-    out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), num_splits=num_splits,
-                                 tile_n=16, kv_heads_per_program=kv_heads_per_program)
-    check(out, *batch)
-
-
-def test_decode_kv_heads_per_program_must_divide():
-    batch = make_batch([1], [5], 6, 3, 16, "cpu")
-    with pytest.raises(ValueError, match="does not divide"):
-        paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=5, kv_heads_per_program=2)
-
-
 def test_decode_row_blocks():
     """The row a decode program keeps covers every block a tile can reach (the row rounded up to
     whole tiles), in one of two sizes so that tables of any width compile at most two variants; a
