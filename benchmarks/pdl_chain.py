@@ -2,15 +2,19 @@
 kernels/triton_utils.py), and (--all-triton) with every projection on the Triton kernel of
 kernels/linear.py instead of cuBLAS. Times each variant's graph replay at a few batch sizes
 (contexts ~U(ctx/2, 3ctx/2)), in interleaved rounds, and checks its logits against the first
-variant's. Needs CUDA.
+variant's. --without rope swiglu adds variants with that kernel left out (its layer hands its
+input on unchanged, so their logits are wrong): timing only, the most that fusing it away could
+win. Needs CUDA.
 
     PYTHONPATH=. python benchmarks/pdl_chain.py --batch 1 8 32 64 128 256
 """
 import argparse
+import contextlib
 import itertools
 import os
 import random
 import sys
+import unittest.mock
 
 import torch
 
@@ -28,6 +32,25 @@ def triton_table(tile: tuple):
         return SkinnyConfig(block_m=bm, block_n=bn, block_k=bk, split_k=2 if out_features <= 1024 else 1,
                             num_warps=warps, num_stages=stages)
     return config
+
+
+def _without_rope():
+    """QK-norm/rotary/KV write left out: attention reads the projection's raw q heads."""
+    from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
+
+    def forward(self, qkv, *args, **kwargs):
+        return qkv[:, :self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
+    return unittest.mock.patch.object(QKNormRopeKVWrite, "forward", forward)
+
+
+def _without_swiglu():
+    """SwiGLU left out: down_proj reads the gate half of the gate/up product."""
+    from mini_engine.layers.activation import SiluAndMul
+    return unittest.mock.patch.object(SiluAndMul, "forward", lambda self, gate_up, norm_input=None:
+                                      gate_up[:, :gate_up.shape[1] // 2])
+
+
+SKIPPED = {None: contextlib.nullcontext, "rope": _without_rope, "swiglu": _without_swiglu}
 
 
 def print_registers(kernel, show=()) -> None:
@@ -49,6 +72,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=1000)
     ap.add_argument("--replays", type=int, default=40)
     ap.add_argument("--all-triton", action="store_true", help="also every projection on the Triton kernel")
+    ap.add_argument("--without", nargs="*", default=[], choices=[kind for kind in SKIPPED if kind],
+                    help="also the PDL variant without this kernel (timing only: wrong logits)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("pdl_chain.py needs CUDA")
@@ -64,11 +89,13 @@ def main():
     runner, model = llm.engine.runner, llm.engine.runner.model
     original_config = linear_layer.skinny_config
     tiles = [(64, 64, 64, 4, 4), (64, 32, 128, 4, 4), (128, 64, 64, 8, 3)]
-    # name: (PDL, projection configs)
-    variants = {"cublas": (False, original_config), "cublas+pdl": (True, original_config)}
+    # name: (PDL, projection configs, kernel left out)
+    variants = {"cublas": (False, original_config, None), "cublas+pdl": (True, original_config, None)}
+    for kind in args.without:
+        variants[f"cublas+pdl without {kind} (timing only)"] = (True, original_config, kind)
     if args.all_triton:
         for tile, pdl in itertools.product(tiles, (False, True)):
-            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile))
+            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile), None)
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1)
@@ -79,14 +106,14 @@ def main():
         logits = torch.empty(batch, model.config.vocab_size, dtype=torch.bfloat16, device="cuda")
         reference = None
         graphs = {}
-        for name, (pdl, config) in variants.items():
+        for name, (pdl, config, skipped) in variants.items():
             if batch <= 64 and name.startswith("triton") and not name.startswith(f"triton{tiles[0]}"):
                 continue        # the tile only matters above 64 rows
             os.environ["MINI_ENGINE_PDL"] = "1" if pdl else "0"
             triton_utils.use_pdl.cache_clear()
             linear_layer.skinny_config = config
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), SKIPPED[skipped]():
                     input_ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)
                     model.compute_logits(model(input_ids, positions, meta), out=logits)    # compile outside
                     graph = torch.cuda.CUDAGraph()
