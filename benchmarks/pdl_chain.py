@@ -1,6 +1,5 @@
 """A decode step's forward as one CUDA graph, with and without programmatic dependent launch (PDL,
-kernels/triton_utils.py), with the rotary kernel's work done inside decode attention (the
-engine's default) or not, and (--all-triton) with every projection on the Triton kernel of
+kernels/triton_utils.py), and (--all-triton) with every projection on the Triton kernel of
 kernels/linear.py instead of cuBLAS. Times each variant's graph replay at a few batch sizes
 (contexts ~U(ctx/2, 3ctx/2)), in interleaved rounds, and checks its logits against the first
 variant's. --without rope swiglu adds variants with that kernel left out (its layer hands its
@@ -11,7 +10,6 @@ win. Needs CUDA.
 """
 import argparse
 import contextlib
-import functools
 import itertools
 import os
 import random
@@ -74,8 +72,6 @@ def main():
     ap.add_argument("--ctx", type=int, default=1000)
     ap.add_argument("--replays", type=int, default=40)
     ap.add_argument("--all-triton", action="store_true", help="also every projection on the Triton kernel")
-    ap.add_argument("--eager-q", action="store_true",
-                    help="also rope in attention with q made before the tile loop instead of in its first pass")
     ap.add_argument("--without", nargs="*", default=[], choices=[kind for kind in SKIPPED if kind],
                     help="also the PDL variant without this kernel (timing only: wrong logits)")
     args = ap.parse_args()
@@ -92,18 +88,14 @@ def main():
               enforce_eager=True, gpu_memory_utilization=0.5)
     runner, model = llm.engine.runner, llm.engine.runner.model
     original_config = linear_layer.skinny_config
-    decode_attention = paged_attention.paged_decode_attention
     tiles = [(64, 64, 64, 4, 4), (64, 32, 128, 4, 4), (128, 64, 64, 8, 3)]
-    # name: (PDL, projection configs, kernel left out, rope's work in decode attention: None, "lazy", "eager")
-    variants = {"cublas": (False, original_config, None, None), "cublas+pdl": (True, original_config, None, None),
-                "cublas+pdl+rope in attention": (True, original_config, None, "lazy")}
-    if args.eager_q:
-        variants["cublas+pdl+rope in attention, q first"] = (True, original_config, None, "eager")
+    # name: (PDL, projection configs, kernel left out)
+    variants = {"cublas": (False, original_config, None), "cublas+pdl": (True, original_config, None)}
     for kind in args.without:
-        variants[f"cublas+pdl without {kind} (timing only)"] = (True, original_config, kind, None)
+        variants[f"cublas+pdl without {kind} (timing only)"] = (True, original_config, kind)
     if args.all_triton:
         for tile, pdl in itertools.product(tiles, (False, True)):
-            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile), None, None)
+            variants[f"triton{tile}" + ("+pdl" if pdl else "")] = (pdl, triton_table(tile), None)
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=1)
@@ -114,15 +106,12 @@ def main():
         logits = torch.empty(batch, model.config.vocab_size, dtype=torch.bfloat16, device="cuda")
         reference = None
         graphs = {}
-        for name, (pdl, config, skipped, rope) in variants.items():
+        for name, (pdl, config, skipped) in variants.items():
             if batch <= 64 and name.startswith("triton") and not name.startswith(f"triton{tiles[0]}"):
                 continue        # the tile only matters above 64 rows
             os.environ["MINI_ENGINE_PDL"] = "1" if pdl else "0"
             triton_utils.use_pdl.cache_clear()
             linear_layer.skinny_config = config
-            for layer in model.layers:
-                layer.self_attn.fuse_decode_rope = rope is not None
-            paged_attention.paged_decode_attention = functools.partial(decode_attention, lazy_q=rope != "eager")
             try:
                 with torch.inference_mode(), SKIPPED[skipped]():
                     input_ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)
@@ -142,7 +131,6 @@ def main():
             agree = (result.argmax(-1) == reference.argmax(-1)).float().mean().item()
             graphs[name] = (graph, err, agree)
         linear_layer.skinny_config = original_config
-        paged_attention.paged_decode_attention = decode_attention
         times = {name: [] for name in graphs}
         for _ in range(3):                         # interleaved rounds: drift hits every variant alike
             for name, (graph, _, _) in graphs.items():
@@ -165,7 +153,7 @@ def main():
             summary.setdefault(name, {})[batch] = best
         del graphs
         torch.cuda.empty_cache()
-    print_registers(paged_attention._paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS", "ROPE", "LAZY_Q"))
+    print_registers(paged_attention._paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS"))
     print("\nsummary (ms per step):")
     for name, row in summary.items():
         print(f"  {name:<40} " + " ".join(f"{b}:{t:.3f}" for b, t in row.items()))

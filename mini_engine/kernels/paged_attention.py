@@ -72,10 +72,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 import functools  # noqa: E402
 import math  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
-from mini_engine.kernels.rms_norm import load_row_inv_rms, scale_by_inv_rms  # noqa: E402
-from mini_engine.kernels.rotary_kv import _rms_norm_rope  # noqa: E402
 from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
@@ -147,42 +144,14 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_h
 
 
 @triton.jit
-def _normed_rotated_heads(row_ptr, first_col, rows, row_valid, inv_rms, norm_ptr, cos, sin, eps,
-                          HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """[ROWS, HEAD_DIM] in the model dtype: heads first_col + r * HEAD_DIM of a packed QKV row,
-    scaled by the folded input norm's 1/rms, normed and rotated exactly as the rotary kernel does
-    (rotary_kv._rms_norm_rope on the two halves), then put back together as whole rows."""
-    half = tl.arange(0, HEAD_DIM // 2)
-    offs = first_col + rows[:, None] * HEAD_DIM + half[None, :]
-    x1 = scale_by_inv_rms(tl.load(row_ptr + offs, mask=row_valid[:, None], other=0.0), inv_rms, HAS_NORM)
-    x2 = scale_by_inv_rms(tl.load(row_ptr + offs + HEAD_DIM // 2, mask=row_valid[:, None], other=0.0), inv_rms,
-                          HAS_NORM)
-    w1 = tl.load(norm_ptr + half)[None, :]
-    w2 = tl.load(norm_ptr + HEAD_DIM // 2 + half)[None, :]
-    y1, y2 = _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM)
-    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (ROWS, HEAD_DIM))
-
-
-@triton.jit
-def _row_inv_rms(norm_input_ptr, token, hidden_size, eps, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
-    inv_rms = 1.0
-    if HAS_NORM:
-        _, inv_rms = load_row_inv_rms(norm_input_ptr + token * hidden_size, hidden_size, eps, BLOCK_H)
-    return inv_rms
-
-
-@triton.jit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, table_width,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-        positions_ptr, cos_sin_ptr, stride_cos_sin, q_norm_ptr, k_norm_ptr, norm_input_ptr, hidden_size, eps,
-        slot_mapping_ptr,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr,
-        ROPE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, LAZY_Q: tl.constexpr):
+        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -212,19 +181,11 @@ def _paged_decode_kernel(
         row_blocks = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    if ROPE:
-        half = tl.arange(0, HEAD_DIM // 2)
-        position = tl.load(positions_ptr + token)
-        cos = tl.load(cos_sin_ptr + position * stride_cos_sin + half)[None, :]
-        sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HEAD_DIM // 2 + half)[None, :]
     # The step inputs above are written by no kernel of the step; q, and the newest token's slot
-    # in the cache, by the rotary kernel ahead (with ROPE: the QKV row, by the projection).
+    # in the cache, by the rotary kernel ahead.
     pdl_enter(USE_PDL)
 
-    # With ROPE the newest token is not read from the cache (this kernel writes it): the tiles
-    # cover the seq_len - 1 cached tokens, and the last split folds the newest one in at the end.
-    kv_len = seq_len - 1 if ROPE else seq_len
-    num_tiles = tl.cdiv(kv_len, TILE_N)
+    num_tiles = tl.cdiv(seq_len, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -232,27 +193,10 @@ def _paged_decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < QUERIES_PER_KV
     head = kv_head * QUERIES_PER_KV + rows
-    qkv_row = q_ptr + token * stride_q_token
-    if ROPE:
-        offs_d = tl.arange(0, BLOCK_D)
-        q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
-        q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32 if DOT_IN_FP32 else q_ptr.dtype.element_ty)
-        if not LAZY_Q:
-            inv_rms = _row_inv_rms(norm_input_ptr, token, hidden_size, eps, HAS_NORM, BLOCK_H)
-            q = _normed_rotated_heads(qkv_row, kv_head * QUERIES_PER_KV * HEAD_DIM, rows, row_valid, inv_rms,
-                                      q_norm_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM, BLOCK_M).to(q.dtype)
-    else:
-        q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
-                                             HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+    q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
+                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
     m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
     for tile in range(tile_lo, tile_hi):
-        if ROPE and LAZY_Q:
-            # q in the first iteration, after the loop's first K/V loads have gone out, so that
-            # its loads and arithmetic overlap theirs instead of delaying them
-            if tile == tile_lo:
-                inv_rms = _row_inv_rms(norm_input_ptr, token, hidden_size, eps, HAS_NORM, BLOCK_H)
-                q = _normed_rotated_heads(qkv_row, kv_head * QUERIES_PER_KV * HEAD_DIM, rows, row_valid, inv_rms,
-                                          q_norm_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM, BLOCK_M).to(q.dtype)
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         if ROW_BLOCKS > 0:
             # tiles past the row's end (only ever masked tokens of a tile) read its last entry
@@ -260,41 +204,9 @@ def _paged_decode_kernel(
         else:
             block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=-1)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
-                                     kv_len, rows, qk_scale, stride_k_block, stride_k_offset,
+                                     seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
                                      stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
                                      BLOCK_SIZE, HEAD_DIM, BLOCK_D, False)
-
-    if ROPE:
-        if split == NUM_SPLITS - 1:
-            # The newest token: its k (normed, rotated) and v go to its cache slot and into the
-            # softmax state as one more key.
-            inv_rms = _row_inv_rms(norm_input_ptr, token, hidden_size, eps, HAS_NORM, BLOCK_H)
-            if LAZY_Q:
-                if tile_hi <= tile_lo:          # no tile, so the loop made no q
-                    q = _normed_rotated_heads(qkv_row, kv_head * QUERIES_PER_KV * HEAD_DIM, rows, row_valid,
-                                              inv_rms, q_norm_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM,
-                                              BLOCK_M).to(q.dtype)
-            one = tl.arange(0, 1)
-            k = _normed_rotated_heads(qkv_row, (NUM_HEADS + kv_head) * HEAD_DIM, one, one < 1, inv_rms, k_norm_ptr,
-                                      cos, sin, eps, HAS_NORM, HEAD_DIM, 1)                       # [1, D]
-            v_col = (NUM_HEADS + NUM_HEADS // QUERIES_PER_KV + kv_head) * HEAD_DIM
-            v = scale_by_inv_rms(tl.load(qkv_row + v_col + tl.arange(0, HEAD_DIM))[None, :], inv_rms, HAS_NORM)
-            slot = tl.load(slot_mapping_ptr + token)
-            # a padded row (slot -1) writes nothing; a mask from a scalar alone the interpreter rejects
-            write = one[:, None] < tl.where(slot >= 0, 1, 0)
-            slot = tl.maximum(slot, 0)
-            cols = tl.arange(0, HEAD_DIM)[None, :]
-            tl.store(k_cache_ptr + (slot // BLOCK_SIZE) * stride_k_block + (slot % BLOCK_SIZE) * stride_k_offset
-                     + kv_head * stride_k_head + cols, k.to(k_cache_ptr.dtype.element_ty), mask=write)
-            tl.store(v_cache_ptr + (slot // BLOCK_SIZE) * stride_v_block + (slot % BLOCK_SIZE) * stride_v_offset
-                     + kv_head * stride_v_head + cols, v.to(v_cache_ptr.dtype.element_ty), mask=write)
-            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-            m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -451,53 +363,19 @@ def _cache_strides(k_cache, v_cache):
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
 
-@dataclass
-class DecodeRope:
-    """What the rotary kernel (kernels/rotary_kv.py) takes, for a decode launch that does its work
-    itself: q is then the QKV projection's packed rows [T, (Hq + 2 Hkv) D], and the launch also
-    writes each row's k and v to its cache slot."""
-    num_heads: int
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    q_norm_weight: torch.Tensor
-    k_norm_weight: torch.Tensor
-    eps: float
-    slot_mapping: torch.Tensor
-    norm_input: torch.Tensor | None = None      # the folded input norm's rows, as in qk_norm_rope_kv_write
-
-
-def _rope_arguments(rope: DecodeRope | None, q: torch.Tensor) -> tuple:
-    """The decode kernel's rotary arguments (positions .. slot_mapping); q stands in for every
-    pointer when the launch does no rotary work."""
-    if rope is None:
-        return q, q, 0, q, q, q, 1, 0.0, q
-    norm_input = q if rope.norm_input is None else rope.norm_input
-    return (rope.positions, rope.cos_sin_cache, rope.cos_sin_cache.stride(0), rope.q_norm_weight,
-            rope.k_norm_weight, norm_input, norm_input.shape[1], rope.eps, rope.slot_mapping)
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 3, row_blocks_limit: int | None = None,
-                           rope: DecodeRope | None = None, lazy_q: bool = True) -> torch.Tensor:
+                           num_stages: int = 3, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
     a sweep over the benchmark's schedule on the H200 (tile 64, 3 stages, 4 warps: 3.55 s of
     decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
     entry 22)."""
-    if rope is None:
-        num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
-        out = torch.empty_like(q) if out is None else out
-    else:
-        num_heads, num_kv_heads, head_dim = rope.num_heads, k_cache.shape[2], k_cache.shape[3]
-        assert q.dim() == 2 and q.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and q.stride(-1) == 1
-        assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
-        assert rope.norm_input is None or rope.norm_input.is_contiguous()
-        out = q.new_empty(q.shape[0], num_heads, head_dim) if out is None else out
+    num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
+    out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return out
@@ -520,13 +398,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
         scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), *_cache_strides(k_cache, v_cache), *_rope_arguments(rope, q),
+        block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
-        num_stages=num_stages, ROPE=rope is not None, HAS_NORM=rope is not None and rope.norm_input is not None,
-        BLOCK_H=triton.next_power_of_2(rope.norm_input.shape[1]) if rope is not None and rope.norm_input is not None
-        else 1, LAZY_Q=lazy_q, **pdl)
+        num_stages=num_stages, **pdl)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
         # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)

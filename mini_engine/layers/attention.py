@@ -38,16 +38,6 @@ class Attention(nn.Module):
                                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len)
         return self.forward_eager(q, meta)
 
-    def decode_with_rope(self, qkv: torch.Tensor, norm_input: torch.Tensor | None, positions: torch.Tensor,
-                         meta: AttentionMetadata, rope) -> torch.Tensor:
-        """A decode-only step in one launch from the QKV projection's output: the Triton decode
-        kernel does rope's work (QKNormRopeKVWrite: norms, rotation, the KV-cache write) itself."""
-        from mini_engine.kernels.paged_attention import DecodeRope, paged_decode_attention
-        args = DecodeRope(self.num_heads, positions, rope.cos_sin_cache, rope.q_norm_weight, rope.k_norm_weight,
-                          rope.eps, meta.slot_mapping, norm_input)
-        return paged_decode_attention(qkv, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, self.scale, meta.max_seq_len, rope=args)
-
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d = meta.num_decodes
         if d == q.shape[0]:

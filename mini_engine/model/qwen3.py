@@ -23,17 +23,12 @@ class Qwen3Attention(nn.Module):
         self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, config.max_position_embeddings,
                                               config.rope_theta, use_triton="rope_kv" in kernels)
         self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
-        # Decode-only steps: the attention kernel does rope's work too, one launch fewer a layer.
-        self.fuse_decode_rope = "attention" in kernels and "rope_kv" in kernels and d >= 16 and d & (d - 1) == 0
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """hidden + attention(input_layernorm(hidden)), written into hidden."""
         qkv, norm_input = self.qkv_proj(hidden)
-        if self.fuse_decode_rope and meta.max_query_len == 1:
-            out = self.attn.decode_with_rope(qkv, norm_input, positions, meta, self.qk_norm_rope)
-        else:
-            q = self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, norm_input)
-            out = self.attn(q, meta)
+        q = self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, norm_input)
+        out = self.attn(q, meta)
         return self.o_proj(out.flatten(1), residual=hidden)
 
 

@@ -57,54 +57,6 @@ def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_li
     check(out, *batch)
 
 
-def make_rope_step(seq_lens, num_heads, num_kv_heads, block_size, device, seed=4, padded_rows=0):
-    """A decode step as the QKV projection leaves it: packed rows, each sequence's newest position
-    seq_len - 1 and its slot (-1 for padded rows), the folded input norm's rows, and a cache whose
-    newest slots hold stale values."""
-    from mini_engine.kernels.paged_attention import DecodeRope
-    from mini_engine.kernels.rotary_kv import rope_cos_sin_cache
-    q, k_cache, v_cache, tables, lens, loc = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads,
-                                                        block_size, device, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    rows = len(seq_lens)
-    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=gen).to(device, q.dtype)
-    norm_input = torch.randn(rows, 48, generator=gen).to(device, q.dtype)
-    positions = lens.long() - 1
-    slots = [int(tables[r, p // block_size]) * block_size + p % block_size for r, p in enumerate(positions.tolist())]
-    slots[len(slots) - padded_rows:] = [-1] * padded_rows
-    rope = DecodeRope(num_heads, positions, rope_cos_sin_cache(HEAD_DIM, 512, 10000.0, device),
-                      (1 + 0.1 * torch.randn(HEAD_DIM, generator=gen)).to(device, q.dtype),
-                      (1 + 0.1 * torch.randn(HEAD_DIM, generator=gen)).to(device, q.dtype), 1e-6,
-                      torch.tensor(slots, dtype=torch.int64, device=device), norm_input)
-    return qkv, k_cache, v_cache, tables, lens, loc, rope
-
-
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 40])
-@pytest.mark.parametrize("lazy_q", [True, False])
-def test_decode_with_rope_matches_rotary_kernel_then_attention(device, num_splits, lazy_q):
-    """The decode launch that norms and rotates q and k itself and writes k and v to the cache
-    gives what the rotary kernel followed by attention gives: the reference's output, and the
-    rotary kernel's cache bit for bit, the same rounding (a padded row, slot -1, writes nothing;
-    a context of one token has only itself)."""
-    from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref
-    seq_lens = [1, 15, 16, 17, 33, 130, 5]
-    qkv, k_cache, v_cache, tables, lens, loc, rope = make_rope_step(seq_lens, 4, 2, 4, device, padded_rows=1)
-    rotary_args = (rope.positions, rope.cos_sin_cache, rope.q_norm_weight, rope.k_norm_weight, rope.eps)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q_ref = qk_norm_rope_kv_write_ref(qkv, *rotary_args, k_ref, v_ref, rope.slot_mapping, 4, 2, HEAD_DIM,
-                                      rope.norm_input)
-    ref = paged_attention_ref(q_ref, k_ref, v_ref, tables, lens, loc, HEAD_DIM ** -0.5)
-    k_kernel, v_kernel = k_cache.clone(), v_cache.clone()
-    qk_norm_rope_kv_write(qkv, *rotary_args, k_kernel, v_kernel, rope.slot_mapping, 4, 2, HEAD_DIM, rope.norm_input)
-    out = paged_decode_attention(qkv, k_cache, v_cache, tables, lens, loc, HEAD_DIM ** -0.5,
-                                 max_seq_len=max(seq_lens), num_splits=num_splits, tile_n=16, rope=rope, lazy_q=lazy_q)
-    real = slice(0, len(seq_lens) - 1)           # the padded row's output is never read
-    torch.testing.assert_close(out[real], ref[real], **TOL[out.dtype])
-    torch.testing.assert_close(k_cache, k_kernel, atol=0, rtol=0)
-    torch.testing.assert_close(v_cache, v_kernel, atol=0, rtol=0)
-    assert not torch.equal(k_cache, make_rope_step(seq_lens, 4, 2, 4, device, padded_rows=1)[1])   # it wrote
-
-
 def test_decode_row_blocks():
     """The row a decode program keeps covers every block a tile can reach (the row rounded up to
     whole tiles), in one of two sizes so that tables of any width compile at most two variants; a
