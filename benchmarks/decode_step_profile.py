@@ -34,7 +34,6 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step_profile.py needs CUDA")
-    from torch.profiler import ProfilerActivity, profile
     from mini_engine import LLM
     from mini_engine.model.random_checkpoint import default_checkpoint
     from mini_engine.sampling_params import SamplingParams
@@ -47,37 +46,19 @@ def main():
     bs = runner.block_size
     for batch in args.batch:
         rows = synthetic_decode_rows(batch, args.ctx, bs, rng, params)
-        for _ in range(3):
-            runner.execute(rows)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        n_iter = 20
-        start.record()
-        for _ in range(n_iter):
-            runner.execute(rows)
-        end.record()
-        end.synchronize()
-        step_ms = start.elapsed_time(end) / n_iter
-        # Profile without the graph, so each kernel shows by name.
-        graph_runner, runner.graph_runner = runner.graph_runner, None
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                runner.execute(rows)
-            torch.cuda.synchronize()
-        runner.graph_runner = graph_runner
+        step_ms, table = time_and_profile(runner, rows, warmup=3, timed=20, profiled=5, top=args.top)
         kv_gb = sum(r.start_position + 1 for r in rows) * runner.kv_bytes_per_token / 1e9
         print(f"\n=== decode batch {batch}, mean context {sum(r.start_position for r in rows) / batch:.0f}: "
               f"{step_ms:.3f} ms per step back to back (graphs: {runner.graph_runner is not None}); "
               f"KV {kv_gb:.2f} GB -> {kv_gb / 4.25:.3f} ms at 4.25 TB/s, weights 0.28 ms")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+        print(table)
     if args.prefill_tokens:
         profile_prefill(runner, args.prefill_tokens, params, args.top)
 
 
 def profile_prefill(runner, max_tokens: int, params, top: int) -> None:
     """One prefill step as the scheduler's first one is: the workload's prompts in order, whole,
-    while they fit max_tokens. Prefill runs eagerly (no graph), so every kernel shows by name."""
-    from torch.profiler import ProfilerActivity, profile
+    while they fit max_tokens."""
     from bench import make_workload
     from mini_engine.runner.batch import BatchRow
     prompts, _ = make_workload()
@@ -88,22 +69,36 @@ def profile_prefill(runner, max_tokens: int, params, top: int) -> None:
         n = -(-len(prompt) // runner.block_size)
         rows.append(BatchRow(list(prompt), 0, list(range(next_block, next_block + n)), True, params))
         tokens, next_block = tokens + len(prompt), next_block + n
-    for _ in range(2):
+    step_ms, table = time_and_profile(runner, rows, warmup=2, timed=5, profiled=3, top=top)
+    print(f"\n=== prefill step, {len(rows)} prompts, {tokens} tokens: {step_ms:.2f} ms per step "
+          f"(kernel times below are over 3 steps)")
+    print(table)
+
+
+def time_and_profile(runner, rows: list, warmup: int, timed: int, profiled: int, top: int) -> tuple[float, str]:
+    """The step's time back to back (runner.execute: graph replay where one applies, host work
+    and the wait for the tokens included), then its kernels under torch.profiler with graphs off,
+    so that each kernel shows by name: (ms per step, the profiler's table)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
         runner.execute(rows)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(5):
+    for _ in range(timed):
         runner.execute(rows)
     end.record()
     end.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            runner.execute(rows)
-        torch.cuda.synchronize()
-    print(f"\n=== prefill step, {len(rows)} prompts, {tokens} tokens: {start.elapsed_time(end) / 5:.2f} ms per step "
-          f"(kernel times below are over 3 steps)")
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
+    graph_runner, runner.graph_runner = runner.graph_runner, None
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(profiled):
+                runner.execute(rows)
+            torch.cuda.synchronize()
+    finally:
+        runner.graph_runner = graph_runner
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
+    return start.elapsed_time(end) / timed, table
 
 
 if __name__ == "__main__":
