@@ -8,6 +8,7 @@ overhead is out of the picture:
     layouts (--layouts), against the KV bytes at copy and at read-only bandwidth;
   * every projection of a layer (qkv, o, gate_up, down) at every captured batch size, cuBLAS
     against the skinny Triton kernel's configurations;
+  * decode attention on uniform batches, fitted as a fixed cost per launch plus bytes / rate (fit);
   * prefill attention on the first prefill step, for a few tile shapes;
   * the sampler at a few batch sizes.
 Each table ends with the run total it implies (28 layers x the steps at that batch size), so a
@@ -163,6 +164,41 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
                                                   "read_bw_floor": read_total}
 
 
+def sweep_attention_fit(results: dict, rows=(16, 64, 128, 256), contexts=(256, 512, 1024, 2047)):
+    """Decode attention on uniform batches (every row the same context), fitted per batch size as
+    time = fixed + KV bytes / rate: whether what a launch loses against read bandwidth is a cost
+    per launch (start-up and drain) or a lower streaming rate."""
+    from mini_engine.kernels.paged_attention import paged_attention
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    num_blocks = max(rows) * -(-max(contexts) // BLOCK_SIZE) + 1
+    k_cache, v_cache = make_kv_cache(num_blocks, BLOCK_SIZE, "token", gen)
+    print("\n== decode attention on uniform batches, one layer: time = fixed + bytes / rate ==")
+    fits = []
+    for r in rows:
+        xs, ys = [], []
+        for c in contexts:
+            nb = -(-c // BLOCK_SIZE)
+            perm = torch.randperm(num_blocks, generator=gen, device="cuda")[:r * nb].to(torch.int32)
+            tables = torch.zeros(r, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32, device="cuda")
+            tables[:, :nb] = perm.view(r, nb)
+            q = torch.randn(r, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
+            sl = torch.full((r,), c, dtype=torch.int32, device="cuda")
+            qsl = torch.arange(r + 1, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(q)
+            us = time_us(lambda: paged_attention(q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5, 1,
+                                                 MAX_MODEL_LEN, out))
+            kv_bytes = 2 * r * c * NUM_KV_HEADS * HEAD_DIM * 2
+            xs.append(kv_bytes)
+            ys.append(us)
+            print(f"  {r:3d} rows x {c:4d} tokens: {us:7.1f} us  {kv_bytes / us / 1e3:5.0f} GB/s")
+        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fixed = my - slope * mx
+        fits.append(dict(rows=r, fixed_us=fixed, rate_GBps=1e-3 / slope, us=ys, kv_bytes=xs))
+        print(f"  {r:3d} rows: fixed {fixed:5.1f} us, rate {1e-3 / slope:5.0f} GB/s")
+    results["attention_fit"] = fits
+
+
 def sweep_prefill(results: dict):
     """The first prefill step of the benchmark: whole prompts, in order, up to 16,384 tokens."""
     from mini_engine.kernels.paged_attention import paged_prefill_attention
@@ -191,7 +227,9 @@ def sweep_prefill(results: dict):
     print(f"\n== prefill attention: {len(lens)} prompts, {total} tokens, one layer ==")
     rows = []
     for block_m, tile_n, warps, stages in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2),
-                                           (64, 128, 4, 2), (128, 64, 8, 3), (64, 32, 4, 3)):
+                                           (64, 128, 4, 2), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
+                                           (128, 32, 8, 3), (64, 32, 4, 4), (32, 32, 4, 3), (64, 16, 4, 3),
+                                           (64, 32, 2, 3), (64, 32, 8, 3)):
         label = f"block_m {block_m} tile {tile_n} w{warps} s{stages}"
         try:
             us = time_us(lambda: paged_prefill_attention(q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5, out,
@@ -308,6 +346,8 @@ def main(argv=None) -> int:
         from benchmarks.pdl_chain import print_registers
         from mini_engine.kernels.paged_attention import _paged_decode_kernel
         print_registers(_paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))
+    if "fit" in args.sections:
+        sweep_attention_fit(results)
     if "gemm" in args.sections:
         sweep_gemm(schedule, results, args.gemm_max_rows, args.gemm_rows)
     if "prefill" in args.sections:

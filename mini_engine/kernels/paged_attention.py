@@ -113,26 +113,37 @@ def _empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head, seq_len,
                  query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
                  stride_v_block, stride_v_offset, stride_v_head,
-                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 FULL: tl.constexpr = False):
     """Folds the context tokens offs_n [TILE_N] (one tile, whose block-table entries are block)
     into the running softmax state (m_i, l_i, acc) of the query rows q [BLOCK_M, D]. Tokens past
     seq_len, behind a -1 block-table entry, or (CAUSAL) after a row's position are masked and
-    never read."""
-    valid = (offs_n < seq_len) & (block >= 0)
-    block = tl.maximum(block, 0).to(tl.int64)
+    never read. FULL: the caller knows that every token of the tile is in the context and visible
+    to every row, so nothing is masked (the prefill's tiles below its query block's diagonal)."""
+    if FULL:
+        valid = offs_n >= 0
+    else:
+        valid = (offs_n < seq_len) & (block >= 0)
+        block = tl.maximum(block, 0)
+    block = block.to(tl.int64)
     offset = (offs_n % BLOCK_SIZE).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
-    k = tl.load(k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None]
-                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None]
-                + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    k_ptrs = k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None]
+    v_ptrs = v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None]
+    if FULL and BLOCK_D == HEAD_DIM:
+        k = tl.load(k_ptrs + offs_d[None, :]).to(q.dtype)
+        v = tl.load(v_ptrs + offs_d[None, :]).to(q.dtype)
+    else:
+        kv_mask = _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
+        k = tl.load(k_ptrs + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
 
     s = tl.dot(q, tl.trans(k)) * qk_scale                  # [BLOCK_M, TILE_N], log2 units
-    keep = valid[None, :]
-    if CAUSAL:
-        keep = keep & (offs_n[None, :] <= query_pos[:, None])
-    s = tl.where(keep, s, float("-inf"))
+    if not FULL:
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= query_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row that has seen no key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -295,7 +306,17 @@ def _paged_prefill_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     # Keys up to the last query position of this block (masked rows hold smaller positions).
     kv_len = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-    for tile in range(0, tl.cdiv(kv_len, TILE_N)):
+    # The tiles that end at or before the block's first query position are seen whole by every
+    # row: they skip the masks, and only the tiles along the diagonal pay for them.
+    full_tiles = (context_len + q_block * BLOCK_Q + 1) // TILE_N
+    for tile in range(0, full_tiles):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
+                                     kv_len, query_pos, qk_scale, stride_k_block, stride_k_offset,
+                                     stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FULL=True)
+    for tile in range(full_tiles, tl.cdiv(kv_len, TILE_N)):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < kv_len, other=-1)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
