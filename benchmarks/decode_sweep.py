@@ -93,7 +93,8 @@ def read_bandwidth(nbytes: int = 4 << 30) -> float:
     return best * 1e9
 
 
-def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), tile_configs: bool = True):
+def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), configs=ATTENTION_CONFIGS,
+                    max_batch: int | None = None):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(sum(c) for c in schedule)
@@ -108,6 +109,8 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
         num_blocks = max_tokens // block_size + len(schedule[0]) + 64
         caches[spec] = (block_size, num_blocks, *make_kv_cache(num_blocks, block_size, layout, gen))
     for step in range(0, len(schedule), every):
+        if max_batch is not None and len(schedule[step]) > max_batch:
+            continue
         ctx = sorted(schedule[step], reverse=True)          # the engine's row order (entry 19)
         b = len(ctx)
         bs = graph_size(b)
@@ -126,11 +129,11 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
                 nb = -(-n // block_size)
                 tables[r, :nb] = perm[used:used + nb]
                 used += nb
-            configs = {f"{spec} default": None}
-            for tile, warps, stages, splits in ATTENTION_CONFIGS if tile_configs else ():
-                configs[f"{spec} tile {tile} w{warps} s{stages} splits {splits}"] = dict(
+            variants = {f"{spec} default": None}
+            for tile, warps, stages, splits in configs:
+                variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits}"] = dict(
                     tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits)
-            for name, cfg in configs.items():
+            for name, cfg in variants.items():
                 try:
                     if cfg is None:
                         fn = lambda: paged_attention(q, k_cache, v_cache, tables, sl, qsl, scale, 1, MAX_MODEL_LEN,
@@ -327,6 +330,10 @@ def main(argv=None) -> int:
                          "[block, offset, head, dim]) or 'head' ([block, head, offset, dim])")
     ap.add_argument("--tile-configs", action=argparse.BooleanOptionalAction, default=True,
                     help="attention: time ATTENTION_CONFIGS beside the default")
+    ap.add_argument("--attention-configs", nargs="+", metavar="TILE,WARPS,STAGES,SPLITS",
+                    help="attention: time these instead of ATTENTION_CONFIGS")
+    ap.add_argument("--max-batch", type=int, help="attention: only the steps of at most this many rows "
+                    "(the run totals then cover those steps alone)")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")
     ap.add_argument("--gemm-rows", type=int, nargs="+", help="projections: only these captured batch sizes")
     ap.add_argument("--out")
@@ -342,7 +349,10 @@ def main(argv=None) -> int:
     print(f"{results['device']}, copy {results['copy_GBps']:.0f} GB/s; {len(schedule)} decode steps")
     if "attention" in args.sections:
         results["read_GBps"] = read_bandwidth() / 1e9        # the attention's own ceiling
-        sweep_attention(schedule, args.every, results, tuple(args.layouts), args.tile_configs)
+        configs = ATTENTION_CONFIGS if args.tile_configs else ()
+        if args.attention_configs:
+            configs = [tuple(int(v) for v in c.split(",")) for c in args.attention_configs]
+        sweep_attention(schedule, args.every, results, tuple(args.layouts), configs, args.max_batch)
         from benchmarks.pdl_chain import print_registers
         from mini_engine.kernels.paged_attention import _paged_decode_kernel
         print_registers(_paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))

@@ -335,15 +335,20 @@ def _num_sms(device: torch.device) -> int:
     return 4    # the interpreter: any small number, so tests exercise several splits
 
 
+# Decode programs resident on one SM at a time: the default tile (64 tokens, 3 stages) takes 70 KB
+# of shared memory a program, so three fit (~100 registers a thread leaves room for more).
+DECODE_PROGRAMS_PER_SM = 3
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
-    """How many programs share one (sequence, KV head): enough for about two programs per SM, never
-    more than the longest context has tiles; one where the batch alone fills the GPU, which then
-    needs no reduce kernel. (With each tile's block ids loaded in the tile loop, at least two
-    splits had paid at every batch size; with the block-table row read up front, tile 64 and one
-    split are fastest from 33 sequences up: benchmarks/NOTES.md, entry 22.) Host ints only, so a
-    captured graph keeps its grid."""
+    """How many programs share one (sequence, KV head): enough to fill every program slot of the
+    GPU at once, never more than the longest context has tiles; one where the batch alone fills
+    it, which then needs no reduce kernel. (Half the slots, the rule before, left 33-48 sequences
+    at one split and ~11 us a layer slower than with two: benchmarks/NOTES.md, entry 32.) Host
+    ints only, so a captured graph keeps its grid."""
     programs = num_seqs * num_kv_heads
-    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
+    slots = DECODE_PROGRAMS_PER_SM * num_sms
+    return max(1, min(triton.cdiv(slots, programs), triton.cdiv(max_seq_len, tile_n), 64))
 
 
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4

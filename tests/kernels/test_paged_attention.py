@@ -131,14 +131,15 @@ def test_head_dim_padded(device, head_dim, max_query_len):
 
 
 def test_decode_split_count():
-    """About two programs per SM where the batch is small; one split once the batch alone fills
-    the GPU; never more than the longest context has tiles."""
+    """Enough programs to fill every slot (three a SM) where the batch is small; one split once
+    the batch alone fills them; never more than the longest context has tiles."""
     from mini_engine.kernels.paged_attention import decode_num_splits
     assert decode_num_splits(1, 8, 2048, 128, 132) == 16          # capped by the 16 tiles of 2,048 tokens
     assert decode_num_splits(1, 8, 2048, 64, 132) == 32
-    assert decode_num_splits(16, 8, 2048, 64, 132) == 3
+    assert decode_num_splits(16, 8, 2048, 64, 132) == 4           # 128 programs x 4 fill 396 slots
     assert decode_num_splits(32, 8, 2048, 64, 132) == 2
-    assert decode_num_splits(33, 8, 2048, 64, 132) == 1
+    assert decode_num_splits(48, 8, 2048, 64, 132) == 2           # 384 programs: not quite every slot
+    assert decode_num_splits(50, 8, 2048, 64, 132) == 1           # 400 >= 3 x 132
     assert decode_num_splits(256, 8, 2048, 64, 132) == 1
     assert decode_num_splits(4, 8, 100, 64, 132) == 2             # 100 tokens: two tiles
 
