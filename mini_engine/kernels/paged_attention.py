@@ -471,23 +471,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, out: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
+                    max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
-    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch, except that
-    a mixed batch's first num_decodes rows (one token each, the runner puts them first) take
-    flash-decoding too: in the varlen kernel each would fill one row of a 64-row query block and
-    read its context in 32-key tiles. Every host choice depends on shapes and host ints only, so
-    the decode path can be graph-captured (pass max_seq_len = max_model_len there)."""
+    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch. Every host
+    choice depends on shapes and the two host ints only, so the decode path can be graph-captured
+    (pass max_seq_len = max_model_len there)."""
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                       max_seq_len, out)
-    if num_decodes == 0:
-        return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
-    d = num_decodes
-    out = torch.empty_like(q) if out is None else out
-    paged_decode_attention(q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], query_start_loc[:d + 1],
-                           scale, max_seq_len, out[:d])
-    # Row d's queries start at token d: the prefill rows' offsets, counted from there.
-    paged_prefill_attention(q[d:], k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:] - d,
-                            scale, out[d:])
-    return out
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)

@@ -35,8 +35,7 @@ class Attention(nn.Module):
         if self.use_triton:
             from mini_engine.kernels.paged_attention import paged_attention
             return paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                                   num_decodes=meta.num_decodes)
+                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len)
         return self.forward_eager(q, meta)
 
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -87,11 +87,10 @@ MIXED_SEQ_LENS = [7, 40, 9, 30, 16 + 5, 50, 33 + 48]
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-@pytest.mark.parametrize("num_decodes", [0, 2])     # all rows in the varlen kernel, or the leading decodes split off
-def test_mixed_batch_matches_reference(device, num_heads, num_kv_heads, block_size, num_decodes):
+def test_mixed_batch_matches_reference(device, num_heads, num_kv_heads, block_size):
     batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, num_heads, num_kv_heads, block_size, device, seed=1)
     out = paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=max(MIXED_QUERY_LENS),
-                          max_seq_len=max(MIXED_SEQ_LENS), num_decodes=num_decodes)
+                          max_seq_len=max(MIXED_SEQ_LENS))
     check(out, *batch)
 
 
