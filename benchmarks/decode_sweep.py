@@ -194,7 +194,7 @@ def sweep_attention_fit(results: dict, rows=(16, 64, 128, 256), contexts=(256, 5
             xs.append(kv_bytes)
             ys.append(us)
             print(f"  {r:3d} rows x {c:4d} tokens: {us:7.1f} us  {kv_bytes / us / 1e3:5.0f} GB/s")
-        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         fixed = my - slope * mx
         fits.append(dict(rows=r, fixed_us=fixed, rate_GBps=1e-3 / slope, us=ys, kv_bytes=xs))
