@@ -10,7 +10,7 @@ the span, the bytes it moved against read bandwidth, when programs start and end
 of resident programs and the bandwidth they imply (each program's bytes spread evenly over its
 life), so that a loss at the start, in the middle or at the end can be told apart. Needs CUDA.
 
-    PYTHONPATH=. python benchmarks/attention_timeline.py [--steps 1 481 897] [--out DIR]
+    PYTHONPATH=. python benchmarks/attention_timeline.py [--steps 1 481 897] [--splits 2] [--stages 4] [--out DIR]
 """
 import argparse
 import importlib.util
@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, nargs="+", default=[1, 257, 481, 705, 769, 849, 897, 961],
                     help="decode steps of the benchmark's schedule (1-based)")
+    ap.add_argument("--splits", type=int, help="num_splits instead of the engine's rule")
+    ap.add_argument("--stages", type=int, help="num_stages instead of the default")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -167,6 +169,7 @@ def main(argv=None) -> int:
     num_blocks = max_tokens // BLOCK_SIZE + len(schedule[0]) + 64
     k_cache, v_cache = make_kv_cache(num_blocks, BLOCK_SIZE, "token", gen)
     tracer = TracingLaunches(traced_decode_kernel())
+    knobs = {k: v for k, v in (("num_splits", args.splits), ("num_stages", args.stages)) if v is not None}
     results = []
     for step in args.steps:
         ctx = sorted(schedule[step - 1], reverse=True)
@@ -188,7 +191,8 @@ def main(argv=None) -> int:
         try:
             def two_launches():
                 for _ in range(2):
-                    pa.paged_attention(q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5, 1, MAX_MODEL_LEN, out)
+                    pa.paged_decode_attention(q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5, MAX_MODEL_LEN,
+                                              out, **knobs)
             two_launches()                      # compiles
             torch.cuda.synchronize()
             tracer.traces.clear()
@@ -199,7 +203,8 @@ def main(argv=None) -> int:
         (grid, first), (_, second) = tracer.traces[-2:]
         nbytes = program_bytes(grid, seq_lens, 64, kv_bytes_per_token)
         origin = int(first[:, 0].min())
-        print(f"\n== step {step}: {b} rows (graph {bs}), mean context {sum(ctx) / b:.0f}, grid {grid} ==")
+        print(f"\n== step {step}: {b} rows (graph {bs}), mean context {sum(ctx) / b:.0f}, grid {grid} "
+              f"{knobs or ''}==")
         s1 = describe(first, nbytes, origin, read_gbps, slots)
         s2 = describe(second, nbytes, int(second[:, 0].min()), read_gbps, slots)
         print_summary("launch 1", s1)
