@@ -127,7 +127,8 @@ def describe(trace: torch.Tensor, nbytes: list[int], origin: int, read_gbps: flo
                    bytes=total, achieved_GBps=total / span, at_read_bw_ns=total / read_gbps,
                    start_quantiles_ns=[q(ordered_starts, f) - lo for f in (0.5, 0.9, 1.0)],
                    end_quantiles_ns=[q(ordered_ends, f) - lo for f in (0.0, 0.1, 0.5, 0.9)],
-                   last_end_ns=max(end) - lo, loop_to_end_ns_median=sorted(e - le for e, le in zip(end, loop_end))[len(end) // 2],
+                   last_end_ns=max(end) - lo,
+                   loop_to_end_ns_median=sorted(e - le for e, le in zip(end, loop_end))[len(end) // 2],
                    residents=residents, implied_GBps=gbps, slots=slots)
     return summary
 
@@ -158,8 +159,9 @@ def main(argv=None) -> int:
         print("attention_timeline.py needs CUDA", file=sys.stderr)
         return 2
     import mini_engine.kernels.paged_attention as pa
-    from benchmarks.decode_sweep import (BLOCK_SIZE, DTYPE, HEAD_DIM, MAX_MODEL_LEN, NUM_HEADS,
-                                         decode_schedule, graph_size, make_kv_cache, read_bandwidth)
+    from benchmarks.decode_sweep import (BLOCK_SIZE, DTYPE, HEAD_DIM, MAX_MODEL_LEN, decode_schedule,
+                                         decode_step_inputs, make_kv_cache, read_bandwidth,
+                                         scattered_block_tables)
     schedule = decode_schedule()
     read_gbps = read_bandwidth() / 1e9
     slots = pa.DECODE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
@@ -172,20 +174,11 @@ def main(argv=None) -> int:
     knobs = {k: v for k, v in (("num_splits", args.splits), ("num_stages", args.stages)) if v is not None}
     results = []
     for step in args.steps:
-        ctx = sorted(schedule[step - 1], reverse=True)
-        b, bs = len(ctx), graph_size(len(ctx))
-        seq_lens = ctx + [1] * (bs - b)
-        q = torch.randn(bs, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
-        sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        qsl = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
-        tables = torch.zeros(bs, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32, device="cuda")
-        used = 0
-        for r, n in enumerate(seq_lens):
-            nb = -(-n // BLOCK_SIZE)
-            tables[r, :nb] = perm[used:used + nb]
-            used += nb
+        ctx = schedule[step - 1]
+        b = len(ctx)
+        seq_lens, q, sl, qsl, out = decode_step_inputs(ctx, gen)
+        bs = len(seq_lens)
+        tables = scattered_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)
         original = pa._paged_decode_kernel
         pa._paged_decode_kernel = tracer
         try:

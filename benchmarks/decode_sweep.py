@@ -93,6 +93,32 @@ def read_bandwidth(nbytes: int = 4 << 30) -> float:
     return best * 1e9
 
 
+def decode_step_inputs(contexts: list[int], gen) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    """A decode step's attention inputs as the engine's graph runs them: rows longest context first
+    (entry 19), padded to the captured size with one-token rows. Returns the padded seq_lens and q,
+    seq_lens, query_start_loc and out on the GPU."""
+    ctx = sorted(contexts, reverse=True)
+    seq_lens = ctx + [1] * (graph_size(len(ctx)) - len(ctx))
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device="cuda")
+    return seq_lens, q, sl, qsl, torch.empty_like(q)
+
+
+def scattered_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, gen) -> torch.Tensor:
+    """Block tables max_model_len wide whose rows own disjoint blocks drawn at random from the pool,
+    as a long-running pool hands them out."""
+    perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
+    tables = torch.zeros(len(seq_lens), MAX_MODEL_LEN // block_size, dtype=torch.int32, device="cuda")
+    used = 0
+    for r, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        tables[r, :nb] = perm[used:used + nb]
+        used += nb
+    return tables
+
+
 def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), configs=ATTENTION_CONFIGS,
                     max_batch: int | None = None):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
@@ -111,24 +137,14 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
     for step in range(0, len(schedule), every):
         if max_batch is not None and len(schedule[step]) > max_batch:
             continue
-        ctx = sorted(schedule[step], reverse=True)          # the engine's row order (entry 19)
+        ctx = schedule[step]
         b = len(ctx)
-        bs = graph_size(b)
-        seq_lens = ctx + [1] * (bs - b)                      # padded rows, as the graph runs them
-        q = torch.randn(bs, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
-        sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        qsl = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
+        seq_lens, q, sl, qsl, out = decode_step_inputs(ctx, gen)
+        bs = len(seq_lens)
         kv_bytes = 2 * sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2
         row = {}
         for spec, (block_size, num_blocks, k_cache, v_cache) in caches.items():
-            perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
-            tables = torch.full((bs, MAX_MODEL_LEN // block_size), 0, dtype=torch.int32, device="cuda")
-            used = 0
-            for r, n in enumerate(seq_lens):
-                nb = -(-n // block_size)
-                tables[r, :nb] = perm[used:used + nb]
-                used += nb
+            tables = scattered_block_tables(seq_lens, block_size, num_blocks, gen)
             variants = {f"{spec} default": None}
             for tile, warps, stages, splits in configs:
                 variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits}"] = dict(
@@ -180,10 +196,7 @@ def sweep_attention_fit(results: dict, rows=(16, 64, 128, 256), contexts=(256, 5
     for r in rows:
         xs, ys = [], []
         for c in contexts:
-            nb = -(-c // BLOCK_SIZE)
-            perm = torch.randperm(num_blocks, generator=gen, device="cuda")[:r * nb].to(torch.int32)
-            tables = torch.zeros(r, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32, device="cuda")
-            tables[:, :nb] = perm.view(r, nb)
+            tables = scattered_block_tables([c] * r, BLOCK_SIZE, num_blocks, gen)
             q = torch.randn(r, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
             sl = torch.full((r,), c, dtype=torch.int32, device="cuda")
             qsl = torch.arange(r + 1, dtype=torch.int32, device="cuda")
