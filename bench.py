@@ -90,9 +90,22 @@ def tiny_checkpoint(cache_dir: str | None) -> str:
     return path
 
 
+def warm_up(llm, prompts: list[list[int]], temperature: float) -> None:
+    """Runs a workload of the timed one's shape (other random tokens, so the prefix cache gains
+    nothing): every kernel the timed run needs is compiled before the clock starts."""
+    from mini_engine import SamplingParams
+    from benchmarks.peers import WARMUP_PROMPTS, WARMUP_TOKENS
+    llm.generate(WARMUP_PROMPTS, SamplingParams(temperature=temperature, max_tokens=WARMUP_TOKENS), use_tqdm=False)
+    rng = random.Random(1)
+    lengths = [len(p) for p in prompts[:32]]
+    # max_tokens 1..32: the batch shrinks through every small size, as the run's tail will.
+    llm.generate([[rng.randint(0, 10000) for _ in range(n)] for n in lengths],
+                 [SamplingParams(temperature=temperature, max_tokens=i + 1, ignore_eos=True)
+                  for i in range(len(lengths))], use_tqdm=False)
+
+
 def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     from mini_engine import LLM, SamplingParams
-    from benchmarks.peers import WARMUP_PROMPTS, WARMUP_TOKENS
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
@@ -100,15 +113,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
             kwargs[name] = getattr(opts, name)
     llm = LLM(model, **kwargs)
     engine = llm.engine
-    # Warm up on a workload of the same shape (other random tokens, so the prefix cache gains
-    # nothing): every kernel the timed run needs is compiled before the clock starts.
-    llm.generate(WARMUP_PROMPTS, SamplingParams(temperature=opts.temperature, max_tokens=WARMUP_TOKENS), use_tqdm=False)
-    rng = random.Random(1)
-    lengths = [len(p) for p in prompts[:32]]
-    # max_tokens 1..32: the batch shrinks through every small size, as the run's tail will.
-    llm.generate([[rng.randint(0, 10000) for _ in range(n)] for n in lengths],
-                 [SamplingParams(temperature=opts.temperature, max_tokens=i + 1, ignore_eos=True)
-                  for i in range(len(lengths))], use_tqdm=False)
+    warm_up(llm, prompts, opts.temperature)
     params = [SamplingParams(temperature=opts.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
     profiler = None
     if opts.profile:

@@ -73,6 +73,25 @@ class ModelRunner:
             if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
                 warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
                               f"{self.graph_reserve_bytes / 2**20:.0f} MiB set aside when the KV pool was sized")
+        if self.device.type == "cuda":
+            self.load_logits_kernels()
+
+    @torch.inference_mode()
+    def load_logits_kernels(self) -> None:
+        """Runs lm_head once at every row count an eager step can sample (1 to max_num_seqs).
+
+        cuBLAS picks its kernel by the product's shape and loads a kernel the first time it
+        launches it, and that first launch waits until the device has run everything queued before
+        it (on the H200: a 100 ms queue, then 1.5 ms). Decode steps replay graphs, whose kernels
+        loaded at capture; a mixed step computes logits for as many rows as it samples, and at a
+        count not seen before, the host stopped in lm_head until the device had run the whole step,
+        then left it idle while it sampled, scheduled and built the next step: 25-54 ms stopped in
+        four of the benchmark's nine prefill steps (benchmarks/step_gaps.py, NOTES entry 33)."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        for rows in range(1, hidden.shape[0] + 1):
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
 
     # ---- the KV pool ----
 
