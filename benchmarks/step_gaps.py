@@ -1,5 +1,5 @@
-"""Where a run's first steps (the prefill phase) spend their device time: the benchmark's workload
-through the engine's own step loop, for its first --steps steps, measured twice.
+"""Where a run's steps spend their device time: the benchmark's workload through the engine's own
+step loop, measured three ways.
 
 1. As the run does it (async scheduling, no profiler): per step, the host's time to enqueue the
    step (ModelRunner.launch) against the device time between a CUDA event recorded once the
@@ -7,11 +7,15 @@ through the engine's own step loop, for its first --steps steps, measured twice.
 2. Again from the start, one step at a time under torch.profiler (a synchronisation after each
    step, so the device's span of a step is its own): the step's kernels end to end, the time
    they cover, and the largest idle gaps between them, with the kernels on either side.
+3. Again from the start, as the run takes them (async scheduling), --steps steps from each
+   --start under torch.profiler: the device's idle time between operations, summed by the names of
+   the operations on either side (graph replays show their kernels too).
 
 If the device time of (1) is well above the kernels' busy time of (2), the device waits between
 kernels: on the host (enqueue time near device time) or on something the gaps name.
 
     PYTHONPATH=. python benchmarks/step_gaps.py --steps 12
+    PYTHONPATH=. python benchmarks/step_gaps.py --steps 10 --start 100 800   # pass 3 inside the decode phase
 """
 import argparse
 import json
@@ -148,12 +152,39 @@ def gaps_report(acts: list[tuple[float, float, str]], top: int) -> tuple[dict, l
     return stats, lines
 
 
+def gaps_by_pair(acts: list[tuple[float, float, str]], top: int) -> list[str]:
+    """The idle time between consecutive device operations, summed by (before, after) name."""
+    pairs, end, prev = {}, acts[0][0], None
+    for start, stop, name in acts:
+        name = name.split("<")[0][:44]
+        if start > end and prev is not None:
+            total, count = pairs.get((prev, name), (0.0, 0))
+            pairs[(prev, name)] = (total + start - end, count + 1)
+        end, prev = max(end, stop), name
+    ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    return [f"    {total / 1e3:7.2f} ms in {count:5d} gaps  {a:44s} -> {b}" for (a, b), (total, count) in ranked]
+
+
+def time_by_kernel(acts: list[tuple[float, float, str]], top: int) -> list[str]:
+    """Device time summed by operation name, largest first."""
+    totals = {}
+    for start, stop, name in acts:
+        name = name.split("<")[0][:60]
+        total, count = totals.get(name, (0.0, 0))
+        totals[name] = (total + stop - start, count + 1)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [f"    {total / 1e3:8.2f} ms {count:6d} calls {total / count:8.1f} us each  {name}"
+            for name, (total, count) in ranked]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--top", type=int, default=8, help="gaps listed a step")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--no-profile", action="store_true", help="the timed pass only")
+    ap.add_argument("--start", type=int, nargs="+", default=[0],
+                    help="the third pass profiles --steps steps from each of these steps on")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_gaps.py needs CUDA")
@@ -202,6 +233,25 @@ def main():
               f"({stats['gaps_over_5us_ms']:.2f} ms in gaps over 5 us); largest:")
         print("\n".join(lines))
     drain(engine)
+
+    for start in args.start:
+        add_workload(llm, args.temperature)
+        for _ in range(start):
+            engine.step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+        acts = device_activity(prof)
+        stats, _ = gaps_report(acts, 0)
+        print(f"\n3. steps {start}-{start + args.steps - 1} ({engine.last_step_decode_tokens} decode rows in the last) "
+              f"as the run takes them (async scheduling) "
+              f"under torch.profiler: span {stats['span_ms']:.2f} ms, kernels busy {stats['busy_ms']:.2f} ms, "
+              f"idle {stats['gap_ms']:.2f} ms in {stats['gaps']} gaps; by the operations on either side:")
+        print("\n".join(gaps_by_pair(acts, 3 * args.top)))
+        print("  device time by operation:")
+        print("\n".join(time_by_kernel(acts, 3 * args.top)))
+        drain(engine)
     print(f"\nKV blocks all free: {engine.num_free_blocks == engine.block_manager.num_blocks}")
 
 
