@@ -18,24 +18,6 @@ from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.sampling_params import SamplingParams
 
 
-def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int,
-                    token_stride: int = 64) -> tuple[list[int], list[int]]:
-    """The row counts ModelRunner.load_gemm_kernels runs: (lm_head's, the projections').
-
-    lm_head sees the rows a step samples, 1 to max_num_seqs: all of them. The projections see a
-    step's tokens, 1 to max_num_batched_tokens: all counts up to max_num_seqs, then every
-    token_stride-th and the largest. cuBLAS's choice of kernel changes at a few row counts only
-    (of 12,000, 12,823 and 16,384 rows, the first two share one), so the counts between those run
-    are expected to pick kernels already loaded: that is measured, not guaranteed."""
-    sample_rows = list(range(1, max_num_seqs + 1))
-    small = min(max_num_seqs, max_num_batched_tokens)
-    token_rows = list(range(1, small + 1))
-    token_rows += list(range(-(-(small + 1) // token_stride) * token_stride, max_num_batched_tokens, token_stride))
-    if token_rows[-1] != max_num_batched_tokens:
-        token_rows.append(max_num_batched_tokens)
-    return sample_rows, token_rows
-
-
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if config.dtype is None:
@@ -91,42 +73,25 @@ class ModelRunner:
             if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
                 warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
                               f"{self.graph_reserve_bytes / 2**20:.0f} MiB set aside when the KV pool was sized")
-        self.gemm_warmup_s = None
         if self.device.type == "cuda":
-            self.load_gemm_kernels()
+            self.load_logits_kernels()
 
     @torch.inference_mode()
-    def load_gemm_kernels(self) -> None:
-        """Runs every cuBLAS product of an eager step once, at start-up, at the row counts
-        gemm_row_counts gives: lm_head at every count of rows a step can sample, the four
-        projections of a layer (all layers share their shapes) at the token counts of a step.
+    def load_logits_kernels(self) -> None:
+        """Runs lm_head once at every row count an eager step can sample (1 to max_num_seqs).
 
         cuBLAS picks its kernel by the product's shape and loads a kernel the first time it
         launches it, and that first launch waits until the device has run everything queued before
-        it (on the H200: a 100 ms queue, then 1.5 ms; benchmarks/cublas_first_launch.py). Decode
-        steps replay graphs, whose kernels loaded at capture; a mixed step at a row count whose
-        kernel had not been launched yet stopped the host until the device had run the whole step
-        before it, then left the device idle while it caught up: 25-54 ms stopped in lm_head in four
-        of the benchmark's nine prefill steps, and the ninth (12,823 tokens) lost ~30 ms in its
-        projections (benchmarks/step_gaps.py, NOTES entry 33)."""
-        start = time.perf_counter()
-        mc, layer = self.model_config, self.model.layers[0]
-        sample_rows, token_rows = gemm_row_counts(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        attn, mlp = layer.self_attn, layer.mlp
-        # Zeros, read by the products (and the residual adds into `residual`, which stay zero).
-        max_rows = max(sample_rows[-1], token_rows[-1])
-        hidden, residual, o_in, down_in = (
-            torch.zeros(max_rows, width, dtype=self.dtype, device=self.device)
-            for width in (mc.hidden_size, mc.hidden_size, attn.o_proj.in_features, mlp.down_proj.in_features))
-        for n in sample_rows:
-            self.model.compute_logits(hidden[:n])
-        for n in token_rows:
-            attn.qkv_proj(hidden[:n])
-            attn.o_proj(o_in[:n], residual=residual[:n])
-            mlp.gate_up_proj(hidden[:n])
-            mlp.down_proj(down_in[:n], residual=residual[:n])
+        it (on the H200: a 100 ms queue, then 1.5 ms). Decode steps replay graphs, whose kernels
+        loaded at capture; a mixed step computes logits for as many rows as it samples, and at a
+        count not seen before, the host stopped in lm_head until the device had run the whole step,
+        then left it idle while it sampled, scheduled and built the next step: 25-54 ms stopped in
+        four of the benchmark's nine prefill steps (benchmarks/step_gaps.py, NOTES entry 33)."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        for rows in range(1, hidden.shape[0] + 1):
+            self.model.compute_logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
-        self.gemm_warmup_s = time.perf_counter() - start
 
     # ---- the KV pool ----
 
