@@ -134,7 +134,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                "cuda_graphs": getattr(runner, "use_cuda_graphs", None),
                "cuda_graph_capture_s": getattr(runner, "cuda_graph_capture_s", None),
                "cuda_graph_pool_bytes": getattr(runner, "cuda_graph_pool_bytes", None),
-               "cuda_graph_reserve_bytes": getattr(runner, "graph_reserve_bytes", None)}
+               "cuda_graph_reserve_bytes": getattr(runner, "graph_reserve_bytes", None),
+               "gemm_warmup_s": getattr(runner, "gemm_warmup_s", None)}
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
             "kv_blocks_free": engine.num_free_blocks == engine.block_manager.num_blocks,
             "dtype_bytes": runner.dtype.itemsize, "engine_version": None, "engine_config": config,
@@ -233,6 +234,8 @@ def main(argv=None) -> int:
         cfg = result["engine_config"]
         print(f"CUDA graphs: captured in {graphs:.1f} s, pool {cfg['cuda_graph_pool_bytes'] / 2**20:.0f} MiB "
               f"(set aside when sizing the KV pool: {cfg['cuda_graph_reserve_bytes'] / 2**20:.0f} MiB)")
+    if result["engine_config"].get("gemm_warmup_s") is not None:
+        print(f"cuBLAS kernels of eager steps loaded at start-up in {result['engine_config']['gemm_warmup_s']:.2f} s")
     print(f"checks: every request got exactly its max_tokens: {exact}; "
           f"KV blocks all free after the run: {result['kv_blocks_free']}")
     print(f"logged to {opts.results}" + (" (CPU smoke workload: not the benchmark)" if record["cpu_smoke"] else ""))

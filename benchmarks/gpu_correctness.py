@@ -108,8 +108,9 @@ def main():
             for p in prompts_[:4]:
                 from mini_engine.runner.batch import BatchRow
                 blocks = list(range((len(p) + runner.block_size - 1) // runner.block_size))
-                ids, pos, meta, _ = runner.prepare_inputs([BatchRow(p, 0, blocks, True)])
-                logits.append(runner.model.compute_logits(runner.model(ids, pos, meta)[-1:]).float().cpu()[0])
+                # logits_indices, not the last row: a long prompt's step is padded with tokens of no sequence.
+                ids, pos, meta, last = runner.prepare_inputs([BatchRow(p, 0, blocks, True)])
+                logits.append(runner.model.compute_logits(runner.model(ids, pos, meta)[last]).float().cpu()[0])
         del llm, engine
         free_gpu()
         return [o.outputs[0].token_ids for o in outs], logits, info

@@ -18,6 +18,27 @@ from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.sampling_params import SamplingParams
 
 
+# An eager step of more tokens than max_num_seqs (a decode batch has at most that many) runs its
+# products over a multiple of this many rows: the padding tokens write no KV and belong to no
+# sequence. So the row counts cuBLAS can see are few, and load_gemm_kernels launches each once.
+EAGER_TOKEN_MULTIPLE = 64
+
+
+def padded_token_count(num_tokens: int, max_num_seqs: int) -> int:
+    if num_tokens <= max_num_seqs:
+        return num_tokens
+    return -(-num_tokens // EAGER_TOKEN_MULTIPLE) * EAGER_TOKEN_MULTIPLE
+
+
+def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[list[int], list[int]]:
+    """Every row count an eager step's cuBLAS products can have: (lm_head's, the projections').
+    lm_head sees the rows a step samples, 1 to max_num_seqs; the projections see a step's tokens,
+    as padded_token_count pads them."""
+    sample_rows = list(range(1, max_num_seqs + 1))
+    token_rows = sorted({padded_token_count(n, max_num_seqs) for n in range(1, max_num_batched_tokens + 1)})
+    return sample_rows, token_rows
+
+
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if config.dtype is None:
@@ -60,8 +81,12 @@ class ModelRunner:
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
         self.prev_sampled_tokens: torch.Tensor | None = None   # the last launch's samples, on the device
         self.max_blocks = -(-config.max_model_len // self.block_size)
-        self.inputs = StepInputBuffers(max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs,
-                                       self.max_blocks, self.device)
+        # Padding an eager step's tokens needs the varlen attention kernel, which leaves tokens
+        # outside every sequence alone (the PyTorch reference gives each token a row).
+        self.pad_eager_tokens = "attention" in self.kernels
+        max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
+                                       self.device)
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
@@ -73,25 +98,43 @@ class ModelRunner:
             if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
                 warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
                               f"{self.graph_reserve_bytes / 2**20:.0f} MiB set aside when the KV pool was sized")
+        self.gemm_warmup_s = None
         if self.device.type == "cuda":
-            self.load_logits_kernels()
+            self.load_gemm_kernels()
 
     @torch.inference_mode()
-    def load_logits_kernels(self) -> None:
-        """Runs lm_head once at every row count an eager step can sample (1 to max_num_seqs).
+    def load_gemm_kernels(self) -> None:
+        """Runs every cuBLAS product an eager step can launch once, at start-up: lm_head at every
+        count of rows a step can sample, and the four projections of a layer (all layers share
+        their shapes) at every token count a step can have once padded (gemm_row_counts).
 
         cuBLAS picks its kernel by the product's shape and loads a kernel the first time it
         launches it, and that first launch waits until the device has run everything queued before
-        it (on the H200: a 100 ms queue, then 1.5 ms). Decode steps replay graphs, whose kernels
-        loaded at capture; a mixed step computes logits for as many rows as it samples, and at a
-        count not seen before, the host stopped in lm_head until the device had run the whole step,
-        then left it idle while it sampled, scheduled and built the next step: 25-54 ms stopped in
-        four of the benchmark's nine prefill steps (benchmarks/step_gaps.py, NOTES entry 33)."""
-        hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
-                             device=self.device)
-        for rows in range(1, hidden.shape[0] + 1):
-            self.model.compute_logits(hidden[:rows])
+        it (on the H200: a 100 ms queue, then 1.5 ms; benchmarks/cublas_first_launch.py). Decode
+        steps replay graphs, whose kernels loaded at capture; a mixed step at a row count whose
+        kernel had not been launched yet stopped the host until the device had run the whole step
+        before it, then left the device idle while it caught up: 25-54 ms stopped in lm_head in four
+        of the benchmark's nine prefill steps, and the ninth (12,823 tokens, whose kernel no count in
+        a ladder of every 64th had loaded) ~30 ms in its projections (benchmarks/step_gaps.py,
+        NOTES entry 33). Hence the padding: it makes the row counts a known, short list."""
+        start = time.perf_counter()
+        mc, layer = self.model_config, self.model.layers[0]
+        sample_rows, token_rows = gemm_row_counts(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        attn, mlp = layer.self_attn, layer.mlp
+        # Zeros, read by the products (and the residual adds into `residual`, which stay zero).
+        max_rows = max(sample_rows[-1], token_rows[-1])
+        hidden, residual, o_in, down_in = (
+            torch.zeros(max_rows, width, dtype=self.dtype, device=self.device)
+            for width in (mc.hidden_size, mc.hidden_size, attn.o_proj.in_features, mlp.down_proj.in_features))
+        for n in sample_rows:
+            self.model.compute_logits(hidden[:n])
+        for n in token_rows:
+            attn.qkv_proj(hidden[:n])
+            attn.o_proj(o_in[:n], residual=residual[:n])
+            mlp.gate_up_proj(hidden[:n])
+            mlp.down_proj(down_in[:n], residual=residual[:n])
         torch.cuda.synchronize(self.device)
+        self.gemm_warmup_s = time.perf_counter() - start
 
     # ---- the KV pool ----
 
@@ -226,6 +269,14 @@ class ModelRunner:
         if graph_size is None:
             width, max_seq_len = max(len(r.block_table) for r in rows), max(seq_lens)
             max_query_len, num_rows = max(len(r.token_ids) for r in rows), len(rows)
+            if self.pad_eager_tokens:
+                # Tokens past query_start_loc[-1]: no sequence's, so attention skips them, and
+                # slot -1 writes no KV. Only the products and elementwise kernels see them.
+                pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens
+                input_ids += [0] * pad
+                positions += [0] * pad
+                slot_mapping += [-1] * pad
+                num_tokens += pad
         else:
             width, max_seq_len, max_query_len, num_rows = self.max_blocks, self.config.max_model_len, 1, graph_size
             pad = graph_size - len(rows)

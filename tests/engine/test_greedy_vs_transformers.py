@@ -121,12 +121,16 @@ def test_without_async_scheduling(tiny_checkpoint):
     assert got == expected(tiny_checkpoint, prompts)
 
 
-def test_every_triton_kernel(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("max_num_seqs", [256, 2])
+def test_every_triton_kernel(tiny_checkpoint, monkeypatch, max_num_seqs):
     """The whole model on the Triton kernels (through the interpreter on CPU): attention on the
     decode and the varlen prefill paths, norms, rotary + KV write, SwiGLU, the sampler and the
     skinny projections, inside the scheduler's mixed batches. This engine runs on CPU tensors, which
     Triton takes only through its interpreter, and the interpreter is on only where there is no
-    GPU (conftest.py): on a GPU the same path is benchmarks/gpu_correctness.py's job."""
+    GPU (conftest.py): on a GPU the same path is benchmarks/gpu_correctness.py's job.
+
+    With max_num_seqs=2 every step of more than 2 tokens is padded to 64 (ModelRunner.
+    padded_token_count): tokens that belong to no sequence and write no KV."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton's interpreter (CPU-only machines); on a GPU run benchmarks/gpu_correctness.py")
@@ -135,9 +139,14 @@ def test_every_triton_kernel(tiny_checkpoint, monkeypatch):
     skinny_calls = []
     skinny = linear_kernels.skinny_linear
     monkeypatch.setattr(linear_kernels, "skinny_linear", lambda *a: skinny_calls.append(1) or skinny(*a))
+    import mini_engine.runner.model_runner as model_runner
+    padded = []
+    pad = model_runner.padded_token_count
+    monkeypatch.setattr(model_runner, "padded_token_count", lambda n, s: padded.append(pad(n, s) - n) or pad(n, s))
     prompts = mixed_prompts()[:5]
     got, engine = generate(tiny_checkpoint, prompts, num_kv_blocks=256, max_num_batched_tokens=16,
-                           kernels=",".join(KERNEL_NAMES))
+                           max_num_seqs=max_num_seqs, kernels=",".join(KERNEL_NAMES))
     assert engine.runner.kernels == frozenset(KERNEL_NAMES)
     assert skinny_calls, "no projection took the skinny kernel"
+    assert any(padded) == (max_num_seqs == 2), padded
     assert got == expected(tiny_checkpoint, prompts)
