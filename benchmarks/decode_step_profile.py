@@ -75,20 +75,27 @@ def profile_prefill(runner, max_tokens: int, params, top: int) -> None:
     print(table)
 
 
+def per_call_ms(fn, calls: int, warmup: int = 3) -> float:
+    """Device ms per call of fn, called back to back (after warmup calls) between two CUDA events:
+    where fn never waits for the device, the host runs ahead and this is the device's time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def time_and_profile(runner, rows: list, warmup: int, timed: int, profiled: int, top: int) -> tuple[float, str]:
     """The step's time back to back (runner.execute: graph replay where one applies, host work
     and the wait for the tokens included), then its kernels under torch.profiler with graphs off,
     so that each kernel shows by name: (ms per step, the profiler's table)."""
     from torch.profiler import ProfilerActivity, profile
-    for _ in range(warmup):
-        runner.execute(rows)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(timed):
-        runner.execute(rows)
-    end.record()
-    end.synchronize()
+    step_ms = per_call_ms(lambda: runner.execute(rows), timed, warmup)
     graph_runner, runner.graph_runner = runner.graph_runner, None
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -98,7 +105,7 @@ def time_and_profile(runner, rows: list, warmup: int, timed: int, profiled: int,
     finally:
         runner.graph_runner = graph_runner
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
-    return start.elapsed_time(end) / timed, table
+    return step_ms, table
 
 
 if __name__ == "__main__":

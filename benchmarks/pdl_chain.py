@@ -81,7 +81,7 @@ def main():
     from mini_engine import LLM
     from mini_engine.kernels import paged_attention, triton_utils
     from mini_engine.model.random_checkpoint import default_checkpoint
-    from benchmarks.decode_step_profile import synthetic_decode_rows
+    from benchmarks.decode_step_profile import per_call_ms, synthetic_decode_rows
     from mini_engine.sampling_params import SamplingParams
 
     llm = LLM(default_checkpoint(device="cuda"), max_model_len=2048, max_num_seqs=max(args.batch),
@@ -134,15 +134,7 @@ def main():
         times = {name: [] for name in graphs}
         for _ in range(3):                         # interleaved rounds: drift hits every variant alike
             for name, (graph, _, _) in graphs.items():
-                for _ in range(5):
-                    graph.replay()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(args.replays):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / args.replays)
+                times[name].append(per_call_ms(graph.replay, args.replays, warmup=5))
         base = min(times["cublas"])
         print(f"\n=== decode batch {batch}, mean context {sum(r.start_position for r in rows) / batch:.0f}")
         for name, (graph, err, agree) in graphs.items():

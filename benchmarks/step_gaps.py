@@ -134,16 +134,20 @@ def device_activity(prof) -> list[tuple[float, float, str]]:
     return sorted(acts)
 
 
-def gaps_report(acts: list[tuple[float, float, str]], top: int) -> tuple[dict, list[str]]:
-    busy, end, gaps = 0.0, acts[0][0], []
-    prev = None
+def idle_gaps(acts: list[tuple[float, float, str]]) -> tuple[list[tuple[float, str, str]], float, float]:
+    """(idle us, operation before, operation after) for every stretch the device did nothing, and
+    the time any operation ran (us) and the span from the first start to the last end (us)."""
+    busy, end, gaps, prev = 0.0, acts[0][0], [], None
     for start, stop, name in acts:
         if start > end and prev is not None:
             gaps.append((start - end, prev, name))
         busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-        prev = name
-    span = end - acts[0][0]
+        end, prev = max(end, stop), name
+    return gaps, busy, end - acts[0][0]
+
+
+def gaps_report(acts: list[tuple[float, float, str]], top: int) -> tuple[dict, list[str]]:
+    gaps, busy, span = idle_gaps(acts)
     gaps.sort(reverse=True)
     total_gap = sum(g for g, _, _ in gaps)
     stats = dict(span_ms=span / 1e3, busy_ms=busy / 1e3, kernels=len(acts), gaps=len(gaps),
@@ -154,13 +158,11 @@ def gaps_report(acts: list[tuple[float, float, str]], top: int) -> tuple[dict, l
 
 def gaps_by_pair(acts: list[tuple[float, float, str]], top: int) -> list[str]:
     """The idle time between consecutive device operations, summed by (before, after) name."""
-    pairs, end, prev = {}, acts[0][0], None
-    for start, stop, name in acts:
-        name = name.split("<")[0][:44]
-        if start > end and prev is not None:
-            total, count = pairs.get((prev, name), (0.0, 0))
-            pairs[(prev, name)] = (total + start - end, count + 1)
-        end, prev = max(end, stop), name
+    pairs = {}
+    for gap, before, after in idle_gaps(acts)[0]:
+        key = (before.split("<")[0][:44], after.split("<")[0][:44])
+        total, count = pairs.get(key, (0.0, 0))
+        pairs[key] = (total + gap, count + 1)
     ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
     return [f"    {total / 1e3:7.2f} ms in {count:5d} gaps  {a:44s} -> {b}" for (a, b), (total, count) in ranked]
 

@@ -22,19 +22,6 @@ import sys
 import torch
 
 
-def per_step_ms(fn, steps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 64, 8])
@@ -43,7 +30,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_overhead.py needs CUDA")
-    from benchmarks.decode_step_profile import synthetic_decode_rows
+    from benchmarks.decode_step_profile import per_call_ms, synthetic_decode_rows
     from mini_engine import LLM
     from mini_engine.model.random_checkpoint import default_checkpoint
     from mini_engine.sampling_params import SamplingParams
@@ -77,11 +64,11 @@ def main():
 
         from_prev(False)
         inputs()
-        times = [per_step_ms(replay, args.steps), per_step_ms(lambda: (inputs(), replay()), args.steps)]
+        times = [per_call_ms(replay, args.steps), per_call_ms(lambda: (inputs(), replay()), args.steps)]
         from_prev(True)
-        times += [per_step_ms(lambda: (inputs(), replay()), args.steps),
-                 per_step_ms(with_sampler, args.steps),
-                 per_step_ms(lambda: runner.launch(rows), args.steps)]
+        times += [per_call_ms(lambda: (inputs(), replay()), args.steps),
+                 per_call_ms(with_sampler, args.steps),
+                 per_call_ms(lambda: runner.launch(rows), args.steps)]
         print(f"{batch:5d} " + " ".join(f"{t:9.4f}" for t in times))
 
 
