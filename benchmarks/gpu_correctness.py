@@ -109,8 +109,9 @@ def main():
                 from mini_engine.runner.batch import BatchRow
                 blocks = list(range((len(p) + runner.block_size - 1) // runner.block_size))
                 # logits_indices, not the last row: a long prompt's step is padded with tokens of no sequence.
-                ids, pos, meta, last = runner.prepare_inputs([BatchRow(p, 0, blocks, True)])
-                logits.append(runner.model.compute_logits(runner.model(ids, pos, meta)[last]).float().cpu()[0])
+                t, meta = runner.prepare_inputs([BatchRow(p, 0, blocks, True, greedy)])
+                hidden = runner.model(t.input_ids, t.positions, meta)
+                logits.append(runner.model.compute_logits(hidden[t.logits_indices]).float().cpu()[0])
         del llm, engine
         free_gpu()
         return [o.outputs[0].token_ids for o in outs], logits, info
@@ -181,19 +182,41 @@ def main():
             ctx = rng.randrange(20, 900)
             blocks = list(range(next_block, next_block + ctx // runner.block_size + 1))
             next_block += len(blocks)
-            rows.append(BatchRow([rng.randrange(vocab)], ctx, blocks, True, greedy))
+            # Half the rows sample (one of them seeded), half are greedy: the graph samples them all.
+            params = SamplingParams(temperature=0.8, seed=7) if len(rows) % 2 else greedy
+            rows.append(BatchRow([rng.randrange(vocab)], ctx, blocks, True, params, params.seed))
+        # Four rows take their input token from the previous launch's samples, on the device.
+        prev = torch.tensor([rng.randrange(vocab) for _ in range(13)], device=dev)
+        runner.sampled_tokens[:13] = prev
+        for i in (0, 4, 5, 12):
+            rows[i].prev_token_index = 12 - i
+        from mini_engine.engine.sequence import PENDING_TOKEN
+        expected_ids = [prev[r.prev_token_index].item() if r.prev_token_index >= 0 else r.token_ids[0] for r in rows]
+        for r in rows:
+            if r.prev_token_index >= 0:
+                r.token_ids = [PENDING_TOKEN]
         with torch.inference_mode():
-            ids, pos, meta, _ = runner.prepare_inputs(rows, graph_size=16)    # staged where graph 16 reads
+            t, meta = runner.prepare_inputs(rows, graph_size=16)    # staged where graph 16 reads
             kv_before = runner.kv_cache.clone()
             graph_logits = runner.graph_runner.replay(16)[:13].clone()
+            graph_tokens = runner.sampled_tokens[:13].clone()
             written = (runner.kv_cache != kv_before).any(dim=(0, 1, 3, 4, 5)).sum().item()   # blocks touched
-            eager_logits = runner.model.compute_logits(runner.model(ids, pos, meta))[:13]
+            ids_taken = t.input_ids[:13].tolist() == expected_ids
+            eager_logits = runner.model.compute_logits(runner.model(t.input_ids, t.positions, meta))[:13]
+            sampler_tokens = runner.sampler(graph_logits, runner.sampling_tensors(rows, t))
         equal = torch.equal(graph_logits, eager_logits)
-        results["graph replay vs same padded batch, eager"] = dict(equal=equal, blocks_written=written)
+        same_tokens = torch.equal(graph_tokens, sampler_tokens)
+        results["graph replay vs same padded batch, eager"] = dict(equal=equal, blocks_written=written,
+                                                                    prev_tokens_taken=ids_taken,
+                                                                    graph_sampler_matches=same_tokens)
         if not equal:
             failures.append("graph replay logits differ from the same padded batch run eagerly")
         if written != 13:
             failures.append(f"graph replay wrote {written} KV blocks, expected the 13 rows' own")
+        if not ids_taken:
+            failures.append("the graph did not take the previous launch's tokens as its inputs")
+        if not same_tokens:
+            failures.append("the graph's sampled tokens differ from the sampler's on the same logits")
         del llm, runner
         free_gpu()
 

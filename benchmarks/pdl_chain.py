@@ -114,11 +114,11 @@ def main():
             linear_layer.skinny_config = config
             try:
                 with torch.inference_mode(), SKIPPED[skipped]():
-                    input_ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)
-                    model.compute_logits(model(input_ids, positions, meta), out=logits)    # compile outside
+                    t, meta = runner.prepare_inputs(rows, graph_size=batch)
+                    model.compute_logits(model(t.input_ids, t.positions, meta), out=logits)    # compile outside
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
-                        model.compute_logits(model(input_ids, positions, meta), out=logits)
+                        model.compute_logits(model(t.input_ids, t.positions, meta), out=logits)
                 graph.replay()
                 torch.cuda.synchronize()
             except Exception as exc:    # a variant that does not compile is reported, not fatal

@@ -85,7 +85,7 @@ def timed_steps(engine, num_steps: int) -> list[dict]:
         setattr(obj, name, wrapper)
         return obj, name
 
-    wrapped = [timed(runner.model, "compute_logits"), timed(runner, "prepare_sampling"),
+    wrapped = [timed(runner.model, "compute_logits"), timed(runner, "sampling_tensors"),
                timed(runner.sampler, "forward")]
     hooks = [layer.register_forward_pre_hook(layer_start) for layer in runner.model.layers]
     hooks.append(runner.model.norm.register_forward_pre_hook(layer_start))

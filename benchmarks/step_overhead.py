@@ -1,12 +1,9 @@
 """What the work around a decode step's graph replay costs the device: one decode batch, staged as
-the engine stages it, launched back to back N times with the host never waiting, in four forms:
+the engine stages it, launched back to back N times with the host never waiting, in three forms:
 
-    replay    the captured graph alone (inputs staged once, before the loop)
-    + copies  prepare_inputs each time, every input token known on the host: its two
-              host-to-device copies, and the replay
-    + inputs  prepare_inputs each time (two host-to-device copies, and the gather of the input
-              tokens the previous launch sampled) and the replay
-    + sampler and the sampler's own copies (temperatures, seeds) and kernels
+    replay    the captured graph alone (inputs staged once, before the loop): the input tokens
+              the previous launch sampled, the forward, lm_head and the sampler
+    + copy    prepare_inputs each time (its one host-to-device copy), and the replay
     launch    ModelRunner.launch: all of that, and the tokens' copy to the host
 
 The host queues far ahead of the device (a step's host work is ~1-2 ms against ~5 ms of device
@@ -40,34 +37,21 @@ def main():
     runner = llm.engine.runner
     params = SamplingParams(temperature=0.6, max_tokens=1)
     rng = random.Random(0)
-    print(f"{'batch':>5s} {'replay':>9s} {'+ copies':>9s} {'+ inputs':>9s} {'+ sampler':>9s} {'launch':>9s}"
-          f"   (ms a step)")
+    print(f"{'batch':>5s} {'replay':>9s} {'+ copy':>9s} {'launch':>9s}   (ms a step)")
     for batch in args.batch:
         rows = synthetic_decode_rows(batch, args.ctx, runner.block_size, rng, params)
-        runner.prev_sampled_tokens = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        for i, row in enumerate(rows):      # as in the run: input tokens from the last launch
+            row.prev_token_index = i
         size = runner.graph_runner.graph_size(batch, 1)
 
         def inputs():
             return runner.prepare_inputs(rows, size)
 
-        def from_prev(on: bool):
-            for i, row in enumerate(rows):      # on: as in the run, input tokens from the last launch
-                row.prev_token_index = i if on else -1
-
         def replay():
             return runner.graph_runner.replay(size)
 
-        def with_sampler():
-            inputs()
-            logits = replay()[:batch]
-            runner.sampler(logits, runner.prepare_sampling(rows))
-
-        from_prev(False)
         inputs()
-        times = [per_call_ms(replay, args.steps), per_call_ms(lambda: (inputs(), replay()), args.steps)]
-        from_prev(True)
-        times += [per_call_ms(lambda: (inputs(), replay()), args.steps),
-                 per_call_ms(with_sampler, args.steps),
+        times = [per_call_ms(replay, args.steps), per_call_ms(lambda: (inputs(), replay()), args.steps),
                  per_call_ms(lambda: runner.launch(rows), args.steps)]
         print(f"{batch:5d} " + " ".join(f"{t:9.4f}" for t in times))
 

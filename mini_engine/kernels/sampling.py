@@ -178,6 +178,7 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
 
 # Columns per tile: 8 per thread at 4 warps.
 _BLOCK_V = 1024
+_NUM_WARPS = 4
 
 # Columns per chunk. A constant, not a function of the batch, so that a row's token does not depend
 # on the batch it is in. Qwen3's 151,936 columns make 38 chunks: 38 programs for one row, 9,728 for
@@ -204,35 +205,37 @@ def _chunk_stats(logits: torch.Tensor, temperatures: torch.Tensor,
     chunk_col = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_stats_kernel[(num_rows, num_chunks)](
         logits, temperatures, chunk_max, chunk_sum, chunk_col, vocab_size, logits.stride(0), chunk_size,
-        num_chunks, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4)
+        num_chunks, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=_NUM_WARPS)
     return chunk_max, chunk_sum, chunk_col
 
 
 def _select(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk_max: torch.Tensor,
-            chunk_sum: torch.Tensor, chunk_col: torch.Tensor, chunk_size: int) -> torch.Tensor:
+            chunk_sum: torch.Tensor, chunk_col: torch.Tensor, chunk_size: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens, from _chunk_stats's statistics (tests also pass statistics of their own)."""
     num_rows, vocab_size = logits.shape
     num_chunks = chunk_max.shape[1]
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device) if out is None else out
     _select_kernel[(num_rows,)](
         logits, temperatures, seeds, chunk_max, chunk_sum, chunk_col, tokens, vocab_size, logits.stride(0),
         chunk_size, num_chunks, BLOCK_CHUNKS=max(triton.next_power_of_2(num_chunks), 16),
-        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=4)
+        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=_NUM_WARPS)
     return tokens
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-           chunk_size: int | None = None) -> torch.Tensor:
+           chunk_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Samples from softmax(logits / T) by inverse CDF: logits [B, V] fp32, bf16 or fp16 (converted to
     fp32 as they load), temperatures [B] fp32 (0 = greedy: argmax, ties to the lowest column),
     seeds [B] int64 (< 2**31; each row's random stream for this step) -> tokens [B] int64. The same
     (logits, temperature, seed, chunk size) always gives the same token, whatever else is in the
     batch; another chunk size regroups the float sums, which can move a token whose draw falls
     within rounding of an interval's edge. A row of all -inf returns column 0. chunk_size (any
-    positive int; tests use it to move the chunk boundaries) defaults to SAMPLE_CHUNK_SIZE. No host
-    synchronisation and a grid from shapes alone, so it can be captured in a CUDA graph."""
+    positive int; tests use it to move the chunk boundaries) defaults to SAMPLE_CHUNK_SIZE. out: a
+    [B] int64 buffer for the tokens (a CUDA graph's static one). No host synchronisation and a grid
+    from shapes alone, so it can be captured in a CUDA graph."""
     assert logits.stride(-1) == 1
     if logits.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
+        return torch.empty(0, dtype=torch.int64, device=logits.device) if out is None else out
     chunk_size = chunk_size or SAMPLE_CHUNK_SIZE
-    return _select(logits, temperatures, seeds, *_chunk_stats(logits, temperatures, chunk_size), chunk_size)
+    return _select(logits, temperatures, seeds, *_chunk_stats(logits, temperatures, chunk_size), chunk_size, out)

@@ -23,29 +23,39 @@ class BatchRow:
 
 @dataclass(slots=True)
 class StepTensors:
-    """A step's integer inputs on the device: views into StepInputBuffers."""
-    input_ids: torch.Tensor        # [T] int64
+    """A step's inputs on the device: views into StepInputBuffers."""
+    input_ids: torch.Tensor        # [T] int64 (where prev_index >= 0, filled on the device)
     positions: torch.Tensor        # [T] int64
     slot_mapping: torch.Tensor     # [T] int64, -1 where a token writes no KV (padding)
-    logits_indices: torch.Tensor   # [S] int64: the token whose logits each sampling row uses
-    from_prev_dst: torch.Tensor    # [P] int64: input tokens that are the previous launch's samples...
-    from_prev_src: torch.Tensor    # [P] int64: ...and which of its samples each one is
+    prev_index: torch.Tensor       # [T] int64: >= 0, the input token is that sample of the previous launch
+    seeds: torch.Tensor            # [N] int64: each sampling row's random stream for this step
     seq_lens: torch.Tensor         # [R] int32
     query_start_loc: torch.Tensor  # [R + 1] int32
     block_tables: torch.Tensor     # [R, W] int32
+    temperatures: torch.Tensor     # [N] float32, 0 = greedy
+    logits_indices: torch.Tensor   # [S] int64: the token whose logits each sampling row uses
+
+
+# StepTensors' fields in the order they lie in the buffer, with their dtypes. logits_indices is
+# last: its length is the step's own count of sampling rows, which a CUDA graph's layout (N = its
+# batch size, padding rows greedy) does not fix, so no other array's offset may depend on it.
+STEP_FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
+               ("prev_index", torch.int64), ("seeds", torch.int64), ("seq_lens", torch.int32),
+               ("query_start_loc", torch.int32), ("block_tables", torch.int32), ("temperatures", torch.float32),
+               ("logits_indices", torch.int64))
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
 class StepInputBuffers:
-    """Device buffers for every step's integer inputs, reached by one host-to-device copy per dtype.
+    """One device buffer for every step's inputs, reached by one host-to-device copy a step.
 
-    The host packs a step's int64 arrays (input ids, positions, slots, logits rows, the tokens
-    taken from the previous launch) into one pinned array and its int32 arrays (sequence lengths,
-    query starts, block tables) into another, each in that fixed order, and each crosses in one
-    asynchronous copy: two copies a step instead of one per array. The step's tensors are views at
-    offsets that depend only on its sizes, so a CUDA graph captured on the views of a bs-row decode
-    step reads the inputs of every later step laid out for bs where they land: no copy into
-    separate graph buffers before a replay. (Stream order makes reuse safe: a step's copy lands
-    after the previous step's kernels have read the buffers.)"""
+    The host packs a step's arrays (STEP_FIELDS, in that order, of three dtypes) into one pinned
+    byte array, and it crosses in one asynchronous copy: one copy a step instead of one per array
+    (each copy's latency is paid by the device, in front of the step's first kernel). The step's
+    tensors are views at offsets that depend only on its sizes, so a CUDA graph captured on the
+    views of a bs-row decode step reads the inputs of every later step laid out for bs where they
+    land: no copy into separate graph buffers before a replay. (Stream order makes reuse safe: a
+    step's copy lands after the previous step's kernels have read the buffer.)"""
 
     # Each array starts on a 128-byte boundary. Triton specialises a kernel on whether each pointer
     # is 16-byte aligned: with offsets that moved with the step's sizes, a fresh machine compiled
@@ -53,52 +63,50 @@ class StepInputBuffers:
     ALIGN_BYTES = 128
 
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device):
-        slack = 6 * self.ALIGN_BYTES
-        self.int64 = torch.zeros(3 * max_tokens + 3 * max_rows + slack // 8, dtype=torch.int64, device=device)
-        self.int32 = torch.zeros(2 * max_rows + 1 + max_rows * max_blocks + slack // 4, dtype=torch.int32,
-                                 device=device)
-
-    @classmethod
-    def offsets(cls, sizes: list[int], itemsize: int) -> list[int]:
-        """Where each of consecutive arrays of these sizes starts, and (last) where they end."""
-        align = cls.ALIGN_BYTES // itemsize
-        out, end = [], 0
-        for size in sizes:
-            start = -(-end // align) * align
-            out.append(start)
-            end = start + size
-        return out + [end]
+        sizes = self.sizes(max_tokens, max_rows, max_blocks, max_rows, max_rows)
+        self.data = torch.zeros(self.offsets(sizes)[-1], dtype=torch.uint8, device=device)
 
     @staticmethod
-    def sizes(num_tokens: int, num_rows: int, table_width: int, num_samples: int,
-              num_from_prev: int) -> tuple[list[int], list[int]]:
-        """The int64 arrays' sizes and the int32 arrays', in StepTensors' order."""
-        t, r, p = num_tokens, num_rows, num_from_prev
-        return [t, t, t, num_samples, p, p], [r, r + 1, r * table_width]
+    def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
+              num_samples: int) -> list[int]:
+        """Each field's length, in STEP_FIELDS' order. num_sample_slots: the seeds' and temperatures'
+        length (a graph's batch size, or the step's sampling rows); num_samples: logits_indices'."""
+        t, r, n = num_tokens, num_rows, num_sample_slots
+        return [t, t, t, t, n, r, r + 1, r * table_width, n, num_samples]
 
-    def views(self, num_tokens: int, num_rows: int, table_width: int, num_samples: int = 0,
-              num_from_prev: int = 0) -> StepTensors:
-        sizes64, sizes32 = self.sizes(num_tokens, num_rows, table_width, num_samples, num_from_prev)
-        o64, o32 = self.offsets(sizes64, 8), self.offsets(sizes32, 4)
-        v64 = [self.int64[o:o + n] for o, n in zip(o64, sizes64)]
-        v32 = [self.int32[o:o + n] for o, n in zip(o32, sizes32)]
-        return StepTensors(*v64, v32[0], v32[1], v32[2].view(num_rows, table_width))
+    @classmethod
+    def offsets(cls, sizes: list[int]) -> list[int]:
+        """Where each field starts in bytes, and (last) where the last one ends."""
+        out, end = [], 0
+        for size, (_, dtype) in zip(sizes, STEP_FIELDS):
+            start = -(-end // cls.ALIGN_BYTES) * cls.ALIGN_BYTES
+            out.append(start)
+            end = start + size * dtype.itemsize
+        return out + [end]
 
-    def stage(self, int64_parts: list, int32_parts: list, num_tokens: int, num_rows: int, table_width: int,
-              num_samples: int, num_from_prev: int) -> StepTensors:
-        """Packs the parts (in StepTensors' order, block tables as one [rows, width] array) at
-        their offsets and copies each dtype's pack to the device."""
-        sizes64, sizes32 = self.sizes(num_tokens, num_rows, table_width, num_samples, num_from_prev)
-        for parts, sizes, buf in ((int64_parts, sizes64, self.int64), (int32_parts, sizes32, self.int32)):
-            offsets = self.offsets(sizes, buf.element_size())
-            # The caching host allocator hands out pinned memory, and does not reuse it before the
-            # copy from it has run: packs of steps in flight never overwrite each other.
-            host = torch.empty(offsets[-1], dtype=buf.dtype, pin_memory=buf.is_cuda)
-            packed = host.numpy()
-            for part, start, size in zip(parts, offsets, sizes):
-                packed[start:start + size] = np.ravel(part)
-            buf[:offsets[-1]].copy_(host, non_blocking=True)
-        return self.views(num_tokens, num_rows, table_width, num_samples, num_from_prev)
+    def views(self, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int = 0,
+              num_samples: int = 0) -> StepTensors:
+        sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
+        offsets = self.offsets(sizes)
+        tensors = [self.data[o:o + n * dtype.itemsize].view(dtype)
+                   for o, n, (_, dtype) in zip(offsets, sizes, STEP_FIELDS)]
+        tensors[7] = tensors[7].view(num_rows, table_width)
+        return StepTensors(*tensors)
+
+    def stage(self, parts: list, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
+              num_samples: int) -> StepTensors:
+        """Packs the parts (in STEP_FIELDS' order, block tables as one [rows, width] array) at
+        their offsets and copies the pack to the device."""
+        sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
+        offsets = self.offsets(sizes)
+        # The caching host allocator hands out pinned memory, and does not reuse it before the
+        # copy from it has run: packs of steps in flight never overwrite each other.
+        host = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.data.is_cuda)
+        packed = host.numpy()
+        for part, start, size, (_, dtype) in zip(parts, offsets, sizes, STEP_FIELDS):
+            packed[start:start + size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])[:] = np.ravel(part)
+        self.data[:offsets[-1]].copy_(host, non_blocking=True)
+        return self.views(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
 
 
 class StepHandle:

@@ -1,12 +1,15 @@
 """CUDA graphs for decode-only steps. A decode step of a 0.6B model is ~30 small kernels per
 layer; launched one by one from Python they cost more than the GPU work at small batch. Each
-graph replays a whole forward (through lm_head) for one batch size, reading its inputs from the
-runner's StepInputBuffers (laid out for that size) and writing logits to a static buffer."""
+graph replays a whole decode step for one batch size, reading its inputs from the runner's
+StepInputBuffers (laid out for that size): the input tokens that the previous step sampled, the
+forward through lm_head into a static logits buffer and, with the Triton sampler, the sampler into
+the runner's buffer of sampled tokens, where the next step's graph takes its input tokens from."""
 from typing import Callable
 
 import torch
 
 from mini_engine.layers.attention import AttentionMetadata
+from mini_engine.runner.batch import StepTensors
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -14,17 +17,24 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-# Inputs of a decode step of bs rows, all padding (slot -1: they write nowhere), laid out where a
-# real step padded to bs will put its own: (input_ids, positions, metadata).
-PaddedInputs = Callable[[int], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+# Inputs of a decode step of bs rows, all padding (slot -1: they write nowhere; greedy), laid out
+# where a real step padded to bs will put its own.
+PaddedInputs = Callable[[int], tuple[StepTensors, AttentionMetadata]]
+# take_prev_tokens(input_ids, prev_index, sampled_tokens) and sample(logits, temperatures, seeds, out=)
+TakePrevTokens = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+Sample = Callable[..., torch.Tensor]
 
 
 class CUDAGraphRunner:
-    def __init__(self, model, max_batch_size: int, device: torch.device):
+    def __init__(self, model, max_batch_size: int, device: torch.device, sampled_tokens: torch.Tensor,
+                 take_prev_tokens: TakePrevTokens, sample: Sample | None):
         self.model = model
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.logits = torch.zeros(max_batch_size, model.config.vocab_size, dtype=model.embed_tokens.weight.dtype,
                                   device=device)
+        self.sampled_tokens = sampled_tokens
+        self.take_prev_tokens = take_prev_tokens
+        self.sample = sample             # None: the graph stops at the logits, and the runner samples
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     @staticmethod
@@ -32,9 +42,13 @@ class CUDAGraphRunner:
         """The static logits buffer (256 x 152k bf16 is 74 MiB)."""
         return max_batch_size * vocab_size * dtype.itemsize
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        hidden = self.model(input_ids, positions, meta)
-        self.model.compute_logits(hidden, out=self.logits[:input_ids.shape[0]])
+    def forward(self, t: StepTensors, meta: AttentionMetadata) -> None:
+        bs = t.input_ids.shape[0]
+        self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens)
+        hidden = self.model(t.input_ids, t.positions, meta)
+        logits = self.model.compute_logits(hidden, out=self.logits[:bs])
+        if self.sample is not None:
+            self.sample(logits, t.temperatures, t.seeds, out=self.sampled_tokens[:bs])
 
     @torch.inference_mode()
     def capture(self, padded_inputs: PaddedInputs) -> None:
@@ -56,6 +70,7 @@ class CUDAGraphRunner:
         return next(size for size in self.batch_sizes if size >= num_rows)
 
     def replay(self, bs: int) -> torch.Tensor:
-        """Logits of the step whose inputs were staged for bs rows: [bs, vocab], padding included."""
+        """Logits of the step whose inputs were staged for bs rows: [bs, vocab], padding included
+        (and, if the graph samples, its tokens in sampled_tokens[:bs])."""
         self.graphs[bs].replay()
         return self.logits[:bs]

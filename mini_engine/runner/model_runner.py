@@ -9,11 +9,13 @@ import torch
 
 from mini_engine.config import EngineConfig
 from mini_engine.kernels import resolve_kernels
+from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
+from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
-from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers
+from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.sampling_params import SamplingParams
 
@@ -79,7 +81,10 @@ class ModelRunner:
         self.graph_runner = None
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
-        self.prev_sampled_tokens: torch.Tensor | None = None   # the last launch's samples, on the device
+        # The last launch's samples, on the device, where the next launch takes its input tokens
+        # (a row's prev_token_index). A static buffer, so that a CUDA graph reads and writes it.
+        self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.take_prev_tokens = take_prev_tokens if "prev_tokens" in self.kernels else take_prev_tokens_ref
         self.max_blocks = -(-config.max_model_len // self.block_size)
         # Padding an eager step's tokens needs the varlen attention kernel, which leaves tokens
         # outside every sequence alone (the PyTorch reference gives each token a row).
@@ -90,9 +95,10 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
-            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device)
+            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device, self.sampled_tokens,
+                                                self.take_prev_tokens, sample if "sampler" in self.kernels else None)
             start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.graph_runner.capture(lambda bs: self.prepare_inputs([], graph_size=bs)[:3])
+            self.graph_runner.capture(lambda bs: self.prepare_inputs([], graph_size=bs))
             self.cuda_graph_capture_s = time.perf_counter() - start
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
             if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
@@ -211,19 +217,25 @@ class ModelRunner:
         graph_size = None
         if self.graph_runner is not None:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(rows, graph_size)
+        t, meta = self.prepare_inputs(rows, graph_size)
         sample_rows = [r for r in rows if r.sample]
+        tokens = None
         if graph_size is not None:
             logits = self.graph_runner.replay(graph_size)[:len(rows)]
             if len(sample_rows) < len(rows):
-                logits = logits[logits_indices]
+                logits = logits[t.logits_indices]
+            elif self.graph_runner.sample is not None and not self.restricts_support(sample_rows):
+                tokens = self.sampled_tokens[:len(rows)]         # sampled inside the graph
         else:
-            hidden = self.model(input_ids, positions, meta)
-            logits = self.model.compute_logits(hidden[logits_indices]) if sample_rows else None
+            if any(r.prev_token_index >= 0 for r in rows):
+                self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens)
+            hidden = self.model(t.input_ids, t.positions, meta)
+            logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
         if not sample_rows:
             return StepHandle.done([], None)
-        tokens = self.sampler(logits, self.prepare_sampling(sample_rows))
-        self.prev_sampled_tokens = tokens
+        if tokens is None:
+            tokens = self.sampler(logits, self.sampling_tensors(sample_rows, t))
+            self.sampled_tokens[:len(tokens)].copy_(tokens)
         # Log-probabilities of the raw logits (before temperature, as vLLM reports them), and
         # only for the rows that asked: such a step waits for its results here.
         want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
@@ -233,24 +245,29 @@ class ModelRunner:
                                                     [sample_rows[i].params.logprobs for i in want]))
         return StepHandle.copying(tokens)
 
-    def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None):
-        """The step's flat input tensors and attention metadata, staged in StepInputBuffers by one
-        copy per dtype. A decode row costs a few list appends; block tables are one padded array
-        a row. graph_size: lay the step out as the CUDA graph of that batch size was captured
-        (rows padded with ones that write nowhere, tables max_model_len wide)."""
+    @staticmethod
+    def restricts_support(rows: list[BatchRow]) -> bool:
+        """Does any row sample from a top-k or top-p set (which only the eager sampler applies)?"""
+        return any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
+
+    def prepare_inputs(self, rows: list[BatchRow],
+                       graph_size: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
+        """The step's flat input tensors, its sampling rows' temperatures and seeds, and its
+        attention metadata, staged in StepInputBuffers by one copy. A decode row costs a few list
+        appends; block tables are one padded array a row. graph_size: lay the step out as the CUDA
+        graph of that batch size was captured (rows padded with greedy ones that write nowhere,
+        tables max_model_len wide)."""
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
-        from_prev_dst, from_prev_src = [], []      # input tokens still on the device
+        prev_index, temperatures, seeds = [], [], []
         bs = self.block_size
         num_tokens = 0
         for row in rows:
             n, start, table = len(row.token_ids), row.start_position, row.block_table
-            if row.prev_token_index >= 0:
-                from_prev_dst.append(num_tokens)
-                from_prev_src.append(row.prev_token_index)
             if n == 1:
                 input_ids.append(row.token_ids[0])
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
+                prev_index.append(row.prev_token_index)
             else:
                 # A prefill chunk: its slots in one numpy expression, not a Python loop per token.
                 chunk = np.arange(start, start + n)
@@ -258,11 +275,15 @@ class ModelRunner:
                 input_ids.extend(row.token_ids)
                 positions.extend(range(start, start + n))
                 slot_mapping.extend((table_array[chunk // bs].astype(np.int64) * bs + chunk % bs).tolist())
+                prev_index.extend([-1] * (n - 1) + [row.prev_token_index])
             num_tokens += n
             query_start_loc.append(num_tokens)
             seq_lens.append(start + n)
             if row.sample:
                 logits_indices.append(num_tokens - 1)
+                temperatures.append(row.params.temperature)
+                # Seeded rows draw from their own stream; the rest get a fresh seed every step.
+                seeds.append(row.seed if row.seed is not None else self.rng.getrandbits(31))
         num_decodes = 0
         while num_decodes < len(rows) and len(rows[num_decodes].token_ids) == 1:
             num_decodes += 1
@@ -276,6 +297,7 @@ class ModelRunner:
                 input_ids += [0] * pad
                 positions += [0] * pad
                 slot_mapping += [-1] * pad
+                prev_index += [-1] * pad
                 num_tokens += pad
         else:
             width, max_seq_len, max_query_len, num_rows = self.max_blocks, self.config.max_model_len, 1, graph_size
@@ -283,21 +305,23 @@ class ModelRunner:
             input_ids += [0] * pad
             positions += [0] * pad
             slot_mapping += [-1] * pad
+            prev_index += [-1] * pad
             seq_lens += [1] * pad
             query_start_loc += range(num_tokens + 1, num_tokens + pad + 1)
+            pad_samples = graph_size - len(temperatures)
+            temperatures += [0.0] * pad_samples
+            seeds += [0] * pad_samples
             num_tokens, num_decodes = graph_size, graph_size
         block_tables = np.zeros((num_rows, width), dtype=np.int32)       # padding rows read block 0
         for i, row in enumerate(rows):
             block_tables[i] = self.padded_block_table(row, width)
-        t = self.inputs.stage([input_ids, positions, slot_mapping, logits_indices, from_prev_dst, from_prev_src],
-                              [seq_lens, query_start_loc, block_tables], num_tokens, num_rows, width,
-                              len(logits_indices), len(from_prev_dst))
-        if from_prev_dst:
-            t.input_ids[t.from_prev_dst] = self.prev_sampled_tokens[t.from_prev_src]
+        t = self.inputs.stage([input_ids, positions, slot_mapping, prev_index, seeds, seq_lens, query_start_loc,
+                               block_tables, temperatures, logits_indices],
+                              num_tokens, num_rows, width, len(temperatures), len(logits_indices))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
                                  max_seq_len=max_seq_len)
-        return t.input_ids, t.positions, meta, t.logits_indices
+        return t, meta
 
     @staticmethod
     def padded_block_table(row: BatchRow, width: int) -> np.ndarray:
@@ -307,17 +331,17 @@ class ModelRunner:
         table[:len(row.block_table)] = row.block_table
         return table
 
-    def prepare_sampling(self, rows: list[BatchRow]) -> SamplingTensors:
+    def sampling_tensors(self, rows: list[BatchRow], t: StepTensors) -> SamplingTensors:
+        """The sampling rows' parameters: temperatures and seeds as prepare_inputs staged them,
+        top-k and top-p (rare, so not staged) copied here when a row sets them."""
         params = [r.params for r in rows]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
-        # Seeded rows draw from their own stream; the rest get a fresh seed every step.
-        seeds = [r.seed if r.seed is not None else self.rng.getrandbits(31) for r in rows]
         return SamplingTensors(
-            temperatures=self.to_device([p.temperature for p in params], torch.float32),
+            temperatures=t.temperatures[:len(rows)],
             top_k=self.to_device(top_k, torch.int64) if any(top_k) else None,
             top_p=self.to_device(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
-            seeds=self.to_device(seeds, torch.int64),
+            seeds=t.seeds[:len(rows)],
             row_seeds=[r.seed for r in rows],
             all_greedy=all(p.temperature == 0 for p in params),
         )

@@ -8,14 +8,18 @@ import torch
 from mini_engine.config import EngineConfig
 from mini_engine.runner.batch import BatchRow
 from mini_engine.runner.model_runner import ModelRunner
+from mini_engine.sampling_params import SamplingParams
 from tests.conftest import TINY_CONFIGS
 from tests.hf_reference import hf_logits, hf_model
 
 
+GREEDY = SamplingParams(temperature=0)
+
+
 def all_logits(runner: ModelRunner, rows: list[BatchRow]) -> torch.Tensor:
     with torch.inference_mode():
-        input_ids, positions, meta, _ = runner.prepare_inputs(rows)
-        return runner.model.compute_logits(runner.model(input_ids, positions, meta)).float()
+        t, meta = runner.prepare_inputs(rows)
+        return runner.model.compute_logits(runner.model(t.input_ids, t.positions, meta)).float()
 
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
@@ -29,7 +33,7 @@ def test_logits_match_transformers(checkpoint_factory, name):
     for p in prompts:
         blocks = list(range(next_block, next_block + (len(p) + 3) // 4))
         next_block += len(blocks)
-        rows.append(BatchRow(p, 0, blocks, True))
+        rows.append(BatchRow(p, 0, blocks, True, GREEDY))
     rows.sort(key=lambda r: len(r.token_ids) != 1)
     logits = all_logits(runner, rows)
     start = 0
@@ -45,7 +49,7 @@ def test_chunked_prefill_logits_match(tiny_checkpoint):
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, block_size=4))
     prompt = [random.Random(1).randrange(256) for _ in range(23)]
     blocks = [7, 3, 11, 0, 5, 9]     # deliberately out of order
-    got = [all_logits(runner, [BatchRow(prompt[a:b], a, blocks, True)]) for a, b in ((0, 6), (6, 7), (7, 23))]
+    got = [all_logits(runner, [BatchRow(prompt[a:b], a, blocks, True, GREEDY)]) for a, b in ((0, 6), (6, 7), (7, 23))]
     torch.testing.assert_close(torch.cat(got), hf_logits(tiny_checkpoint, prompt), rtol=1e-4, atol=1e-4)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from mini_engine.config import EngineConfig
+from mini_engine.engine.sequence import PENDING_TOKEN
 from mini_engine.runner.batch import BatchRow
 from mini_engine.runner.cuda_graph import CUDAGraphRunner, graph_batch_sizes
 from mini_engine.runner.model_runner import ModelRunner
@@ -22,7 +23,7 @@ def test_batch_size_ladder():
 def test_reserved_bytes_cover_the_static_buffers(tiny_checkpoint):
     """The KV pool is sized leaving room for the graphs' logits buffer: the estimate must be exact."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, max_model_len=100))
-    graphs = CUDAGraphRunner(runner.model, 24, torch.device("cpu"))
+    graphs = CUDAGraphRunner(runner.model, 24, torch.device("cpu"), runner.sampled_tokens, runner.take_prev_tokens, None)
     assert CUDAGraphRunner.buffer_bytes(24, runner.model_config.vocab_size, runner.dtype) == graphs.logits.nbytes
 
 
@@ -37,24 +38,29 @@ def _decode_rows(n, block_size, params):
 def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
     """A graph reads its inputs from the views it was captured on (a padding-only step laid out for
     its batch size). A real step staged for that size must fill exactly those views, its rows
-    first and padding rows (slot -1, context 1, block 0) after; the data must be the eager
+    first and padding rows (slot -1, context 1, block 0, greedy) after; the data must be the eager
     step's, and the graph's tables max_model_len wide."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
                                       max_num_seqs=24, block_size=4))
-    params = SamplingParams(temperature=0, max_tokens=4)
+    params = SamplingParams(temperature=0.75, max_tokens=4)
     rows = _decode_rows(13, 4, params)
-    captured_ids, captured_pos, captured_meta = runner.prepare_inputs([], graph_size=16)[:3]
+    rows[5].seed = 1234
+    captured, captured_meta = runner.prepare_inputs([], graph_size=16)
     assert captured_meta.slot_mapping.tolist() == [-1] * 16 and captured_meta.seq_lens.tolist() == [1] * 16
-    eager_ids, eager_pos, eager_meta, _ = (t.clone() if isinstance(t, torch.Tensor) else t
-                                           for t in runner.prepare_inputs(rows))
+    assert captured.temperatures.tolist() == [0.0] * 16 and captured.prev_index.tolist() == [-1] * 16
+    eager, eager_meta = runner.prepare_inputs(rows)
+    eager = dataclasses.replace(eager, **{f.name: getattr(eager, f.name).clone() for f in dataclasses.fields(eager)})
     eager_meta = dataclasses.replace(eager_meta, **{f: getattr(eager_meta, f).clone() for f in
                                                     ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
-    ids, pos, meta, _ = runner.prepare_inputs(rows, graph_size=16)
-    for staged, captured in ((ids, captured_ids), (pos, captured_pos), (meta.slot_mapping, captured_meta.slot_mapping),
-                             (meta.seq_lens, captured_meta.seq_lens), (meta.block_tables, captured_meta.block_tables),
-                             (meta.query_start_loc, captured_meta.query_start_loc)):
-        assert staged.data_ptr() == captured.data_ptr() and staged.shape == captured.shape
-    assert torch.equal(ids[:13], eager_ids) and torch.equal(pos[:13], eager_pos)
+    staged, meta = runner.prepare_inputs(rows, graph_size=16)
+    for field in ("input_ids", "positions", "slot_mapping", "prev_index", "seeds", "seq_lens", "query_start_loc",
+                  "block_tables", "temperatures"):
+        s, c = getattr(staged, field), getattr(captured, field)
+        assert s.data_ptr() == c.data_ptr() and s.shape == c.shape, field
+    for s, c in ((meta.slot_mapping, staged.slot_mapping), (meta.seq_lens, staged.seq_lens),
+                 (meta.block_tables, staged.block_tables), (meta.query_start_loc, staged.query_start_loc)):
+        assert s.data_ptr() == c.data_ptr()
+    assert torch.equal(staged.input_ids[:13], eager.input_ids) and torch.equal(staged.positions[:13], eager.positions)
     assert torch.equal(meta.slot_mapping[:13], eager_meta.slot_mapping) and meta.slot_mapping[13:].tolist() == [-1] * 3
     assert torch.equal(meta.seq_lens[:13], eager_meta.seq_lens) and meta.seq_lens[13:].tolist() == [1] * 3
     assert meta.query_start_loc.tolist() == list(range(17))
@@ -63,18 +69,33 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
     assert torch.equal(meta.block_tables[:13, :width], eager_meta.block_tables)
     assert (meta.block_tables[:13, width:] == -1).all() and (meta.block_tables[13:] == 0).all()
     assert meta.num_decodes == 16 and meta.max_query_len == 1 and meta.max_seq_len == 100
+    # Sampling: the rows' temperatures, padding rows greedy; the seeded row's own seed, fresh ones
+    # (each step's draw) for the others, padding 0.
+    assert staged.temperatures.tolist() == [0.75] * 13 + [0.0] * 3   # exact in float32
+    assert torch.equal(eager.temperatures, staged.temperatures[:13])
+    assert staged.seeds[5] == 1234 and staged.seeds[13:].tolist() == [0] * 3
+    assert staged.seeds[:13].unique().numel() == 13 and not torch.equal(staged.seeds[:13], eager.seeds)
+    assert staged.logits_indices.tolist() == eager.logits_indices.tolist() == list(range(13))
 
 
 def test_tokens_from_the_previous_launch_fill_the_staged_ids(tiny_checkpoint):
-    """Rows whose input token was sampled by the launch still in flight take it on the device,
-    in the staged buffer itself (so a graph replay reads it)."""
+    """Rows whose input token was sampled by the launch still in flight say which sample it is
+    (prev_index; -1 elsewhere, padding included), and take_prev_tokens fills it in the staged
+    buffer itself, where a graph replay reads it. A prefill chunk's pending token is its last."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
                                       max_num_seqs=24, block_size=4))
     rows = _decode_rows(5, 4, SamplingParams(temperature=0, max_tokens=4))
-    rows[1].prev_token_index, rows[3].prev_token_index = 2, 0
-    runner.prev_sampled_tokens = torch.tensor([7, 8, 9])
-    ids = runner.prepare_inputs(rows, graph_size=8)[0]
-    assert ids.tolist() == [100, 9, 102, 7, 104, 0, 0, 0]
+    for i, index in ((1, 2), (3, 0)):
+        rows[i].token_ids, rows[i].prev_token_index = [PENDING_TOKEN], index
+    runner.sampled_tokens[:3] = torch.tensor([7, 8, 9])
+    t, _ = runner.prepare_inputs(rows, graph_size=8)
+    assert t.prev_index.tolist() == [-1, 2, -1, 0, -1, -1, -1, -1]
+    assert t.input_ids.tolist() == [100, PENDING_TOKEN, 102, PENDING_TOKEN, 104, 0, 0, 0]
+    runner.take_prev_tokens(t.input_ids, t.prev_index, runner.sampled_tokens)
+    assert t.input_ids.tolist() == [100, 9, 102, 7, 104, 0, 0, 0]
+    chunk = BatchRow([11, 12, PENDING_TOKEN], 0, [40], True, rows[0].params, prev_token_index=1)
+    t, _ = runner.prepare_inputs(rows[:1] + [chunk])
+    assert t.prev_index.tolist() == [-1, -1, -1, 1]
 
 
 def test_staged_arrays_start_aligned(tiny_checkpoint):
@@ -87,9 +108,6 @@ def test_staged_arrays_start_aligned(tiny_checkpoint):
     for n, graph_size in ((13, None), (13, 16), (1, 1), (7, None)):
         rows = _decode_rows(n, 4, params)
         rows[0].prev_token_index = 0
-        runner.prev_sampled_tokens = torch.tensor([3])
-        ids, pos, meta, logits_indices = runner.prepare_inputs(rows, graph_size)
-        for t in (ids, pos, logits_indices, meta.slot_mapping):
-            assert (t.data_ptr() - runner.inputs.int64.data_ptr()) % 128 == 0
-        for t in (meta.seq_lens, meta.query_start_loc, meta.block_tables):
-            assert (t.data_ptr() - runner.inputs.int32.data_ptr()) % 128 == 0
+        t, _ = runner.prepare_inputs(rows, graph_size)
+        for f in dataclasses.fields(t):
+            assert (getattr(t, f.name).data_ptr() - runner.inputs.data.data_ptr()) % 128 == 0, f.name

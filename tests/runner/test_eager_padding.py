@@ -35,20 +35,21 @@ def test_a_padded_step_adds_tokens_of_no_sequence(tiny_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=1)
     rows = [BatchRow([7], 5, [0, 1], True, params),                         # a decode row first
             BatchRow(list(range(3, 12)), 0, [2, 3, 4], True, params)]       # a 9-token prefill
-    ids, positions, meta, logits_indices = runner.prepare_inputs(rows)
-    assert ids.shape[0] == positions.shape[0] == meta.slot_mapping.shape[0] == EAGER_TOKEN_MULTIPLE
+    t, meta = runner.prepare_inputs(rows)
+    ids, logits_indices = t.input_ids, t.logits_indices
+    assert ids.shape[0] == t.positions.shape[0] == meta.slot_mapping.shape[0] == t.prev_index.shape[0] == EAGER_TOKEN_MULTIPLE
     assert ids[:10].tolist() == [7] + list(range(3, 12)) and ids[10:].eq(0).all()
     assert meta.slot_mapping[:10].ge(0).all() and meta.slot_mapping[10:].eq(-1).all()
     assert meta.query_start_loc.tolist() == [0, 1, 10] and meta.seq_lens.tolist() == [6, 9]
-    assert logits_indices.tolist() == [0, 9]
+    assert logits_indices.tolist() == [0, 9] and t.prev_index.eq(-1).all()
     # A step of no more tokens than a decode batch can have is never padded.
-    ids, _, meta, _ = runner.prepare_inputs(rows[:1])
-    assert ids.shape[0] == 1 and meta.slot_mapping.shape[0] == 1
+    t, meta = runner.prepare_inputs(rows[:1])
+    assert t.input_ids.shape[0] == 1 and meta.slot_mapping.shape[0] == 1
     # Nor is any step where the varlen attention kernel is off (the reference gives each token a row).
     plain = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=256,
                                      max_num_seqs=2, max_num_batched_tokens=200, block_size=4, kernels="none"))
-    assert plain.prepare_inputs(rows)[0].shape[0] == 10
+    assert plain.prepare_inputs(rows)[0].input_ids.shape[0] == 10
     # The step input buffers hold the largest step once padded (200 tokens -> 256).
     full = [rows[0], BatchRow([5] * 199, 0, list(range(2, 52)), True, params)]
-    ids, _, meta, _ = runner.prepare_inputs(full)
-    assert ids.shape[0] == 256 and meta.query_start_loc.tolist() == [0, 1, 200]
+    t, meta = runner.prepare_inputs(full)
+    assert t.input_ids.shape[0] == 256 and meta.query_start_loc.tolist() == [0, 1, 200]

@@ -64,11 +64,11 @@ def test_decode_graph_logits_do_not_change_with_pdl(tiny_checkpoint, monkeypatch
             model = runner.model
             logits = torch.empty(batch, model.config.vocab_size, dtype=runner.dtype, device="cuda")
             with torch.inference_mode():
-                ids, positions, meta, _ = runner.prepare_inputs(rows, graph_size=batch)
-                model.compute_logits(model(ids, positions, meta), out=logits)
+                t, meta = runner.prepare_inputs(rows, graph_size=batch)
+                model.compute_logits(model(t.input_ids, t.positions, meta), out=logits)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    model.compute_logits(model(ids, positions, meta), out=logits)
+                    model.compute_logits(model(t.input_ids, t.positions, meta), out=logits)
                 for _ in range(3):
                     graph.replay()
             torch.cuda.synchronize()
