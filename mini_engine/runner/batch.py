@@ -65,15 +65,6 @@ class StepInputBuffers:
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device):
         sizes = self.sizes(max_tokens, max_rows, max_blocks, max_rows, max_rows)
         self.data = torch.zeros(self.offsets(sizes)[-1], dtype=torch.uint8, device=device)
-        # On CUDA the pack crosses on a stream of its own, into a staging buffer, while the device
-        # still runs the step before (the host builds step n+1 during step n); the step itself
-        # then starts with a device-to-device copy, not the host-to-device one, which took 10-31 us
-        # a step at 4-256 rows (benchmarks/step_overhead.py).
-        self.copy_stream = self.staging = None
-        if self.data.is_cuda:
-            self.copy_stream = torch.cuda.Stream(device)
-            self.staging = torch.zeros_like(self.data)
-            self.staged, self.consumed = torch.cuda.Event(), torch.cuda.Event()
 
     @staticmethod
     def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
@@ -114,24 +105,8 @@ class StepInputBuffers:
         packed = host.numpy()
         for part, start, size, (_, dtype) in zip(parts, offsets, sizes, STEP_FIELDS):
             packed[start:start + size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])[:] = np.ravel(part)
-        self.copy_in(host)
+        self.data[:offsets[-1]].copy_(host, non_blocking=True)
         return self.views(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
-
-
-    def copy_in(self, host: torch.Tensor) -> None:
-        """host (a pinned pack) into data[:len(host)], ahead of the current stream's next kernel."""
-        n = host.shape[0]
-        if self.copy_stream is None:
-            self.data[:n].copy_(host)
-            return
-        step_stream = torch.cuda.current_stream(self.data.device)
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.consumed)     # the last pack has left the staging buffer
-            self.staging[:n].copy_(host, non_blocking=True)
-            self.staged.record(self.copy_stream)
-        step_stream.wait_event(self.staged)
-        self.data[:n].copy_(self.staging[:n], non_blocking=True)
-        self.consumed.record(step_stream)
 
 
 class StepHandle:
