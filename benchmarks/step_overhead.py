@@ -1,11 +1,10 @@
 """What the work around a decode step's graph replay costs the device: one decode batch, staged as
 the engine stages it, launched back to back N times with the host never waiting, in three forms:
 
-    replay    the captured graph alone (inputs packed once, before the loop): the copy of the
-              inputs, the input tokens the previous launch sampled, the forward, lm_head, the
-              sampler and the tokens' copy to the host
-    + pack    prepare_inputs each time (packing the inputs on the host), and the replay
-    launch    ModelRunner.launch: all of that, and the event the host waits on
+    replay    the captured graph alone (inputs staged once, before the loop): the input tokens
+              the previous launch sampled, the forward, lm_head and the sampler
+    + copy    prepare_inputs each time (its one host-to-device copy), and the replay
+    launch    ModelRunner.launch: all of that, and the tokens' copy to the host
 
 The host queues far ahead of the device (a step's host work is ~1-2 ms against ~5 ms of device
 time at 256 rows x 1,000 tokens), so each form's time per step is the device's, and the
@@ -38,18 +37,18 @@ def main():
     runner = llm.engine.runner
     params = SamplingParams(temperature=0.6, max_tokens=1)
     rng = random.Random(0)
-    print(f"{'batch':>5s} {'replay':>9s} {'+ pack':>9s} {'launch':>9s}   (ms a step)")
+    print(f"{'batch':>5s} {'replay':>9s} {'+ copy':>9s} {'launch':>9s}   (ms a step)")
     for batch in args.batch:
         rows = synthetic_decode_rows(batch, args.ctx, runner.block_size, rng, params)
         for i, row in enumerate(rows):      # as in the run: input tokens from the last launch
             row.prev_token_index = i
         size = runner.graph_runner.graph_size(batch, 1)
 
-        def inputs():        # slot 0's pack, rewritten while queued replays may still read it: same bytes
-            return runner.prepare_inputs(rows, size, pack=runner.graph_runner.packs[0])
+        def inputs():
+            return runner.prepare_inputs(rows, size)
 
         def replay():
-            return runner.graph_runner.replay(size, 0)
+            return runner.graph_runner.replay(size)
 
         inputs()
         times = [per_call_ms(replay, args.steps), per_call_ms(lambda: (inputs(), replay()), args.steps),

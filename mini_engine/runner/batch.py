@@ -94,26 +94,19 @@ class StepInputBuffers:
         return StepTensors(*tensors)
 
     def stage(self, parts: list, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
-              num_samples: int, pack: torch.Tensor | None = None) -> StepTensors:
+              num_samples: int) -> StepTensors:
         """Packs the parts (in STEP_FIELDS' order, block tables as one [rows, width] array) at
-        their offsets and copies the pack to the device. pack: a pinned buffer to pack into
-        instead, whose copy to the device is the caller's (a CUDA graph's first node)."""
+        their offsets and copies the pack to the device."""
         sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
         offsets = self.offsets(sizes)
         # The caching host allocator hands out pinned memory, and does not reuse it before the
         # copy from it has run: packs of steps in flight never overwrite each other.
-        host = pack if pack is not None else torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.data.is_cuda)
+        host = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.data.is_cuda)
         packed = host.numpy()
         for part, start, size, (_, dtype) in zip(parts, offsets, sizes, STEP_FIELDS):
             packed[start:start + size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])[:] = np.ravel(part)
-        if pack is None:
-            self.data[:offsets[-1]].copy_(host, non_blocking=True)
+        self.data[:offsets[-1]].copy_(host, non_blocking=True)
         return self.views(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
-
-    def layout_bytes(self, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
-                     num_samples: int) -> int:
-        """How many bytes of the buffer a step of these sizes fills."""
-        return self.offsets(self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples))[-1]
 
 
 class StepHandle:
@@ -128,14 +121,12 @@ class StepHandle:
         return cls(tokens, logprobs)
 
     @classmethod
-    def copying(cls, tokens: torch.Tensor, host: torch.Tensor | None = None) -> "StepHandle":
-        """host: pinned memory the tokens are already being copied to (by a CUDA graph)."""
+    def copying(cls, tokens: torch.Tensor) -> "StepHandle":
         if not tokens.is_cuda:
             return cls(tokens.tolist())
         # Into pinned memory without blocking; an event marks when the copy (and so the step) is done.
-        if host is None:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return cls(host=host, ready=ready)

@@ -95,11 +95,10 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
-            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device, self.inputs,
-                                                self.sampled_tokens, self.take_prev_tokens,
-                                                sample if "sampler" in self.kernels else None)
+            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device, self.sampled_tokens,
+                                                self.take_prev_tokens, sample if "sampler" in self.kernels else None)
             start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.graph_runner.capture(lambda bs, pack: self.prepare_inputs([], graph_size=bs, pack=pack))
+            self.graph_runner.capture(lambda bs: self.prepare_inputs([], graph_size=bs))
             self.cuda_graph_capture_s = time.perf_counter() - start
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
             if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
@@ -215,39 +214,23 @@ class ModelRunner:
         first (they take the batched decode path). A row whose prev_token_index is set takes its
         input token from the previous launch's samples, still on the device: the host need not
         know it, so the engine can schedule step n+1 while step n runs."""
-        graphs, graph_size = self.graph_runner, None
-        if graphs is not None:
-            graph_size = graphs.graph_size(len(rows), max(len(r.token_ids) for r in rows))
-        if graph_size is None:
-            return self.sample_step(rows, *self.run_eager(rows))
-        slot = graphs.claim_slot()
-        t, _ = self.prepare_inputs(rows, graph_size, pack=graphs.packs[slot])
-        logits = graphs.replay(graph_size, slot)[:len(rows)]
+        graph_size = None
+        if self.graph_runner is not None:
+            graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
+        t, meta = self.prepare_inputs(rows, graph_size)
         sample_rows = [r for r in rows if r.sample]
-        tokens = host_tokens = None
-        if len(sample_rows) < len(rows):
-            logits = logits[t.logits_indices]
-        elif graphs.sample is not None and not self.restricts_support(sample_rows):
-            # Sampled inside the graph, which also copies them to the host.
-            tokens, host_tokens = self.sampled_tokens[:len(rows)], graphs.host_tokens[slot][:len(rows)]
-        handle = self.sample_step(rows, t, logits, tokens, host_tokens)
-        graphs.mark_launched(slot, handle)
-        return handle
-
-    def run_eager(self, rows: list[BatchRow]) -> tuple[StepTensors, torch.Tensor | None]:
-        """A step without a graph: its inputs and the logits of its sampling rows."""
-        t, meta = self.prepare_inputs(rows)
-        if any(r.prev_token_index >= 0 for r in rows):
-            self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens)
-        hidden = self.model(t.input_ids, t.positions, meta)
-        logits = self.model.compute_logits(hidden[t.logits_indices]) if any(r.sample for r in rows) else None
-        return t, logits
-
-    def sample_step(self, rows: list[BatchRow], t: StepTensors, logits: torch.Tensor | None,
-                      tokens: torch.Tensor | None = None, host_tokens: torch.Tensor | None = None) -> StepHandle:
-        """Samples the step's tokens where the graph did not (tokens None), and hands them back:
-        logits [S, vocab] of its S sampling rows; host_tokens, where a graph copies them out."""
-        sample_rows = [r for r in rows if r.sample]
+        tokens = None
+        if graph_size is not None:
+            logits = self.graph_runner.replay(graph_size)[:len(rows)]
+            if len(sample_rows) < len(rows):
+                logits = logits[t.logits_indices]
+            elif self.graph_runner.sample is not None and not self.restricts_support(sample_rows):
+                tokens = self.sampled_tokens[:len(rows)]         # sampled inside the graph
+        else:
+            if any(r.prev_token_index >= 0 for r in rows):
+                self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens)
+            hidden = self.model(t.input_ids, t.positions, meta)
+            logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
         if not sample_rows:
             return StepHandle.done([], None)
         if tokens is None:
@@ -260,21 +243,20 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits[want].float(), dim=-1)
             return StepHandle.done(*gather_logprobs(tokens, logprobs, want,
                                                     [sample_rows[i].params.logprobs for i in want]))
-        return StepHandle.copying(tokens, host_tokens)
+        return StepHandle.copying(tokens)
 
     @staticmethod
     def restricts_support(rows: list[BatchRow]) -> bool:
         """Does any row sample from a top-k or top-p set (which only the eager sampler applies)?"""
         return any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
 
-    def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
-                       pack: torch.Tensor | None = None) -> tuple[StepTensors, AttentionMetadata]:
+    def prepare_inputs(self, rows: list[BatchRow],
+                       graph_size: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
         """The step's flat input tensors, its sampling rows' temperatures and seeds, and its
         attention metadata, staged in StepInputBuffers by one copy. A decode row costs a few list
         appends; block tables are one padded array a row. graph_size: lay the step out as the CUDA
         graph of that batch size was captured (rows padded with greedy ones that write nowhere,
-        tables max_model_len wide). pack: a CUDA graph slot's pinned pack, to stage into instead:
-        the graph copies it in itself."""
+        tables max_model_len wide)."""
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
         prev_index, temperatures, seeds = [], [], []
         bs = self.block_size
@@ -335,7 +317,7 @@ class ModelRunner:
             block_tables[i] = self.padded_block_table(row, width)
         t = self.inputs.stage([input_ids, positions, slot_mapping, prev_index, seeds, seq_lens, query_start_loc,
                                block_tables, temperatures, logits_indices],
-                              num_tokens, num_rows, width, len(temperatures), len(logits_indices), pack)
+                              num_tokens, num_rows, width, len(temperatures), len(logits_indices))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
                                  max_seq_len=max_seq_len)
