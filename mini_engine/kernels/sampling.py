@@ -176,7 +176,8 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
     tl.store(tokens_ptr + row, token.to(tl.int64))
 
 
-# Columns per tile: 8 per thread at 4 warps.
+# Columns per tile: 8 per thread at 4 warps. benchmarks/sampler_sweep.py varies both (wider tiles
+# and 8 warps were no faster at any batch on the H200: benchmarks/NOTES.md, entry 34).
 _BLOCK_V = 1024
 _NUM_WARPS = 4
 
