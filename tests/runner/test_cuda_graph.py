@@ -23,7 +23,8 @@ def test_batch_size_ladder():
 def test_reserved_bytes_cover_the_static_buffers(tiny_checkpoint):
     """The KV pool is sized leaving room for the graphs' logits buffer: the estimate must be exact."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, max_model_len=100))
-    graphs = CUDAGraphRunner(runner.model, 24, torch.device("cpu"), runner.sampled_tokens, runner.take_prev_tokens, None)
+    graphs = CUDAGraphRunner(runner.model, 24, torch.device("cpu"), runner.sampled_tokens, runner.take_prev_tokens,
+                             None)
     assert CUDAGraphRunner.buffer_bytes(24, runner.model_config.vocab_size, runner.dtype) == graphs.logits.nbytes
 
 

@@ -37,7 +37,8 @@ def test_a_padded_step_adds_tokens_of_no_sequence(tiny_checkpoint):
             BatchRow(list(range(3, 12)), 0, [2, 3, 4], True, params)]       # a 9-token prefill
     t, meta = runner.prepare_inputs(rows)
     ids, logits_indices = t.input_ids, t.logits_indices
-    assert ids.shape[0] == t.positions.shape[0] == meta.slot_mapping.shape[0] == t.prev_index.shape[0] == EAGER_TOKEN_MULTIPLE
+    assert (ids.shape[0] == t.positions.shape[0] == meta.slot_mapping.shape[0] == t.prev_index.shape[0]
+            == EAGER_TOKEN_MULTIPLE)
     assert ids[:10].tolist() == [7] + list(range(3, 12)) and ids[10:].eq(0).all()
     assert meta.slot_mapping[:10].ge(0).all() and meta.slot_mapping[10:].eq(-1).all()
     assert meta.query_start_loc.tolist() == [0, 1, 10] and meta.seq_lens.tolist() == [6, 9]
