@@ -49,7 +49,7 @@ def time_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=10) * 1e3
 
 
-# (tile, warps, stages, splits)
+# (tile, warps, stages, splits); splits 0: the engine's rule (decode_num_splits)
 ATTENTION_CONFIGS = ((128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 4), (64, 4, 3, 2), (64, 4, 2, 2), (128, 8, 2, 2))
 
 
@@ -147,8 +147,8 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
             tables = scattered_block_tables(seq_lens, block_size, num_blocks, gen)
             variants = {f"{spec} default": None}
             for tile, warps, stages, splits in configs:
-                variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits}"] = dict(
-                    tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits)
+                variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits or 'rule'}"] = dict(
+                    tile_n=tile, num_warps=warps, num_stages=stages, num_splits=splits or None)
             for name, cfg in variants.items():
                 try:
                     if cfg is None:
@@ -174,6 +174,7 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
               f"default {default:7.1f}  best {row[best]:7.1f} ({best}) "
               f"{kv_bytes / row[best] / 1e3:5.0f} GB/s")
         results["attention"].append(dict(step=step + 1, batch=b, graph=bs, kv_bytes=kv_bytes, us=row))
+    print_per_graph_size(results["attention"], every, len(schedule), f"{layouts[0]} default")
     print("  run totals (s, 28 layers, all decode steps):")
     for name, s in sorted(totals.items(), key=lambda kv: kv[1]):
         print(f"    {name:<44} {s:6.3f}")
@@ -181,6 +182,24 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
           f"\n    {'KV bytes at read bandwidth':<44} {read_total:6.3f}")
     results["attention_totals"] = dict(totals) | {"best_per_step": best_total, "copy_bw_floor": floor_total,
                                                   "read_bw_floor": read_total}
+
+
+def print_per_graph_size(steps: list[dict], every: int, num_steps: int, default: str) -> None:
+    """The best configuration for each captured batch size (a CUDA graph fixes one), judged by its
+    total over that size's timed steps, and what choosing per size would save over the run."""
+    by_size = collections.defaultdict(collections.Counter)
+    for entry in steps:
+        weight = min(every, num_steps - entry["step"] + 1) * LAYERS / 1e6
+        for name, us in entry["us"].items():
+            by_size[entry["graph"]][name] += us * weight
+    print("  per captured size: best configuration (s over the run, against the default):")
+    saved = 0.0
+    for size in sorted(by_size):
+        totals = by_size[size]
+        best = min(totals, key=totals.get)
+        saved += totals[default] - totals[best]
+        print(f"    graph {size:3d}: {best:<40} {totals[best]:6.3f} against {totals[default]:6.3f}")
+    print(f"    best per size saves {saved * 1e3:.1f} ms over the run")
 
 
 def sweep_attention_fit(results: dict, rows=(16, 64, 128, 256), contexts=(256, 512, 1024, 2047)):
