@@ -351,6 +351,21 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(triton.cdiv(slots, programs), triton.cdiv(max_seq_len, tile_n), 64))
 
 
+# Pipeline stages of the decode kernel by the launch's number of sequences (a CUDA graph's batch
+# size), where the H200 measured another count faster than 3 over the benchmark's schedule
+# (benchmarks/decode_sweep.py, every 16th step; benchmarks/NOTES.md, entry 35). Stages set both the
+# tiles a program keeps in flight and, through shared memory (38 / 70 / 102 KB), how many programs
+# an SM holds (4 / 3 / 2): so they decide how full the launch's last wave of programs is, and
+# which count wins moves with the batch in steps no simple rule on programs and slots follows
+# (two stages win at 128 and 256 rows and lose at 144 and 160). Other sizes keep 3.
+DECODE_STAGES_BY_BATCH = {64: 4, 128: 2, 176: 2, 192: 2, 208: 2, 256: 2}
+DECODE_STAGES = 3
+
+
+def decode_num_stages(num_seqs: int) -> int:
+    return DECODE_STAGES_BY_BATCH.get(num_seqs, DECODE_STAGES)
+
+
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4
 # warps): the smallest of these that holds every block a tile can reach. Two sizes, not one per
 # table width, so that an eager run, whose tables are as wide as the batch's longest sequence,
@@ -393,13 +408,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 3, row_blocks_limit: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
     a sweep over the benchmark's schedule on the H200 (tile 64, 3 stages, 4 warps: 3.55 s of
     decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
-    entry 22)."""
+    entry 22), with the stage count of decode_num_stages."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -410,6 +425,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     queries_per_kv = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
+    if num_stages is None:
+        num_stages = decode_num_stages(num_seqs)
     if num_splits > 1:
         partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)

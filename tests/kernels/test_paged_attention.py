@@ -3,7 +3,8 @@ import torch
 
 pytest.importorskip("triton")
 from mini_engine.kernels.paged_attention import (  # noqa: E402
-    paged_attention, paged_attention_ref, paged_decode_attention, paged_prefill_attention)
+    DECODE_STAGES, DECODE_STAGES_BY_BATCH, decode_num_stages, paged_attention, paged_attention_ref,
+    paged_decode_attention, paged_prefill_attention)
 
 HEAD_DIM = 32
 TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
@@ -55,6 +56,21 @@ def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_li
     out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS),
                                  num_splits=num_splits, tile_n=tile_n, row_blocks_limit=row_blocks_limit)
     check(out, *batch)
+
+
+@pytest.mark.parametrize("num_stages", sorted({DECODE_STAGES, *DECODE_STAGES_BY_BATCH.values()}))
+def test_decode_stage_counts_match_reference(device, num_stages):
+    """Every stage count the engine launches (on the GPU each compiles its own pipeline)."""
+    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 16, device)
+    out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), num_stages=num_stages)
+    check(out, *batch)
+
+
+def test_decode_stages_keyed_by_captured_sizes():
+    """The stage table is keyed by CUDA-graph batch sizes: a key no graph has would never apply."""
+    from mini_engine.runner.cuda_graph import graph_batch_sizes
+    assert set(DECODE_STAGES_BY_BATCH) <= set(graph_batch_sizes(256))
+    assert decode_num_stages(63) == DECODE_STAGES and decode_num_stages(64) == DECODE_STAGES_BY_BATCH[64]
 
 
 def test_decode_row_blocks():
