@@ -187,7 +187,6 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    row_blocks = block_table_ptr        # unused unless ROW_BLOCKS > 0
     if ROW_BLOCKS > 0:
         row_cols = tl.arange(0, ROW_BLOCKS)
         row_blocks = tl.load(block_table_ptr + row_cols, mask=row_cols < table_width, other=-1)
@@ -196,25 +195,7 @@ def _paged_decode_kernel(
     # The step inputs above are written by no kernel of the step; q, and the newest token's slot
     # in the cache, by the rotary kernel ahead.
     pdl_enter(USE_PDL)
-    decode_attend(
-        split, kv_head, seq, token, seq_len, row_blocks, block_table_ptr, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, stride_q_token, stride_q_head,
-        stride_out_token, stride_out_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
-        stride_v_offset, stride_v_head, NUM_HEADS, QUERIES_PER_KV, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, TILE_N,
-        NUM_SPLITS, ROW_BLOCKS, DOT_IN_FP32)
 
-
-@triton.jit
-def decode_attend(
-        split, kv_head, seq, token, seq_len, row_blocks, block_table_ptr, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, stride_q_token, stride_q_head,
-        stride_out_token, stride_out_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
-        stride_v_offset, stride_v_head, NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """The work of decode program (split, kv_head, seq) once its step inputs are loaded (token,
-    seq_len, and the block-table row when ROW_BLOCKS > 0) and q is ready: shared by
-    _paged_decode_kernel and kernels.rope_attention's consumer programs."""
     num_tiles = tl.cdiv(seq_len, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
@@ -357,7 +338,6 @@ def _num_sms(device: torch.device) -> int:
 # Decode programs resident on one SM at a time: the default tile (64 tokens, 3 stages) takes 70 KB
 # of shared memory a program, so three fit (~100 registers a thread leaves room for more).
 DECODE_PROGRAMS_PER_SM = 3
-DECODE_TILE_N = 64          # tokens a decode tile: the fastest of entry 22's sweep
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
@@ -427,7 +407,7 @@ def _cache_strides(k_cache, v_cache):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, tile_n: int = DECODE_TILE_N, num_warps: int = 4,
+                           num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
                            num_stages: int | None = None, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
@@ -447,7 +427,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
     if num_stages is None:
         num_stages = decode_num_stages(num_seqs)
-    partial_out, partial_max, partial_sum = decode_partials(out, num_splits)
+    if num_splits > 1:
+        partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+        partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_max = partial_sum = out     # unused
     block_size, table_width = k_cache.shape[1], block_tables.shape[1]
     row_blocks = _row_blocks(table_width, block_size, tile_n)
     if row_blocks_limit is not None and row_blocks > row_blocks_limit:
@@ -461,35 +446,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
         num_stages=num_stages, **pdl)
-    reduce_decode_splits(partial_out, partial_max, partial_sum, query_start_loc, out)
+    if num_splits > 1:
+        block_splits = triton.next_power_of_2(num_splits)
+        # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
+        block_heads = min(triton.next_power_of_2(num_heads), max(1, 4096 // (block_splits * _block_d(head_dim))))
+        _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
+            partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4, **pdl)
     return out
-
-
-def decode_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The split decode programs' partial accumulator, max and sum ([seqs, heads, splits] (+ [BLOCK_D]));
-    with one split the programs write out directly, and these are placeholders."""
-    if num_splits == 1:
-        return out, out, out
-    num_seqs, num_heads, head_dim = out.shape
-    partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=out.device)
-    partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=out.device)
-    return partial_out, partial_max, torch.empty_like(partial_max)
-
-
-def reduce_decode_splits(partial_out: torch.Tensor, partial_max: torch.Tensor, partial_sum: torch.Tensor,
-                         query_start_loc: torch.Tensor, out: torch.Tensor) -> None:
-    """Merges the splits' partials into out (nothing to do with one split)."""
-    if partial_max is out:
-        return
-    num_seqs, num_heads, num_splits = partial_max.shape
-    head_dim = out.shape[-1]
-    block_splits = triton.next_power_of_2(num_splits)
-    # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
-    block_heads = min(triton.next_power_of_2(num_heads), max(1, 4096 // (block_splits * _block_d(head_dim))))
-    _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
-        partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
-        BLOCK_SPLITS=block_splits, BLOCK_HEADS=block_heads, num_warps=4, **pdl_options(out.device))
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -77,18 +77,25 @@ def _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def qk_norm_rope_kv_write_token(
-        token, cos, sin, qkv_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-        norm_input_ptr, hidden_size, eps, stride_qkv, stride_cache_block, stride_cache_offset, stride_cache_head,
-        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One token, all of its heads at once: q and k are loaded as [heads, D/2] halves (the two
-    operands of the neox rotation), normed per head, rotated with the token's cos and sin, q
-    stored to q_out, k and v stored into the paged cache at slot_mapping[token] (a slot of -1
-    stores nothing). With HAS_NORM, q, k and v are first scaled by 1/rms of the token's
-    norm_input row, rounded to the model dtype as the reference does. Shared by the rotary kernel
-    below and the producer programs of kernels.rope_attention."""
+def _qk_norm_rope_kv_write_kernel(
+        qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr,
+        k_cache_ptr, v_cache_ptr, slot_mapping_ptr, norm_input_ptr, hidden_size, eps,
+        stride_qkv, stride_cos_sin, stride_cache_block, stride_cache_offset, stride_cache_head,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+        HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program per token, all of its heads at once: q and k are loaded as [heads, D/2] halves
+    (the two operands of the neox rotation), normed per head, rotated with this position's cos and
+    sin (loaded once for all heads), q stored to q_out, k and v stored into the paged cache at
+    slot_mapping[token] (a slot of -1 stores nothing). With HAS_NORM, q, k and v are first scaled
+    by 1/rms of the token's norm_input row, rounded to the model dtype as the reference does."""
+    token = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, HEAD_DIM // 2)
+    # positions (a step input) and the cos/sin table are written by no kernel of the step
+    pos = tl.load(positions_ptr + token)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + half)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HEAD_DIM // 2 + half)[None, :]
+    pdl_enter(USE_PDL)
     row = qkv_ptr + token * stride_qkv
     inv_rms = 1.0
     if HAS_NORM:
@@ -131,28 +138,6 @@ def qk_norm_rope_kv_write_token(
     tl.store(k_cache_ptr + cache_offs + HEAD_DIM // 2, k2.to(k_cache_ptr.dtype.element_ty), mask=mk)
     tl.store(v_cache_ptr + cache_offs, v1.to(v_cache_ptr.dtype.element_ty), mask=mk)
     tl.store(v_cache_ptr + cache_offs + HEAD_DIM // 2, v2.to(v_cache_ptr.dtype.element_ty), mask=mk)
-
-
-@triton.jit
-def _qk_norm_rope_kv_write_kernel(
-        qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr,
-        k_cache_ptr, v_cache_ptr, slot_mapping_ptr, norm_input_ptr, hidden_size, eps,
-        stride_qkv, stride_cos_sin, stride_cache_block, stride_cache_offset, stride_cache_head,
-        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-        HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program per token (qk_norm_rope_kv_write_token)."""
-    token = tl.program_id(0).to(tl.int64)
-    half = tl.arange(0, HEAD_DIM // 2)
-    # positions (a step input) and the cos/sin table are written by no kernel of the step
-    pos = tl.load(positions_ptr + token)
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + half)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HEAD_DIM // 2 + half)[None, :]
-    pdl_enter(USE_PDL)
-    qk_norm_rope_kv_write_token(
-        token, cos, sin, qkv_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-        norm_input_ptr, hidden_size, eps, stride_qkv, stride_cache_block, stride_cache_offset, stride_cache_head,
-        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_HQ, BLOCK_HKV, HAS_NORM, BLOCK_H)
 
 
 def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

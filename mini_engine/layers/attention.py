@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from mini_engine.kernels.paged_attention import paged_attention_ref, paged_decode_attention_torch
-from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
 
 @dataclass
@@ -22,30 +21,15 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Paged attention over k/v already written to the cache by QKNormRopeKVWrite, or (forward_decode_with_rope)
-    written in the same launch."""
+    """Paged attention over k/v already written to the cache by QKNormRopeKVWrite."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_triton: bool = False,
-                 fuse_rope_in_decode: bool = False):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_triton: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.use_triton = use_triton
-        self.fuse_rope_in_decode = fuse_rope_in_decode
         # Views into the runner's KV pool, [num_blocks, block_size, Hkv, D]; set by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
-        # The fused decode kernel's two counters (kernels.rope_attention): zero between launches.
-        self.register_buffer("decode_sync", torch.zeros(2, dtype=torch.int32), persistent=False)
-
-    def forward_decode_with_rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope: QKNormRopeKVWrite,
-                                 meta: AttentionMetadata, norm_input: torch.Tensor | None) -> torch.Tensor:
-        """rope's work (q's and k's norm and rotation, the KV write) and attention for a step of one
-        query token per sequence, in one launch (kernels.rope_attention)."""
-        from mini_engine.kernels.rope_attention import rope_decode_attention
-        return rope_decode_attention(qkv, positions, rope.cos_sin_cache, rope.q_norm_weight, rope.k_norm_weight,
-                                     rope.eps, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads,
-                                     self.num_kv_heads, self.head_dim, norm_input, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, self.scale, meta.max_seq_len, self.decode_sync)
 
     def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.use_triton:

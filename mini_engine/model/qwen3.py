@@ -22,18 +22,13 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(h * d, config.hidden_size, config.attention_bias, skinny)
         self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, config.max_position_embeddings,
                                               config.rope_theta, use_triton="rope_kv" in kernels)
-        self.attn = Attention(h, hkv, d, use_triton="attention" in kernels,
-                              fuse_rope_in_decode="rope_attention" in kernels)
+        self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """hidden + attention(input_layernorm(hidden)), written into hidden."""
         qkv, norm_input = self.qkv_proj(hidden)
-        if self.attn.fuse_rope_in_decode and meta.max_query_len == 1:
-            out = self.attn.forward_decode_with_rope(qkv, positions, self.qk_norm_rope, meta, norm_input)
-        else:
-            q = self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping,
-                                  norm_input)
-            out = self.attn(q, meta)
+        q = self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, norm_input)
+        out = self.attn(q, meta)
         return self.o_proj(out.flatten(1), residual=hidden)
 
 
@@ -56,8 +51,7 @@ class Qwen3DecoderLayer(nn.Module):
     """transformers' layer computes h = h + attn(norm1(h)), then h = h + mlp(norm2(h)). Here each norm
     is folded into the projection after it and each residual add into the projection before it,
     so a layer is 7 launches: qkv, qk-norm/rope/kv-write, attention, o_proj(+h), gate_up, SwiGLU,
-    down(+h); 6 in a decode step, whose qk-norm/rope/kv-write runs inside attention's launch
-    (kernels.rope_attention)."""
+    down(+h)."""
 
     def __init__(self, config: ModelConfig, kernels: frozenset[str]):
         super().__init__()
