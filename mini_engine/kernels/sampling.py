@@ -8,9 +8,10 @@ bf16 logits. So the kernel draws one uniform u per row instead and returns the f
 cumulative probability exceeds u: per column, what is left is one exp2.
 
 The cumulative sum takes two kernels, so that no program walks a whole row: _chunk_stats_kernel,
-one program per (row, chunk of SAMPLE_CHUNK_SIZE columns), writes the chunk's max key, its sum of
-exp2(key - max) and the first column holding the max, in base-2 units (key = l * log2(e) / T, so
-exp2(key) is proportional to softmax(l / T); the normaliser is never divided out). _select_kernel,
+one program per (row, chunk of SAMPLE_CHUNK_SIZE columns), writes the chunk's max key and, for a
+sampling row, its sum of exp2(key - max) or, for a greedy row, the first column holding the max,
+in base-2 units (key = l * log2(e) / T, so exp2(key) is proportional to softmax(l / T); the
+normaliser is never divided out). _select_kernel,
 one program per row, rescales the chunks' sums to the row's max, picks the chunk where u * total
 falls and rescans that one chunk for the column; greedy rows take the first column of the max.
 
@@ -83,37 +84,47 @@ def _keys(row_ptr, cols, stop, scale):
 def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
                         vocab_size, stride_logits, chunk_size, num_chunks, BLOCK_V: tl.constexpr):
     """Program (row, chunk) reads columns [chunk * chunk_size, (chunk + 1) * chunk_size) of one row
-    and writes the chunk's max key m, sum of exp2(key - m) and smallest column holding m. Splitting
-    the row is what spreads a B=1 step over many SMs. chunk_size is a runtime argument, so another
-    size of at least _BLOCK_V columns compiles no new kernel here (the second kernel's block of
-    chunks is the number of chunks rounded up to a power of 2).
+    and writes the chunk's max key m and, for a sampling row, the sum of exp2(key - m) or, for a
+    greedy row, the smallest column holding m: each row pays only for what _select_kernel reads of
+    it (a sampling row's column is the chunk's first, a greedy row's sum 0). Splitting the row is
+    what spreads a B=1 step over many SMs. chunk_size is a runtime argument, so another size of at
+    least _BLOCK_V columns compiles no new kernel here (the second kernel's block of chunks is the
+    number of chunks rounded up to a power of 2).
 
-    Each lane keeps its own running max and sum (online softmax), and so pays one exp2 a column:
-    exp2(-|key - max|) is the new key's weight when the max stays and the old sum's rescale factor
-    when it grows. The lanes are combined once, at the end."""
+    Each tile's max is taken first, then the tile's exp2 sum against the running max, so a column
+    costs a sampling row five arithmetic instructions and one exp2 (the load's conversion, the
+    scale, its share of the max, a subtraction and the sum's multiply-add), where an online update
+    in every lane took about thirteen and the same exp2."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    scale = _scale(tl.load(temperatures_ptr + row))
+    temperature = tl.load(temperatures_ptr + row)
+    scale = _scale(temperature)
     row_ptr = logits_ptr + row * stride_logits
     start = chunk * chunk_size
     stop = tl.minimum(start + chunk_size, vocab_size)
-    run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_V], tl.float32)
-    # A lane that never sees a finite key keeps its first column: the first among its -inf ties.
-    run_col = start + tl.arange(0, BLOCK_V)
-    for tile in range(start, stop, BLOCK_V):
-        cols = tile + tl.arange(0, BLOCK_V)
-        key = _keys(row_ptr, cols, stop, scale)
-        grew = key > run_max        # strict: a lane keeps its first column among ties, as torch.argmax
-        # The floor keeps -inf - -inf (NaN) out: a -inf key weighs 0 against any max.
-        e = tl.exp2(tl.minimum(key, run_max) - tl.maximum(tl.maximum(key, run_max), -3.0e38))
-        run_sum = tl.where(grew, run_sum * e + 1.0, run_sum + e)
-        run_max = tl.where(grew, key, run_max)
-        run_col = tl.where(grew, cols, run_col)
-    top = tl.max(run_max, axis=0)
-    # A chunk of -inf keys gives m = -inf and sum 0, not NaN.
-    total = tl.sum(run_sum * tl.exp2(run_max - tl.where(top == float("-inf"), 0.0, top)), axis=0)
-    col = tl.min(tl.where(run_max == top, run_col, 2**31 - 1), axis=0)
+    top = tl.full([], float("-inf"), tl.float32)
+    col = start
+    total = tl.full([], 0.0, tl.float32)
+    if temperature > 0.0:
+        run_sum = tl.zeros([BLOCK_V], tl.float32)
+        for tile in range(start, stop, BLOCK_V):
+            key = _keys(row_ptr, tile + tl.arange(0, BLOCK_V), stop, scale)
+            new_top = tl.maximum(top, tl.max(key, axis=0))
+            # While every key so far is -inf, shift by 0 instead: exp2 then gives 0, not NaN.
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            run_sum = run_sum * tl.exp2(top - shift) + tl.exp2(key - shift)
+            top = new_top
+        total = tl.sum(run_sum, axis=0)
+    else:
+        for tile in range(start, stop, BLOCK_V):
+            cols = tile + tl.arange(0, BLOCK_V)
+            key = _keys(row_ptr, cols, stop, scale)
+            tile_top = tl.max(key, axis=0)
+            tile_col = tl.min(tl.where(key == tile_top, cols, 2**31 - 1), axis=0)
+            # strict: the first tile holding the max keeps it, as torch.argmax keeps the first of ties
+            # (a chunk of -inf keys keeps its first column)
+            col = tl.where(tile_top > top, tile_col, col)
+            top = tl.maximum(top, tile_top)
     out = row * num_chunks + chunk
     tl.store(chunk_max_ptr + out, top)
     tl.store(chunk_sum_ptr + out, total)
@@ -133,8 +144,11 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
 
     The two kernels group their float sums differently, so the chunk's columns can add up to a
     hair less than its w: then no column is reached and the token is the chunk's last column with
-    a nonzero probability. Neither the search nor that fallback takes a column whose probability
-    is 0 (a -inf logit, or exp2 underflow). A row of all -inf returns column 0."""
+    a nonzero probability (or, where exp2 gives every column 0 here, the chunk's first column of
+    its max key, found in the same pass). Neither the search nor that fallback takes a column
+    whose probability is 0 (a -inf logit, or exp2 underflow). A row of all -inf returns column 0.
+    (The first kernel gives a sampling row each chunk's first column, not its max's: hence the
+    fallback's own search.)"""
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperatures_ptr + row)
     chunks = tl.arange(0, BLOCK_CHUNKS)
@@ -162,17 +176,23 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
         carried = 0.0
         hit = 2**31 - 1
         last = -1
+        chunk_top = tl.full([], float("-inf"), tl.float32)
+        chunk_top_col = start
         for tile in range(start, stop, BLOCK_V):
             cols = tile + tl.arange(0, BLOCK_V)
-            p = tl.exp2(_keys(row_ptr, cols, stop, scale) - top)
+            key = _keys(row_ptr, cols, stop, scale)
+            p = tl.exp2(key - top)
             running = carried + tl.cumsum(p, axis=0)
             hit = tl.minimum(hit, tl.min(tl.where((p > 0.0) & (running > rest), cols, 2**31 - 1), axis=0))
             last = tl.maximum(last, tl.max(tl.where(p > 0.0, cols, -1), axis=0))
             carried = tl.max(running, axis=0)
+            tile_top = tl.max(key, axis=0)
+            chunk_top_col = tl.where(tile_top > chunk_top,
+                                     tl.min(tl.where(key == tile_top, cols, 2**31 - 1), axis=0), chunk_top_col)
+            chunk_top = tl.maximum(chunk_top, tile_top)
         # last < 0 only if exp2 rounded the chunk's max to 0 here but not in the first kernel: its
         # argmax column, whose logit is finite, is then the answer.
-        fallback = tl.where(last >= 0, last, tl.sum(tl.where(chunks == chosen, cols_of_max, 0), axis=0))
-        token = tl.where(hit < 2**31 - 1, hit, fallback)
+        token = tl.where(hit < 2**31 - 1, hit, tl.where(last >= 0, last, chunk_top_col))
     tl.store(tokens_ptr + row, token.to(tl.int64))
 
 

@@ -107,7 +107,8 @@ def test_single_finite_column_always_wins(device):
 
 
 def chunk_stats_ref(logits: torch.Tensor, temperatures: torch.Tensor, chunk_size: int):
-    """_chunk_stats in float64: each chunk's max key, sum of exp2(key - max) and first column of the max."""
+    """_chunk_stats in float64: each chunk's max key, sum of exp2(key - max) and first column of the
+    max, for every row (the kernel writes the sum for sampling rows, the column for greedy ones)."""
     rows, vocab_size = logits.shape
     scale = torch.where(temperatures > 0, math.log2(math.e) / temperatures.double(), 1.0)
     num_chunks = -(-vocab_size // chunk_size)
@@ -124,7 +125,8 @@ def chunk_stats_ref(logits: torch.Tensor, temperatures: torch.Tensor, chunk_size
 def test_chunk_stats_match_float64(device, monkeypatch, vocab_size, chunk_size, block_v):
     """The first kernel against float64: whole and partial tiles and chunks, a chunk of -inf (max -inf,
     sum 0, no NaN), a row of -inf, greedy rows (keys = logits) and a temperature that makes the keys
-    large."""
+    large. Each row's max; a sampling row's sum (its column is the chunk's first); a greedy row's
+    column of the max (its sum 0: nothing reads it)."""
     if block_v:
         monkeypatch.setattr(sampling, "_BLOCK_V", block_v)
     chunk_size = chunk_size or sampling.SAMPLE_CHUNK_SIZE
@@ -135,10 +137,14 @@ def test_chunk_stats_match_float64(device, monkeypatch, vocab_size, chunk_size, 
     temperatures = torch.tensor([0.0, 0.7, 1.0, 1.0, 1e-3])
     top, total, col = (t.cpu() for t in _chunk_stats(logits.to(device), temperatures.to(device), chunk_size))
     ref_top, ref_total, ref_col = chunk_stats_ref(logits, temperatures, chunk_size)
+    greedy = temperatures == 0
     assert not total.isnan().any() and (total[ref_top == NEG_INF] == 0).all()
     torch.testing.assert_close(top.double(), ref_top, rtol=1e-6, atol=0)
-    torch.testing.assert_close(total.double(), ref_total, rtol=1e-5, atol=0)
-    assert torch.equal(col.long(), ref_col)
+    torch.testing.assert_close(total[~greedy].double(), ref_total[~greedy], rtol=1e-5, atol=0)
+    assert (total[greedy] == 0).all()
+    assert torch.equal(col[greedy].long(), ref_col[greedy])
+    first_cols = chunk_size * torch.arange(top.shape[1])
+    assert torch.equal(col[~greedy].long(), first_cols.expand(int((~greedy).sum()), -1))
 
 
 # ---- the distribution ----
