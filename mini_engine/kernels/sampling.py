@@ -8,10 +8,10 @@ bf16 logits. So the kernel draws one uniform u per row instead and returns the f
 cumulative probability exceeds u: per column, what is left is one exp2.
 
 The cumulative sum takes two kernels, so that no program walks a whole row: _chunk_stats_kernel,
-one program per (row, chunk of SAMPLE_CHUNK_SIZE columns), writes the chunk's max key and, for a
-sampling row, its sum of exp2(key - max) or, for a greedy row, the first column holding the max,
-in base-2 units (key = l * log2(e) / T, so exp2(key) is proportional to softmax(l / T); the
-normaliser is never divided out). _select_kernel,
+one program per (row, chunk of SAMPLE_CHUNK_SIZE columns), writes the chunk's max logit and, for
+a sampling row, its sum of exp2((l - max) * log2(e) / T) (proportional to softmax(l / T); the
+normaliser is never divided out) or, for a greedy row, the first column holding the max.
+_select_kernel,
 one program per row, rescales the chunks' sums to the row's max, picks the chunk where u * total
 falls and rescans that one chunk for the column; greedy rows take the first column of the max.
 
@@ -69,36 +69,36 @@ from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 @triton.jit
 def _scale(temperature):
-    """Multiplier from logits to keys: log2(e) / T, so that exp2(key) is proportional to softmax(l / T).
-    Greedy rows keep scale 1: their keys are the logits, so ties stay ties and argmax is exact."""
-    return tl.where(temperature > 0.0, 1.4426950408889634 / tl.where(temperature > 0.0, temperature, 1.0), 1.0)
+    """Multiplier from logit differences to base 2: log2(e) / T, so that exp2((l - m) * scale) is
+    proportional to softmax(l / T)."""
+    return 1.4426950408889634 / tl.where(temperature > 0.0, temperature, 1.0)
 
 
 @triton.jit
-def _keys(row_ptr, cols, stop, scale):
-    # Both kernels make their keys with this one expression, so that they agree on every key.
-    return tl.load(row_ptr + cols, mask=cols < stop, other=float("-inf")).to(tl.float32) * scale
+def _logits(row_ptr, cols, stop):
+    # Both kernels read their logits with this one expression, so that they agree on every value.
+    return tl.load(row_ptr + cols, mask=cols < stop, other=float("-inf")).to(tl.float32)
 
 
 @triton.jit
 def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
                         vocab_size, stride_logits, chunk_size, num_chunks, BLOCK_V: tl.constexpr):
     """Program (row, chunk) reads columns [chunk * chunk_size, (chunk + 1) * chunk_size) of one row
-    and writes the chunk's max key m and, for a sampling row, the sum of exp2(key - m) or, for a
-    greedy row, the smallest column holding m: each row pays only for what _select_kernel reads of
-    it (a sampling row's column is the chunk's first, a greedy row's sum 0). Splitting the row is
-    what spreads a B=1 step over many SMs. chunk_size is a runtime argument, so another size of at
-    least _BLOCK_V columns compiles no new kernel here (the second kernel's block of chunks is the
-    number of chunks rounded up to a power of 2).
+    and writes the chunk's max logit m and, for a sampling row, the sum of exp2((l - m) * scale)
+    or, for a greedy row, the smallest column holding m: each row pays only for what
+    _select_kernel reads of it (a sampling row's column is the chunk's first, a greedy row's sum
+    0). Splitting the row is what spreads a B=1 step over many SMs. chunk_size is a runtime
+    argument, so another size of at least _BLOCK_V columns compiles no new kernel here (the second
+    kernel's block of chunks is the number of chunks rounded up to a power of 2).
 
     Each tile's max is taken first, then the tile's exp2 sum against the running max, so a column
-    costs a sampling row five arithmetic instructions and one exp2 (the load's conversion, the
-    scale, its share of the max, a subtraction and the sum's multiply-add), where an online update
-    in every lane took about thirteen and the same exp2."""
+    costs a sampling row five arithmetic instructions and one exp2 (the load's conversion, its
+    share of the max, a subtraction, the scale and the sum's multiply-add), where an online update
+    in every lane took about thirteen and the same exp2. The difference l - m is exact (both are
+    logits of one row), so the max's own term is exactly 1 whatever the temperature."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
-    scale = _scale(temperature)
     row_ptr = logits_ptr + row * stride_logits
     start = chunk * chunk_size
     stop = tl.minimum(start + chunk_size, vocab_size)
@@ -106,23 +106,24 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_p
     col = start
     total = tl.full([], 0.0, tl.float32)
     if temperature > 0.0:
+        scale = _scale(temperature)
         run_sum = tl.zeros([BLOCK_V], tl.float32)
         for tile in range(start, stop, BLOCK_V):
-            key = _keys(row_ptr, tile + tl.arange(0, BLOCK_V), stop, scale)
-            new_top = tl.maximum(top, tl.max(key, axis=0))
-            # While every key so far is -inf, shift by 0 instead: exp2 then gives 0, not NaN.
+            x = _logits(row_ptr, tile + tl.arange(0, BLOCK_V), stop)
+            new_top = tl.maximum(top, tl.max(x, axis=0))
+            # While every logit so far is -inf, shift by 0 instead: exp2 then gives 0, not NaN.
             shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-            run_sum = run_sum * tl.exp2(top - shift) + tl.exp2(key - shift)
+            run_sum = run_sum * tl.exp2((top - shift) * scale) + tl.exp2((x - shift) * scale)
             top = new_top
         total = tl.sum(run_sum, axis=0)
     else:
         for tile in range(start, stop, BLOCK_V):
             cols = tile + tl.arange(0, BLOCK_V)
-            key = _keys(row_ptr, cols, stop, scale)
-            tile_top = tl.max(key, axis=0)
-            tile_col = tl.min(tl.where(key == tile_top, cols, 2**31 - 1), axis=0)
+            x = _logits(row_ptr, cols, stop)
+            tile_top = tl.max(x, axis=0)
+            tile_col = tl.min(tl.where(x == tile_top, cols, 2**31 - 1), axis=0)
             # strict: the first tile holding the max keeps it, as torch.argmax keeps the first of ties
-            # (a chunk of -inf keys keeps its first column)
+            # (a chunk of -inf logits keeps its first column)
             col = tl.where(tile_top > top, tile_col, col)
             top = tl.maximum(top, tile_top)
     out = row * num_chunks + chunk
@@ -135,17 +136,17 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_p
 def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
                    tokens_ptr, vocab_size, stride_logits, chunk_size, num_chunks,
                    BLOCK_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per row. Greedy rows: the smallest column among the chunks holding the top key
+    """One program per row. Greedy rows: the smallest column among the chunks holding the top logit
     (each chunk's column is already its smallest among its ties), so ties go to the lowest column
-    wherever the chunk boundaries fall. Sampling rows: chunk c weighs w_c = s_c * exp2(m_c - M)
-    (M the row's max); target = u * sum(w), u from Philox(seed); the chunk is the first whose
-    inclusive prefix of w exceeds target, and the token the first column of it whose inclusive
-    prefix of exp2(key - M) exceeds what is left of target.
+    wherever the chunk boundaries fall. Sampling rows: chunk c weighs w_c = s_c * exp2((m_c - M) *
+    scale) (M the row's max logit); target = u * sum(w), u from Philox(seed); the chunk is the
+    first whose inclusive prefix of w exceeds target, and the token the first column of it whose
+    inclusive prefix of exp2((l - M) * scale) exceeds what is left of target.
 
     The two kernels group their float sums differently, so the chunk's columns can add up to a
     hair less than its w: then no column is reached and the token is the chunk's last column with
     a nonzero probability (or, where exp2 gives every column 0 here, the chunk's first column of
-    its max key, found in the same pass). Neither the search nor that fallback takes a column
+    its max logit, found in the same pass). Neither the search nor that fallback takes a column
     whose probability is 0 (a -inf logit, or exp2 underflow). A row of all -inf returns column 0.
     (The first kernel gives a sampling row each chunk's first column, not its max's: hence the
     fallback's own search.)"""
@@ -159,8 +160,9 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
     top = tl.max(m, axis=0)
     token = tl.min(tl.where(m == top, cols_of_max, 2**31 - 1), axis=0)     # all -inf: chunk 0's column, 0
     if (temperature > 0.0) & (top > float("-inf")):
+        scale = _scale(temperature)
         s = tl.load(chunk_sum_ptr + stats, mask=in_row, other=0.0)
-        weight = s * tl.exp2(m - top)
+        weight = s * tl.exp2((m - top) * scale)
         prefix = tl.cumsum(weight, axis=0)
         # The prefix's own total (not a separate sum), so that target < the last prefix.
         target = tl.max(tl.rand(tl.load(seeds_ptr + row), tl.zeros([1], tl.int32)), axis=0) * tl.max(prefix, axis=0)
@@ -169,7 +171,6 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
         chosen = tl.where(chosen < BLOCK_CHUNKS, chosen, tl.max(tl.where(weight > 0.0, chunks, -1), axis=0))
         # prefix is non-decreasing: its max before the chosen chunk is the mass before it.
         rest = target - tl.max(tl.where(chunks < chosen, prefix, 0.0), axis=0)
-        scale = _scale(temperature)
         row_ptr = logits_ptr + row * stride_logits
         start = chosen * chunk_size
         stop = tl.minimum(start + chunk_size, vocab_size)
@@ -180,15 +181,15 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
         chunk_top_col = start
         for tile in range(start, stop, BLOCK_V):
             cols = tile + tl.arange(0, BLOCK_V)
-            key = _keys(row_ptr, cols, stop, scale)
-            p = tl.exp2(key - top)
+            x = _logits(row_ptr, cols, stop)
+            p = tl.exp2((x - top) * scale)
             running = carried + tl.cumsum(p, axis=0)
             hit = tl.minimum(hit, tl.min(tl.where((p > 0.0) & (running > rest), cols, 2**31 - 1), axis=0))
             last = tl.maximum(last, tl.max(tl.where(p > 0.0, cols, -1), axis=0))
             carried = tl.max(running, axis=0)
-            tile_top = tl.max(key, axis=0)
+            tile_top = tl.max(x, axis=0)
             chunk_top_col = tl.where(tile_top > chunk_top,
-                                     tl.min(tl.where(key == tile_top, cols, 2**31 - 1), axis=0), chunk_top_col)
+                                     tl.min(tl.where(x == tile_top, cols, 2**31 - 1), axis=0), chunk_top_col)
             chunk_top = tl.maximum(chunk_top, tile_top)
         # last < 0 only if exp2 rounded the chunk's max to 0 here but not in the first kernel: its
         # argmax column, whose logit is finite, is then the answer.
@@ -196,15 +197,16 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
     tl.store(tokens_ptr + row, token.to(tl.int64))
 
 
-# Columns per tile: 8 per thread at 4 warps. benchmarks/sampler_sweep.py varies both (wider tiles
-# and 8 warps were no faster at any batch on the H200: benchmarks/NOTES.md, entry 34).
-_BLOCK_V = 1024
+# Columns per tile: 16 per thread at 4 warps. benchmarks/sampler_sweep.py varies both: on the H200,
+# 2,048 beat 1,024 at every batch once a column cost five instructions, not thirteen (256 rows
+# 30.4 against 33.5 us), and 8 warps lost at every batch (benchmarks/NOTES.md, entry 35).
+_BLOCK_V = 2048
 _NUM_WARPS = 4
 
 # Columns per chunk. A constant, not a function of the batch, so that a row's token does not depend
 # on the batch it is in. Qwen3's 151,936 columns make 38 chunks: 38 programs for one row, 9,728 for
 # 256 (4.6 waves, if 16 four-warp programs fit on each of the H200's 132 SMs). The second kernel
-# rereads one chunk a row: 2.7% of the vocabulary, four tiles in sequence. On the H200, under
+# rereads one chunk a row: 2.7% of the vocabulary, two tiles in sequence. On the H200, under
 # CUDA-graph replay (decode_sweep.py): 8.4 us at one row, 42.5 us at 256. kernel_check.py's plain
 # do_bench, host launches included, gave 55.9 / 66.1 / 51.6 us at 256 rows for chunks of 2048 /
 # 4096 / 8192: not graph-replayed, so not yet a reason to change it.
@@ -217,7 +219,8 @@ _MAX_CHUNKS = 4096
 
 def _chunk_stats(logits: torch.Tensor, temperatures: torch.Tensor,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each chunk's max key, sum of exp2(key - max) and first column of the max: [B, num_chunks] each."""
+    """Each chunk's max logit, and a sampling row's sum of exp2((l - max) * log2(e) / T) or a greedy
+    row's first column of the max: [B, num_chunks] each."""
     num_rows, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, chunk_size)
     assert 0 < num_chunks <= _MAX_CHUNKS, f"chunk_size {chunk_size} is too small for {vocab_size} columns"

@@ -107,26 +107,27 @@ def test_single_finite_column_always_wins(device):
 
 
 def chunk_stats_ref(logits: torch.Tensor, temperatures: torch.Tensor, chunk_size: int):
-    """_chunk_stats in float64: each chunk's max key, sum of exp2(key - max) and first column of the
-    max, for every row (the kernel writes the sum for sampling rows, the column for greedy ones)."""
+    """_chunk_stats in float64: each chunk's max logit, sum of exp2((l - max) * log2(e) / T) and first
+    column of the max, for every row (the kernel writes the sum for sampling rows, the column for
+    greedy ones)."""
     rows, vocab_size = logits.shape
-    scale = torch.where(temperatures > 0, math.log2(math.e) / temperatures.double(), 1.0)
+    scale = math.log2(math.e) / torch.where(temperatures > 0, temperatures.double(), 1.0)
     num_chunks = -(-vocab_size // chunk_size)
-    keys = torch.full((rows, num_chunks * chunk_size), NEG_INF, dtype=torch.float64)
-    keys[:, :vocab_size] = logits.double().cpu() * scale.cpu()[:, None]
-    keys = keys.view(rows, num_chunks, chunk_size)
-    top = keys.amax(-1)
-    total = torch.exp2(keys - torch.where(top > NEG_INF, top, 0.0)[..., None]).sum(-1)
-    col = (keys == top[..., None]).int().argmax(-1) + chunk_size * torch.arange(num_chunks)
+    x = torch.full((rows, num_chunks * chunk_size), NEG_INF, dtype=torch.float64)
+    x[:, :vocab_size] = logits.double().cpu()
+    x = x.view(rows, num_chunks, chunk_size)
+    top = x.amax(-1)
+    total = torch.exp2((x - torch.where(top > NEG_INF, top, 0.0)[..., None]) * scale.cpu()[:, None, None]).sum(-1)
+    col = (x == top[..., None]).int().argmax(-1) + chunk_size * torch.arange(num_chunks)
     return top, total, col
 
 
 @pytest.mark.parametrize("vocab_size, chunk_size, block_v", [(5000, None, None), (1000, 100, 16), (1000, 64, None)])
 def test_chunk_stats_match_float64(device, monkeypatch, vocab_size, chunk_size, block_v):
     """The first kernel against float64: whole and partial tiles and chunks, a chunk of -inf (max -inf,
-    sum 0, no NaN), a row of -inf, greedy rows (keys = logits) and a temperature that makes the keys
-    large. Each row's max; a sampling row's sum (its column is the chunk's first); a greedy row's
-    column of the max (its sum 0: nothing reads it)."""
+    sum 0, no NaN), a row of -inf, a greedy row and a temperature of 1e-3 (a scale of ~1,443, where
+    a difference rounded after scaling would show). Each row's max; a sampling row's sum (its
+    column is the chunk's first); a greedy row's column of the max (its sum 0: nothing reads it)."""
     if block_v:
         monkeypatch.setattr(sampling, "_BLOCK_V", block_v)
     chunk_size = chunk_size or sampling.SAMPLE_CHUNK_SIZE
