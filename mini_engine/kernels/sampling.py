@@ -207,9 +207,8 @@ _NUM_WARPS = 4
 # on the batch it is in. Qwen3's 151,936 columns make 38 chunks: 38 programs for one row, 9,728 for
 # 256 (4.6 waves, if 16 four-warp programs fit on each of the H200's 132 SMs). The second kernel
 # rereads one chunk a row: 2.7% of the vocabulary, two tiles in sequence. On the H200, under
-# CUDA-graph replay (decode_sweep.py): 8.4 us at one row, 42.5 us at 256. kernel_check.py's plain
-# do_bench, host launches included, gave 55.9 / 66.1 / 51.6 us at 256 rows for chunks of 2048 /
-# 4096 / 8192: not graph-replayed, so not yet a reason to change it.
+# CUDA-graph replay (sampler_sweep.py): 3.4 us at one row, 30.5 us at 256 (4.1 and 42.3 us before
+# entry 35). Entry 34's sweep of the kernel before found chunks of 8,192 no faster.
 SAMPLE_CHUNK_SIZE = 4096
 
 # The second kernel holds a row's chunk statistics in one block; a chunk size that makes more
