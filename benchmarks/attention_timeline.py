@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                                          scattered_block_tables)
     schedule = decode_schedule()
     read_gbps = read_bandwidth() / 1e9
-    slots = pa.DECODE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv_bytes_per_token = 2 * HEAD_DIM * DTYPE.itemsize      # one KV head's K and V
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(sum(c) for c in schedule)
@@ -194,6 +194,8 @@ def main(argv=None) -> int:
         finally:
             pa._paged_decode_kernel = original
         (grid, first), (_, second) = tracer.traces[-2:]
+        stages = args.stages or pa.decode_num_stages(bs)
+        slots = pa.DECODE_PROGRAMS_PER_SM.get(stages, pa.DECODE_PROGRAMS_PER_SM[pa.DECODE_STAGES]) * num_sms
         nbytes = program_bytes(grid, seq_lens, 64, kv_bytes_per_token)
         origin = int(first[:, 0].min())
         print(f"\n== step {step}: {b} rows (graph {bs}), mean context {sum(ctx) / b:.0f}, grid {grid} "
@@ -206,14 +208,15 @@ def main(argv=None) -> int:
         # Eager launches: the gap holds the host's launch, the next trace buffer's zeroing and, with
         # splits, the reduce kernel. Not a CUDA graph's gap between kernels.
         print(f"  between them: {gap / 1e3:.1f} us from the first launch's last end to the second's first start")
-        results.append(dict(step=step, rows=b, graph=bs, grid=list(grid), launch1=s1, launch2=s2, gap_ns=gap))
+        results.append(dict(step=step, rows=b, graph=bs, grid=list(grid), slots=slots, launch1=s1, launch2=s2,
+                            gap_ns=gap))
     ticks = sorted({int(v) for v in tracer.traces[-1][1][:, 0].tolist()})
     steps_ns = sorted({b - a for a, b in zip(ticks, ticks[1:])})[:3]
     print(f"\nglobal timer: smallest steps between distinct start stamps {steps_ns} ns")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "attention_timeline.json"), "w") as f:
-            json.dump(dict(read_GBps=read_gbps, slots=slots, steps=results), f)
+            json.dump(dict(read_GBps=read_gbps, num_sms=num_sms, steps=results), f)
     return 0
 
 

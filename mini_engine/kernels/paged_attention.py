@@ -335,35 +335,38 @@ def _num_sms(device: torch.device) -> int:
     return 4    # the interpreter: any small number, so tests exercise several splits
 
 
-# Decode programs resident on one SM at a time: the default tile (64 tokens, 3 stages) takes 70 KB
-# of shared memory a program, so three fit (~100 registers a thread leaves room for more).
-DECODE_PROGRAMS_PER_SM = 3
-
-
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
-    """How many programs share one (sequence, KV head): enough to fill every program slot of the
-    GPU at once, never more than the longest context has tiles; one where the batch alone fills
-    it, which then needs no reduce kernel. (Half the slots, the rule before, left 33-48 sequences
-    at one split and ~11 us a layer slower than with two: benchmarks/NOTES.md, entry 32.) Host
-    ints only, so a captured graph keeps its grid."""
-    programs = num_seqs * num_kv_heads
-    slots = DECODE_PROGRAMS_PER_SM * num_sms
-    return max(1, min(triton.cdiv(slots, programs), triton.cdiv(max_seq_len, tile_n), 64))
-
-
 # Pipeline stages of the decode kernel by the launch's number of sequences (a CUDA graph's batch
 # size), where the H200 measured another count faster than 3 over the benchmark's schedule
 # (benchmarks/decode_sweep.py, every 16th step; benchmarks/NOTES.md, entry 35). Stages set both the
-# tiles a program keeps in flight and, through shared memory (38 / 70 / 102 KB), how many programs
-# an SM holds (4 / 3 / 2): so they decide how full the launch's last wave of programs is, and
-# which count wins moves with the batch in steps no simple rule on programs and slots follows
-# (two stages win at 128 and 256 rows and lose at 144 and 160). Other sizes keep 3.
+# tiles a program keeps in flight and how many programs an SM holds (DECODE_PROGRAMS_PER_SM): so
+# they decide how full the launch's last wave of programs is, and which count wins moves with the
+# batch in steps no simple rule on programs and slots follows (two stages win at 128 and 256 rows
+# and lose at 144 and 160). Other sizes keep 3.
 DECODE_STAGES_BY_BATCH = {64: 4, 128: 2, 176: 2, 192: 2, 208: 2, 256: 2}
 DECODE_STAGES = 3
+
+# Decode programs resident on one SM at a time, by pipeline stages: at the default tile (64 tokens)
+# a program takes 38 / 70 / 102 KB of shared memory at 2 / 3 / 4 stages, so 3 or 2 fit the H200's
+# 228 KB at 3 or 4 stages; at 2 stages the registers (~100 a thread at 4 warps) hold it to 4.
+# Counts outside the table (sweeps) are taken as the default's.
+DECODE_PROGRAMS_PER_SM = {2: 4, 3: 3, 4: 2}
 
 
 def decode_num_stages(num_seqs: int) -> int:
     return DECODE_STAGES_BY_BATCH.get(num_seqs, DECODE_STAGES)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int,
+                      num_stages: int) -> int:
+    """How many programs share one (sequence, KV head): enough to fill every program slot of the
+    GPU at once (slots: DECODE_PROGRAMS_PER_SM at num_stages, times the SMs), never more than the
+    longest context has tiles; one where the batch alone fills it, which then needs no reduce
+    kernel. (Half the slots, the rule before, left 33-48 sequences at one split and ~11 us a layer
+    slower than with two: benchmarks/NOTES.md, entry 32.) Host ints only, so a captured graph keeps
+    its grid."""
+    programs = num_seqs * num_kv_heads
+    per_sm = DECODE_PROGRAMS_PER_SM.get(num_stages, DECODE_PROGRAMS_PER_SM[DECODE_STAGES])
+    return max(1, min(triton.cdiv(per_sm * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
 
 
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4
@@ -423,10 +426,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs > 65535:
         raise ValueError(f"decode attention takes at most 65,535 sequences a launch (CUDA's grid z), got {num_seqs}")
     queries_per_kv = num_heads // num_kv_heads
-    if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device))
     if num_stages is None:
         num_stages = decode_num_stages(num_seqs)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device), num_stages)
     if num_splits > 1:
         partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)

@@ -81,6 +81,16 @@ def _logits(row_ptr, cols, stop):
 
 
 @triton.jit
+def _fold_first_argmax(x, cols, top, col):
+    """Folds a tile (logits x at columns cols) into a running max top and the first column col
+    holding it. Strict: the first tile holding the max keeps it, as torch.argmax keeps the first
+    of ties (and a run of -inf logits keeps the column it started with)."""
+    tile_top = tl.max(x, axis=0)
+    tile_col = tl.min(tl.where(x == tile_top, cols, 2**31 - 1), axis=0)
+    return tl.maximum(top, tile_top), tl.where(tile_top > top, tile_col, col)
+
+
+@triton.jit
 def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_col_ptr,
                         vocab_size, stride_logits, chunk_size, num_chunks, BLOCK_V: tl.constexpr):
     """Program (row, chunk) reads columns [chunk * chunk_size, (chunk + 1) * chunk_size) of one row
@@ -120,13 +130,7 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, chunk_max_ptr, chunk_sum_p
     else:
         for tile in range(start, stop, BLOCK_V):
             cols = tile + tl.arange(0, BLOCK_V)
-            x = _logits(row_ptr, cols, stop)
-            tile_top = tl.max(x, axis=0)
-            tile_col = tl.min(tl.where(x == tile_top, cols, 2**31 - 1), axis=0)
-            # strict: the first tile holding the max keeps it, as torch.argmax keeps the first of ties
-            # (a chunk of -inf logits keeps its first column)
-            col = tl.where(tile_top > top, tile_col, col)
-            top = tl.maximum(top, tile_top)
+            top, col = _fold_first_argmax(_logits(row_ptr, cols, stop), cols, top, col)
     out = row * num_chunks + chunk
     tl.store(chunk_max_ptr + out, top)
     tl.store(chunk_sum_ptr + out, total)
@@ -188,10 +192,7 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
             hit = tl.minimum(hit, tl.min(tl.where((p > 0.0) & (running > rest), cols, 2**31 - 1), axis=0))
             last = tl.maximum(last, tl.max(tl.where(p > 0.0, cols, -1), axis=0))
             carried = tl.max(running, axis=0)
-            tile_top = tl.max(x, axis=0)
-            chunk_top_col = tl.where(tile_top > chunk_top,
-                                     tl.min(tl.where(x == tile_top, cols, 2**31 - 1), axis=0), chunk_top_col)
-            chunk_top = tl.maximum(chunk_top, tile_top)
+            chunk_top, chunk_top_col = _fold_first_argmax(x, cols, chunk_top, chunk_top_col)
         # last < 0 only if exp2 rounded the chunk's max to 0 here but not in the first kernel: its
         # argmax column, whose logit is finite, is then the answer.
         token = tl.where(hit < 2**31 - 1, hit, tl.where(last >= 0, last, chunk_top_col))

@@ -87,7 +87,9 @@ class StepInputBuffers:
     def views(self, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int = 0,
               num_samples: int = 0) -> StepTensors:
         sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
-        offsets = self.offsets(sizes)
+        return self._views(sizes, self.offsets(sizes), num_rows, table_width)
+
+    def _views(self, sizes: list[int], offsets: list[int], num_rows: int, table_width: int) -> StepTensors:
         tensors = [self.data[o:o + n * dtype.itemsize].view(dtype)
                    for o, n, (_, dtype) in zip(offsets, sizes, STEP_FIELDS)]
         tensors[7] = tensors[7].view(num_rows, table_width)
@@ -106,7 +108,7 @@ class StepInputBuffers:
         for part, start, size, (_, dtype) in zip(parts, offsets, sizes, STEP_FIELDS):
             packed[start:start + size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])[:] = np.ravel(part)
         self.data[:offsets[-1]].copy_(host, non_blocking=True)
-        return self.views(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
+        return self._views(sizes, offsets, num_rows, table_width)
 
 
 class StepHandle:

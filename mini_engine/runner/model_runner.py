@@ -290,28 +290,25 @@ class ModelRunner:
         if graph_size is None:
             width, max_seq_len = max(len(r.block_table) for r in rows), max(seq_lens)
             max_query_len, num_rows = max(len(r.token_ids) for r in rows), len(rows)
-            if self.pad_eager_tokens:
-                # Tokens past query_start_loc[-1]: no sequence's, so attention skips them, and
-                # slot -1 writes no KV. Only the products and elementwise kernels see them.
-                pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens
-                input_ids += [0] * pad
-                positions += [0] * pad
-                slot_mapping += [-1] * pad
-                prev_index += [-1] * pad
-                num_tokens += pad
+            # Tokens past query_start_loc[-1]: no sequence's, so attention skips them. Only the
+            # products and elementwise kernels see them.
+            pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.pad_eager_tokens else 0
         else:
             width, max_seq_len, max_query_len, num_rows = self.max_blocks, self.config.max_model_len, 1, graph_size
+            # Rows of one token each (num_tokens == len(rows) here), greedy, with a context of one.
             pad = graph_size - len(rows)
-            input_ids += [0] * pad
-            positions += [0] * pad
-            slot_mapping += [-1] * pad
-            prev_index += [-1] * pad
             seq_lens += [1] * pad
             query_start_loc += range(num_tokens + 1, num_tokens + pad + 1)
             pad_samples = graph_size - len(temperatures)
             temperatures += [0.0] * pad_samples
             seeds += [0] * pad_samples
-            num_tokens, num_decodes = graph_size, graph_size
+            num_decodes = graph_size
+        # Padding tokens write no KV (slot -1).
+        input_ids += [0] * pad
+        positions += [0] * pad
+        slot_mapping += [-1] * pad
+        prev_index += [-1] * pad
+        num_tokens += pad
         block_tables = np.zeros((num_rows, width), dtype=np.int32)       # padding rows read block 0
         for i, row in enumerate(rows):
             block_tables[i] = self.padded_block_table(row, width)
