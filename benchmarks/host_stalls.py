@@ -1,9 +1,11 @@
 """bench.py with the host's stalls logged: every Triton compilation and every garbage-collector
-pass over the older generations, each with its duration and the time since this script started.
-A step that takes ~100 ms where its neighbours take 5 (bench.py --profile) is one of these, or
-something else on the host; this tells which.
+pass over the older generations, each with its duration, the time since this script started and
+the engine step it fell in; and every engine step whose host work (its time in LLMEngine.step,
+less the wait for the previous step's tokens) took more than --slow-step-ms. A step that takes
+~100 ms where its neighbours take 5 (bench.py --profile) is one of these, or something else on
+the host; this tells which.
 
-    PYTHONPATH=. python benchmarks/host_stalls.py [bench.py options]
+    PYTHONPATH=. python benchmarks/host_stalls.py [--slow-step-ms MS] [bench.py options]
 """
 import gc
 import sys
@@ -31,6 +33,9 @@ def _logged(compile_fn):
 
 
 _gc_start = {}
+# The timed run's engine steps so far (None outside a generate call), and the host's wait for
+# step results inside the current step.
+_steps = {"n": None, "wait": 0.0}
 
 
 def _log_gc(phase: str, info: dict) -> None:
@@ -39,26 +44,61 @@ def _log_gc(phase: str, info: dict) -> None:
     if phase == "start":
         _gc_start["t"] = time.perf_counter()
     else:
-        print(f"[host_stalls] gc generation {info['generation']}: {1e3 * (time.perf_counter() - _gc_start['t']):.1f} ms "
-              f"at {_since_start():.2f} s", flush=True)
+        ms = 1e3 * (time.perf_counter() - _gc_start["t"])
+        print(f"[host_stalls] gc generation {info['generation']}: {ms:.1f} ms at {_since_start():.2f} s, "
+              f"step {_steps['n']}", flush=True)
+
+
+def _log_slow_steps(step, result, slow_ms: float):
+    """Wraps LLMEngine.step and StepHandle.result: a step whose host work took over slow_ms is logged."""
+    def timed_result(self):
+        t = time.perf_counter()
+        try:
+            return result(self)
+        finally:
+            _steps["wait"] += time.perf_counter() - t
+
+    def timed_step(self):
+        _steps["wait"], t = 0.0, time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            work = 1e3 * (time.perf_counter() - t - _steps["wait"])
+            if _steps["n"] is not None:
+                if work > slow_ms:
+                    print(f"[host_stalls] step {_steps['n']}: host work {work:.1f} ms (waited "
+                          f"{1e3 * _steps['wait']:.1f} ms for results) at {_since_start():.2f} s", flush=True)
+                _steps["n"] += 1
+    return timed_step, timed_result
 
 
 def _log_generate(generate):
     def generate_and_log(self, prompts, *args, **kwargs):
         print(f"[host_stalls] generate of {len(prompts)} prompts starts at {_since_start():.2f} s", flush=True)
+        _steps["n"] = 0
         try:
             return generate(self, prompts, *args, **kwargs)
         finally:
+            _steps["n"] = None
             print(f"[host_stalls] generate ends at {_since_start():.2f} s", flush=True)
     return generate_and_log
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    slow_ms = 1.5
+    if "--slow-step-ms" in argv:
+        i = argv.index("--slow-step-ms")
+        slow_ms = float(argv[i + 1])
+        del argv[i:i + 2]
     # Before bench imports the engine: its kernels take the compile function when they are built.
     triton.compiler.compile = triton.compiler.compiler.compile = _logged(triton.compiler.compiler.compile)
     gc.callbacks.append(_log_gc)
+    from mini_engine.engine.engine import LLMEngine
     from mini_engine.llm import LLM
+    from mini_engine.runner.batch import StepHandle
     LLM.generate = _log_generate(LLM.generate)      # places each stall against the timed run
+    LLMEngine.step, StepHandle.result = _log_slow_steps(LLMEngine.step, StepHandle.result, slow_ms)
     import bench
     print(f"[host_stalls] bench starts at {_since_start():.2f} s", flush=True)
     return bench.main(argv)
