@@ -5,9 +5,13 @@ less the wait for the previous step's tokens) took more than --slow-step-ms. A s
 ~100 ms where its neighbours take 5 (bench.py --profile) is one of these, or something else on
 the host; this tells which.
 
-    PYTHONPATH=. python benchmarks/host_stalls.py [--slow-step-ms MS] [bench.py options]
+    PYTHONPATH=. python benchmarks/host_stalls.py [--slow-step-ms MS] [--profile-step N] [bench.py options]
+
+--profile-step N runs the timed run's step N under cProfile and prints where its host time went.
 """
+import cProfile
 import gc
+import pstats
 import sys
 import time
 
@@ -49,8 +53,9 @@ def _log_gc(phase: str, info: dict) -> None:
               f"step {_steps['n']}", flush=True)
 
 
-def _log_slow_steps(step, result, slow_ms: float):
-    """Wraps LLMEngine.step and StepHandle.result: a step whose host work took over slow_ms is logged."""
+def _log_slow_steps(step, result, slow_ms: float, profile_step: int | None):
+    """Wraps LLMEngine.step and StepHandle.result: a step whose host work took over slow_ms is
+    logged, and step profile_step runs under cProfile."""
     def timed_result(self):
         t = time.perf_counter()
         try:
@@ -59,10 +64,18 @@ def _log_slow_steps(step, result, slow_ms: float):
             _steps["wait"] += time.perf_counter() - t
 
     def timed_step(self):
+        profiler = cProfile.Profile() if _steps["n"] is not None and _steps["n"] == profile_step else None
         _steps["wait"], t = 0.0, time.perf_counter()
         try:
-            return step(self)
+            if profiler is None:
+                return step(self)
+            return profiler.runcall(step, self)
         finally:
+            if profiler is not None:
+                print(f"[host_stalls] step {profile_step} under cProfile:", flush=True)
+                stats = pstats.Stats(profiler, stream=sys.stdout)
+                stats.sort_stats("cumulative").print_stats(30)
+                stats.sort_stats("tottime").print_stats(15)
             work = 1e3 * (time.perf_counter() - t - _steps["wait"])
             if _steps["n"] is not None:
                 if work > slow_ms:
@@ -86,11 +99,13 @@ def _log_generate(generate):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    slow_ms = 1.5
-    if "--slow-step-ms" in argv:
-        i = argv.index("--slow-step-ms")
-        slow_ms = float(argv[i + 1])
-        del argv[i:i + 2]
+    options = {"--slow-step-ms": 1.5, "--profile-step": None}
+    for name in options:
+        if name in argv:
+            i = argv.index(name)
+            options[name] = float(argv[i + 1])
+            del argv[i:i + 2]
+    slow_ms, profile_step = options["--slow-step-ms"], options["--profile-step"]
     # Before bench imports the engine: its kernels take the compile function when they are built.
     triton.compiler.compile = triton.compiler.compiler.compile = _logged(triton.compiler.compiler.compile)
     gc.callbacks.append(_log_gc)
@@ -98,7 +113,8 @@ def main(argv=None) -> int:
     from mini_engine.llm import LLM
     from mini_engine.runner.batch import StepHandle
     LLM.generate = _log_generate(LLM.generate)      # places each stall against the timed run
-    LLMEngine.step, StepHandle.result = _log_slow_steps(LLMEngine.step, StepHandle.result, slow_ms)
+    LLMEngine.step, StepHandle.result = _log_slow_steps(LLMEngine.step, StepHandle.result, slow_ms,
+                                                                  None if profile_step is None else int(profile_step))
     import bench
     print(f"[host_stalls] bench starts at {_since_start():.2f} s", flush=True)
     return bench.main(argv)
