@@ -100,3 +100,72 @@ def test_a_decode_token_that_fills_a_block_caches_it():
     assert bm.allocate_slots(a, 1)        # no new block: the token fits in the second one
     assert len(a.block_table) == 2 and len(a.block_hashes) == 2
     assert len(bm.find_cached_prefix(seq([1, 2, 3, 4, 7], "b"))) == 2
+
+
+def test_free_block_queue_order():
+    """popleft takes the least recently freed block; appendleft puts a block next in line;
+    remove unlinks one from the middle; iteration and len follow the links."""
+    from mini_engine.engine.block_manager import Block, FreeBlockQueue
+    blocks = [Block(i) for i in range(5)]
+    queue = FreeBlockQueue(blocks[:3])
+    assert [b.block_id for b in queue] == [0, 1, 2] and len(queue) == 3
+    queue.remove(blocks[1])
+    assert blocks[1].prev_free is None and blocks[1].next_free is None
+    queue.append(blocks[3])
+    queue.appendleft(blocks[4])
+    assert [b.block_id for b in queue] == [4, 0, 2, 3] and len(queue) == 4
+    assert [queue.popleft().block_id for _ in range(4)] == [4, 0, 2, 3] and len(queue) == 0
+    try:
+        queue.popleft()
+        raise AssertionError("popleft on an empty queue returned")
+    except IndexError:
+        pass
+
+
+def test_freed_blocks_queue_uncached_first_then_tail_first():
+    """A freed sequence's blocks that hold no cached prefix go to the front of the queue (handed
+    out next); its cached blocks go to the back, tail before prefix, so a prefix outlives its
+    suffix."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = seq([1, 2, 3, 4, 5], "a")        # blocks: [1, 2] and [3, 4] cached, [5] not
+    admit(bm, a)
+    first, second, third = a.block_table
+    bm.free(a)
+    order = [b.block_id for b in bm.free_blocks]
+    assert order[0] == third and order[-2:] == [second, first]
+
+
+def test_free_queue_holds_exactly_the_unreferenced_blocks():
+    """Across admissions with prefix hits (which revive cached free blocks out of the queue's
+    middle), decode steps and frees in random order, the queue holds every block with no
+    reference and no other, each once, its links consistent."""
+    import random
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=40, block_size=2)
+    prefixes = [[rng.randrange(5) for _ in range(6)] for _ in range(3)]
+    live = []
+    for step in range(300):
+        if live and (rng.random() < 0.4 or bm.num_free_blocks < 8):
+            bm.free(live.pop(rng.randrange(len(live))))
+        elif rng.random() < 0.5 and live:
+            s = rng.choice(live)
+            s.token_ids.append(rng.randrange(5))
+            if bm.allocate_slots(s, 1):
+                s.num_computed_tokens += 1
+            else:
+                s.token_ids.pop()
+        else:
+            s = seq(rng.choice(prefixes) + [rng.randrange(5) for _ in range(rng.randrange(1, 5))], f"s{step}")
+            cached = bm.find_cached_prefix(s)
+            if bm.allocate_slots(s, s.num_tokens - len(cached) * bm.block_size, cached):
+                s.num_computed_tokens = s.num_tokens
+                live.append(s)
+        queued = [b.block_id for b in bm.free_blocks]
+        assert sorted(queued) == [b.block_id for b in bm.blocks if b.ref_count == 0]
+        assert len(queued) == bm.num_free_blocks
+        for b in bm.free_blocks:
+            assert b.prev_free.next_free is b and b.next_free.prev_free is b
+    assert bm.prefix_cache_hit_tokens > 0       # the prefixes were hit, so revivals happened
+    for s in live:
+        bm.free(s)
+    assert bm.num_free_blocks == bm.num_blocks
