@@ -1,11 +1,13 @@
 """Per-step profile of a run (bench.py --profile DIR): wall time against GPU time per step, by
 batch size, and one picture of the run over time.
 
-Wall time per step is the time between the ends of consecutive engine steps: what the run pays
-for each step. GPU time runs from a CUDA event recorded once the step's inputs are built to one
-after its last kernel: for graph replays that is the device's own time (an event queued behind
-the previous step completes when that step does), for eager steps it also holds the launch gaps
-the host leaves. Wall close to GPU means the host's work is hidden or small.
+Wall time per step is the time between the host receiving the step's results and receiving the
+previous step's: what the run pays for each step. (With async scheduling an engine step returns
+the results of the step launched one call earlier, so the call's duration belongs to that step,
+not to the one it launched.) GPU time runs from a CUDA event recorded once the step's inputs are
+built to one after its last kernel: for graph replays that is the device's own time (an event
+queued behind the previous step completes when that step does), for eager steps it also holds the
+launch gaps the host leaves. Wall close to GPU means the host's work is hidden or small.
 """
 import json
 import os
@@ -15,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass(slots=True)
 class StepRecord:
-    start_s: float          # since the run began
+    start_s: float          # where its wall time starts, since the run began
     wall_ms: float
     gpu_ms: float | None
     num_seqs: int           # rows in the batch
@@ -26,16 +28,19 @@ class StepRecord:
 
 
 class StepProfiler:
-    """Times every step of an LLMEngine: wall time between the ends of consecutive steps, and the
-    device time of each launch, between a CUDA event recorded once its inputs are built and one
-    recorded after its last kernel. The events are read after the run, so timing never makes a
-    step wait (with async scheduling a step returns while the device still runs it)."""
+    """Times every step of an LLMEngine: wall time between the arrivals of consecutive steps'
+    results on the host, and the device time of each launch, between a CUDA event recorded once
+    its inputs are built and one recorded after its last kernel. The events are read after the
+    run, so timing never makes a step wait (with async scheduling a step returns while the device
+    still runs it)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, clock=time.perf_counter):
         import torch
         self.engine, self.records, self.events = engine, [], []
-        self.t0 = self.last_end = None
+        self.t0 = self.interval_start = None
+        self.awaiting = None            # async scheduling: the record whose results the next call returns
         cuda = engine.runner.device.type == "cuda"
+        async_results = engine.config.async_scheduling
         runner, step, prepare, launch = engine.runner, engine.step, engine.runner.prepare_inputs, engine.runner.launch
         self.launched = None
 
@@ -55,19 +60,28 @@ class StepProfiler:
             return handle
 
         def timed_step():
-            now = time.perf_counter()
             if self.t0 is None:
-                self.t0 = self.last_end = now
+                self.t0 = self.interval_start = clock()
             self.launched, self.num_rows = None, 0
             out = step()
-            end = time.perf_counter()
+            end = clock()
+            launched = None
             if self.num_rows:
                 s = engine.scheduler
-                self.records.append(StepRecord(self.last_end - self.t0, (end - self.last_end) * 1e3, None,
-                                               self.num_rows, engine.last_step_prefill_tokens,
-                                               engine.last_step_decode_tokens, len(s.running), len(s.waiting)))
+                launched = StepRecord(0.0, 0.0, None, self.num_rows, engine.last_step_prefill_tokens,
+                                      engine.last_step_decode_tokens, len(s.running), len(s.waiting))
+                self.records.append(launched)
                 self.events.append(self.launched)
-            self.last_end = end
+            # The step whose results this call returned: the one launched a call earlier (async
+            # scheduling) or in this call. Its wall time runs from the previous results to these;
+            # the host's time before the first results goes to the first step.
+            done = self.awaiting if async_results else launched
+            if async_results:
+                self.awaiting = launched
+            if done is not None:
+                done.start_s = self.interval_start - self.t0
+                done.wall_ms = (end - self.interval_start) * 1e3
+                self.interval_start = end
             return out
 
         runner.prepare_inputs = timed_prepare
