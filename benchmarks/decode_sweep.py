@@ -49,8 +49,8 @@ def time_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=10) * 1e3
 
 
-# (tile, warps, stages, splits[, whole %]); splits 0: the engine's rule (decode_num_splits); stages 0: the
-# engine's table (decode_num_stages); whole %: that share of a graph's rows (the longest) left unsplit
+# (tile, warps, stages, splits); splits 0: the engine's rule (decode_num_splits); stages 0: the engine's
+# table (decode_num_stages)
 ATTENTION_CONFIGS = ((128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 4), (64, 4, 3, 2), (64, 4, 2, 2), (128, 8, 2, 2))
 
 
@@ -147,12 +147,9 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
         for spec, (block_size, num_blocks, k_cache, v_cache) in caches.items():
             tables = scattered_block_tables(seq_lens, block_size, num_blocks, gen)
             variants = {f"{spec} default": None}
-            for tile, warps, stages, splits, *whole in configs:
-                # whole: the percentage of the graph's rows (the longest contexts) left unsplit
-                name = f"{spec} tile {tile} w{warps} s{stages} splits {splits or 'rule'}"
-                variants[name + (f" from {whole[0]}%" if whole else "")] = dict(
-                    tile_n=tile, num_warps=warps, num_stages=stages or None, num_splits=splits or None,
-                    split_from=bs * whole[0] // 100 if whole else 0)
+            for tile, warps, stages, splits in configs:
+                variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits or 'rule'}"] = dict(
+                    tile_n=tile, num_warps=warps, num_stages=stages or None, num_splits=splits or None)
             for name, cfg in variants.items():
                 try:
                     if cfg is None:
@@ -366,9 +363,8 @@ def main(argv=None) -> int:
                          "[block, offset, head, dim]) or 'head' ([block, head, offset, dim])")
     ap.add_argument("--tile-configs", action=argparse.BooleanOptionalAction, default=True,
                     help="attention: time ATTENTION_CONFIGS beside the default")
-    ap.add_argument("--attention-configs", nargs="+", metavar="TILE,WARPS,STAGES,SPLITS[,WHOLE%]",
-                    help="attention: time these instead of ATTENTION_CONFIGS (stages 0: the engine's table; "
-                         "WHOLE%%: that share of the rows, the longest, left unsplit)")
+    ap.add_argument("--attention-configs", nargs="+", metavar="TILE,WARPS,STAGES,SPLITS",
+                    help="attention: time these instead of ATTENTION_CONFIGS (stages 0: the engine's table)")
     ap.add_argument("--max-batch", type=int, help="attention: only the steps of at most this many rows "
                     "(the run totals then cover those steps alone)")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")

@@ -154,10 +154,10 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_h
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["split_from"])
+@triton.jit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, table_width, split_from,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, table_width,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -197,8 +197,7 @@ def _paged_decode_kernel(
     pdl_enter(USE_PDL)
 
     num_tiles = tl.cdiv(seq_len, TILE_N)
-    # Sequences before split_from take their whole context in split 0 (their other splits are empty).
-    tiles_per_split = tl.cdiv(num_tiles, tl.where(seq < split_from, 1, NUM_SPLITS))
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -412,8 +411,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
-                           num_stages: int | None = None, row_blocks_limit: int | None = None,
-                           split_from: int = 0) -> torch.Tensor:
+                           num_stages: int | None = None, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
@@ -445,7 +443,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pdl = pdl_options(q.device)
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
-        scale * math.log2(math.e), table_width, split_from, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,

@@ -58,16 +58,6 @@ def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_li
     check(out, *batch)
 
 
-@pytest.mark.parametrize("split_from", [0, 3, 6])
-def test_decode_split_from_matches_reference(device, split_from):
-    """Sequences before split_from take their whole context in split 0 and leave their other
-    splits empty; the rest split it as usual: the reduce gives the same result either way."""
-    batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 16, device)
-    out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), num_splits=3,
-                                 tile_n=16, split_from=split_from)
-    check(out, *batch)
-
-
 @pytest.mark.parametrize("num_stages", sorted({DECODE_STAGES, *DECODE_STAGES_BY_BATCH.values()}))
 def test_decode_stage_counts_match_reference(device, num_stages):
     """Every stage count the engine launches (on the GPU each compiles its own pipeline)."""
