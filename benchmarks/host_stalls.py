@@ -7,8 +7,10 @@ the host; this tells which.
 
     PYTHONPATH=. python benchmarks/host_stalls.py [--slow-step-ms MS] [--profile-step N] [bench.py options]
 
---profile-step N runs the timed run's step N under cProfile and prints where its host time went.
+--profile-step N runs step N of each generate call (bench.py's two warm-ups, then the timed run)
+under cProfile and prints where its host time went. Steps are counted from 0 in each call.
 """
+import argparse
 import cProfile
 import gc
 import pstats
@@ -37,7 +39,7 @@ def _logged(compile_fn):
 
 
 _gc_start = {}
-# The timed run's engine steps so far (None outside a generate call), and the host's wait for
+# The current generate call's engine steps so far (None outside one), and the host's wait for
 # step results inside the current step.
 _steps = {"n": None, "wait": 0.0}
 
@@ -98,14 +100,10 @@ def _log_generate(generate):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    options = {"--slow-step-ms": 1.5, "--profile-step": None}
-    for name in options:
-        if name in argv:
-            i = argv.index(name)
-            options[name] = float(argv[i + 1])
-            del argv[i:i + 2]
-    slow_ms, profile_step = options["--slow-step-ms"], options["--profile-step"]
+    ap = argparse.ArgumentParser(add_help=False)        # the rest of the options are bench.py's
+    ap.add_argument("--slow-step-ms", type=float, default=1.5)
+    ap.add_argument("--profile-step", type=int)
+    opts, argv = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     # Before bench imports the engine: its kernels take the compile function when they are built.
     triton.compiler.compile = triton.compiler.compiler.compile = _logged(triton.compiler.compiler.compile)
     gc.callbacks.append(_log_gc)
@@ -113,8 +111,8 @@ def main(argv=None) -> int:
     from mini_engine.llm import LLM
     from mini_engine.runner.batch import StepHandle
     LLM.generate = _log_generate(LLM.generate)      # places each stall against the timed run
-    LLMEngine.step, StepHandle.result = _log_slow_steps(LLMEngine.step, StepHandle.result, slow_ms,
-                                                                  None if profile_step is None else int(profile_step))
+    LLMEngine.step, StepHandle.result = _log_slow_steps(LLMEngine.step, StepHandle.result, opts.slow_step_ms,
+                                                        opts.profile_step)
     import bench
     print(f"[host_stalls] bench starts at {_since_start():.2f} s", flush=True)
     return bench.main(argv)

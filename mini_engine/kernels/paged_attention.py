@@ -347,7 +347,8 @@ DECODE_STAGES = 3
 
 # Decode programs resident on one SM at a time, by pipeline stages: at the default tile (64 tokens)
 # a program takes 38 / 70 / 102 KB of shared memory at 2 / 3 / 4 stages, so 3 or 2 fit the H200's
-# 228 KB at 3 or 4 stages; at 2 stages the registers (~100 a thread at 4 warps) hold it to 4.
+# 228 KB at 3 or 4 stages; at 2 stages the registers (104-108 a thread at 4 warps, as compiled on
+# the H200) hold it to 4.
 # Counts outside the table (sweeps) are taken as the default's.
 DECODE_PROGRAMS_PER_SM = {2: 4, 3: 3, 4: 2}
 

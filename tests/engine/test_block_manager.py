@@ -1,3 +1,5 @@
+import pytest
+
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.sequence import Sequence
 from mini_engine.sampling_params import SamplingParams
@@ -115,11 +117,8 @@ def test_free_block_queue_order():
     queue.appendleft(blocks[4])
     assert [b.block_id for b in queue] == [4, 0, 2, 3] and len(queue) == 4
     assert [queue.popleft().block_id for _ in range(4)] == [4, 0, 2, 3] and len(queue) == 0
-    try:
+    with pytest.raises(IndexError):
         queue.popleft()
-        raise AssertionError("popleft on an empty queue returned")
-    except IndexError:
-        pass
 
 
 def test_freed_blocks_queue_uncached_first_then_tail_first():
