@@ -195,7 +195,7 @@ def main(argv=None) -> int:
             pa._paged_decode_kernel = original
         (grid, first), (_, second) = tracer.traces[-2:]
         stages = args.stages or pa.decode_num_stages(bs)
-        slots = pa.DECODE_PROGRAMS_PER_SM.get(stages, pa.DECODE_PROGRAMS_PER_SM[pa.DECODE_STAGES]) * num_sms
+        slots = pa.decode_programs_per_sm(stages) * num_sms
         nbytes = program_bytes(grid, seq_lens, 64, kv_bytes_per_token)
         origin = int(first[:, 0].min())
         print(f"\n== step {step}: {b} rows (graph {bs}), mean context {sum(ctx) / b:.0f}, grid {grid} "

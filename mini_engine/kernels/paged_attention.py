@@ -349,7 +349,6 @@ DECODE_STAGES = 3
 # a program takes 38 / 70 / 102 KB of shared memory at 2 / 3 / 4 stages, so 3 or 2 fit the H200's
 # 228 KB at 3 or 4 stages; at 2 stages the registers (104-108 a thread at 4 warps, as compiled on
 # the H200) hold it to 4.
-# Counts outside the table (sweeps) are taken as the default's.
 DECODE_PROGRAMS_PER_SM = {2: 4, 3: 3, 4: 2}
 
 
@@ -357,17 +356,22 @@ def decode_num_stages(num_seqs: int) -> int:
     return DECODE_STAGES_BY_BATCH.get(num_seqs, DECODE_STAGES)
 
 
+def decode_programs_per_sm(num_stages: int) -> int:
+    """DECODE_PROGRAMS_PER_SM; a stage count outside the table (sweeps) counts as the default's."""
+    return DECODE_PROGRAMS_PER_SM.get(num_stages, DECODE_PROGRAMS_PER_SM[DECODE_STAGES])
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int,
                       num_stages: int) -> int:
     """How many programs share one (sequence, KV head): enough to fill every program slot of the
-    GPU at once (slots: DECODE_PROGRAMS_PER_SM at num_stages, times the SMs), never more than the
+    GPU at once (slots: decode_programs_per_sm(num_stages) times the SMs), never more than the
     longest context has tiles; one where the batch alone fills it, which then needs no reduce
     kernel. (Half the slots, the rule before, left 33-48 sequences at one split and ~11 us a layer
     slower than with two: benchmarks/NOTES.md, entry 32.) Host ints only, so a captured graph keeps
     its grid."""
     programs = num_seqs * num_kv_heads
-    per_sm = DECODE_PROGRAMS_PER_SM.get(num_stages, DECODE_PROGRAMS_PER_SM[DECODE_STAGES])
-    return max(1, min(triton.cdiv(per_sm * num_sms, programs), triton.cdiv(max_seq_len, tile_n), 64))
+    slots = decode_programs_per_sm(num_stages) * num_sms
+    return max(1, min(triton.cdiv(slots, programs), triton.cdiv(max_seq_len, tile_n), 64))
 
 
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4
