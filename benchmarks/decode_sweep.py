@@ -237,7 +237,7 @@ def sweep_attention_fit(results: dict, rows=(16, 64, 128, 256), contexts=(256, 5
 
 def sweep_prefill(results: dict):
     """The first prefill step of the benchmark: whole prompts, in order, up to 16,384 tokens."""
-    from mini_engine.kernels.paged_attention import paged_prefill_attention
+    from mini_engine.kernels.paged_attention import paged_prefill_attention, prefill_block_q, prefill_work
     prompts, _ = make_workload()
     lens, total = [], 0
     for p in prompts:
@@ -267,9 +267,11 @@ def sweep_prefill(results: dict):
                                            (128, 32, 8, 3), (64, 32, 4, 4), (32, 32, 4, 3), (64, 16, 4, 3),
                                            (64, 32, 2, 3), (64, 32, 8, 3)):
         label = f"block_m {block_m} tile {tile_n} w{warps} s{stages}"
+        # built once, as the engine stages it with the step's inputs
+        work = torch.from_numpy(prefill_work(lens, lens, prefill_block_q(NUM_HEADS // NUM_KV_HEADS, block_m))).cuda()
         try:
             us = time_us(lambda: paged_prefill_attention(q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5, out,
-                                                         block_m, tile_n, warps, stages))
+                                                         work, block_m, tile_n, warps, stages))
         except Exception as e:
             print(f"  {label}: failed ({type(e).__name__}: {str(e)[:60]})")
             continue

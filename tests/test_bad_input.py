@@ -138,3 +138,51 @@ def test_malformed_checkpoints(tiny_checkpoint, tmp_path):
 def test_bad_engine_config(tiny_checkpoint, kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(tiny_checkpoint, device="cpu", **kwargs)
+
+
+def recorded_steps(engine) -> list:
+    """Wraps engine.scheduler.schedule: the list it returns fills with each step's
+    (request id, tokens) pairs."""
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        steps.append([(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+        return batch
+    engine.scheduler.schedule = recording
+    return steps
+
+
+def test_a_bad_prompt_found_after_the_first_launch_costs_the_others_nothing(tiny_checkpoint):
+    # generate adds only the first step's requests before launching it (here 2 prompts fill the
+    # 16-token budget) and validates the rest while it runs: prompt 3 fails after the launch.
+    llm = LLM(tiny_checkpoint, device="cpu", max_model_len=32, max_num_batched_tokens=16, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [list(range(5, 15)), list(range(20, 30)), [8, 9], list(range(3, 40)), [7]]
+    steps = recorded_steps(llm.engine)
+    with pytest.raises(ValueError, match="prompt 3: .*max_model_len"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert steps == [[("0", 10), ("1", 6)]]           # the first step ran, on the first two prompts
+    assert not llm.engine.has_unfinished_requests() and llm.engine.num_free_blocks == 64
+    good = prompts[:3] + prompts[4:]
+    out = llm.generate(good, params, use_tqdm=False)
+    fresh = LLM(tiny_checkpoint, device="cpu", max_model_len=32, max_num_batched_tokens=16, num_kv_blocks=64)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in fresh.generate(good, params, use_tqdm=False)]
+    assert llm.engine.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("budget", [16, 25, 1000])
+def test_generate_schedules_as_if_every_request_were_added_first(tiny_checkpoint, budget):
+    kwargs = dict(device="cpu", max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4, num_kv_blocks=64)
+    prompts = [list(range(3 + i, 10 + 2 * i)) for i in range(9)]
+    params = [SamplingParams(temperature=0, max_tokens=1 + i % 3, ignore_eos=True) for i in range(9)]
+    llm = LLM(tiny_checkpoint, **kwargs)
+    steps = recorded_steps(llm.engine)
+    llm.generate(prompts, params, use_tqdm=False)
+    engine = LLM(tiny_checkpoint, **kwargs).engine
+    expected = recorded_steps(engine)
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert steps == expected and len(steps) > 3

@@ -119,6 +119,11 @@ class LLMEngine:
             outputs += self.resolve(launched)
         return outputs
 
+    def wait_in_flight(self) -> list[StepOutput]:
+        """Waits for the step in flight, if one is, and returns its outputs."""
+        step, self.in_flight = self.in_flight, None
+        return self.resolve(step) if step else []
+
     def launch(self, batch: SchedulerOutput) -> InFlightStep:
         rows, order = self.build_rows(batch)
         handle = self.runner.launch(rows)

@@ -73,6 +73,8 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 import functools  # noqa: E402
 import math  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
@@ -263,52 +265,45 @@ def _paged_decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(heads[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM))
 
 
-# num_seqs changes every step: left unspecialised, it costs no recompilation when it does.
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit
 def _paged_prefill_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-        qk_scale, num_seqs, stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, work_ptr, out_ptr, qk_scale,
+        stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-        QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SEQS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         DOT_IN_FP32: tl.constexpr):
     """The whole variable-length batch in one launch (prefill chunks, prefix hits, and decode rows as
-    queries of length 1). Program (q_block, kv_head): BLOCK_Q consecutive query tokens of one
-    sequence times the QUERIES_PER_KV heads of kv_head, against that sequence's context up to the
-    block's last query position, with the causal mask. Sequence b owns the program ids from
-    query_start_loc[b] // BLOCK_Q + b on, enough for its query blocks; the grid is the upper
-    bound T // BLOCK_Q + num_seqs, and each program finds its sequence by counting how many
-    sequences start at or before it (no host sync). Spare programs exit at once."""
+    queries of length 1). Program (item, kv_head), the KV head fastest: work item `item` of
+    prefill_work (up to BLOCK_Q consecutive query tokens of one sequence) times the
+    QUERIES_PER_KV heads of kv_head, against that sequence's context up to the block's last query
+    position, with the causal mask. The item gives the program its sequence and queries in one
+    load: searching query_start_loc for them, as this kernel did before, put one more round trip
+    to memory ahead of every program's first tile (on the H200, 211.5 against 193.6 us a layer on
+    the benchmark's first prefill step; benchmarks/NOTES.md, entry 37)."""
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = -1
-    for chunk in range(0, num_seqs, BLOCK_SEQS):        # one pass unless the batch is very wide
-        seqs = chunk + tl.arange(0, BLOCK_SEQS)
-        first_block = tl.load(query_start_loc_ptr + seqs, mask=seqs < num_seqs, other=0) // BLOCK_Q + seqs
-        seq += tl.sum(((first_block <= pid) & (seqs < num_seqs)).to(tl.int32), axis=0)
-    q_block = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_block * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len           # tokens cached before this step's queries
+    kv_head = pid % NUM_KV_HEADS
+    item = work_ptr + (pid // NUM_KV_HEADS) * 4
+    seq = tl.load(item)
+    first_token = tl.load(item + 1)
+    num_queries = tl.load(item + 2)
+    first_pos = tl.load(item + 3)
 
     rows = tl.arange(0, BLOCK_M)
-    q_index = q_block * BLOCK_Q + rows // QUERIES_PER_KV      # index within the sequence's queries
-    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_index < q_len)
+    q_index = rows // QUERIES_PER_KV                          # index within the item's queries
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_index < num_queries)
     head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
-    token = (q_start + q_index).to(tl.int64)
-    query_pos = context_len + q_index
+    token = (first_token + q_index).to(tl.int64)
+    query_pos = first_pos + q_index
     q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
                                          HEAD_DIM, BLOCK_D, DOT_IN_FP32)
     m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     # Keys up to the last query position of this block (masked rows hold smaller positions).
-    kv_len = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    kv_len = first_pos + num_queries
     # The tiles that end at or before the block's first query position are seen whole by every
     # row: they skip the masks, and only the tiles along the diagonal pay for them.
-    full_tiles = (context_len + q_block * BLOCK_Q + 1) // TILE_N
+    full_tiles = (first_pos + 1) // TILE_N
     for tile in range(0, full_tiles):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
@@ -465,16 +460,42 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+# Query rows a prefill program holds: tokens times the query heads that share a KV head.
+PREFILL_BLOCK_M = 64
+
+
+def prefill_block_q(queries_per_kv: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Query tokens a prefill program (one work item) holds."""
+    return max(block_m, triton.next_power_of_2(queries_per_kv)) // queries_per_kv
+
+
+def prefill_work(query_lens, seq_lens, block_q: int) -> np.ndarray:
+    """The varlen kernel's work list, built on the host from the step's lengths: one item for every
+    block_q consecutive query tokens of a sequence, sequence by sequence, as [items, 4] int32 rows
+    (sequence, its first query token's row in q, query tokens in the item, the first one's
+    position). A sequence with no query tokens gets no item."""
+    query_lens, seq_lens = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+    blocks = -(-query_lens // block_q)
+    seq = np.repeat(np.arange(len(query_lens)), blocks)
+    block = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    first_token = (np.cumsum(query_lens) - query_lens)[seq] + block * block_q
+    num_queries = np.minimum(query_lens[seq] - block * block_q, block_q)
+    first_pos = (seq_lens - query_lens)[seq] + block * block_q
+    return np.stack([seq, first_token, num_queries, first_pos], axis=1).astype(np.int32)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float, out: torch.Tensor | None = None, block_m: int = 64, tile_n: int = 32,
-                            num_warps: int = 4, num_stages: int = 3, block_seqs: int = 256) -> torch.Tensor:
-    """One launch for a mixed variable-length batch (any query lengths). block_seqs is how many
-    query_start_loc entries a program scans at a time to find its sequence: a constant, so that
-    batches of any width share one compiled kernel. The tile (64 rows, 32 keys, 4 warps, 3 stages)
-    is the fastest of fourteen on the benchmark's first prefill step (benchmarks/decode_sweep.py
-    --sections prefill on the H200: 211 us a layer; 4 stages tie, 64 keys take 239 us, 128 rows
-    with 8 warps 261 us)."""
+                            scale: float, out: torch.Tensor | None = None, work: torch.Tensor | None = None,
+                            block_m: int = PREFILL_BLOCK_M, tile_n: int = 32, num_warps: int = 4,
+                            num_stages: int = 3) -> torch.Tensor:
+    """One launch for a mixed variable-length batch (any query lengths). work: prefill_work for
+    this batch with prefill_block_q(queries per KV head, block_m), on q's device (the engine stages
+    it with the step's inputs); without it, built here from seq_lens and query_start_loc, which
+    waits for the device. The tile (64 rows, 32 keys, 4 warps, 3 stages) is the fastest of
+    fourteen on the benchmark's first prefill step (benchmarks/decode_sweep.py --sections prefill
+    on the H200: 211 us a layer; 4 stages tie, 64 keys take 239 us, 128 rows with 8 warps 261 us;
+    entry 37 measured the same order with the work list)."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -482,27 +503,33 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     queries_per_kv = num_heads // num_kv_heads
     block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * math.log2(math.e), num_seqs,
+    block_q = prefill_block_q(queries_per_kv, block_m)
+    if work is None:
+        starts = query_start_loc.tolist()
+        query_lens = [end - start for start, end in zip(starts, starts[1:])]
+        work = torch.from_numpy(prefill_work(query_lens, seq_lens.tolist(), block_q)).to(q.device)
+    if work.shape[0] == 0:
+        return out
+    _paged_prefill_kernel[(work.shape[0] * num_kv_heads,)](
+        q, k_cache, v_cache, block_tables, work, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *_cache_strides(k_cache, v_cache),
-        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_SEQS=block_seqs,
+        NUM_KV_HEADS=num_kv_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    max_seq_len: int, out: torch.Tensor | None = None,
+                    prefill_work: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
-    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch. Every host
-    choice depends on shapes and the two host ints only, so the decode path can be graph-captured
-    (pass max_seq_len = max_model_len there)."""
+    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch (over
+    prefill_work, where given). Every host choice of the decode path depends on shapes and the two
+    host ints only, so it can be graph-captured (pass max_seq_len = max_model_len there)."""
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                       max_seq_len, out)
-    return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                   prefill_work)

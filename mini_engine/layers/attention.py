@@ -18,6 +18,7 @@ class AttentionMetadata:
     num_decodes: int
     max_query_len: int
     max_seq_len: int                # an upper bound on seq_lens (CUDA graphs pass max_model_len)
+    prefill_work: torch.Tensor | None = None    # [I, 4] int32: the varlen kernel's work list (prefill_work)
 
 
 class Attention(nn.Module):
@@ -35,7 +36,8 @@ class Attention(nn.Module):
         if self.use_triton:
             from mini_engine.kernels.paged_attention import paged_attention
             return paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len)
+                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
+                                   prefill_work=meta.prefill_work)
         return self.forward_eager(q, meta)
 
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -33,16 +33,18 @@ class StepTensors:
     query_start_loc: torch.Tensor  # [R + 1] int32
     block_tables: torch.Tensor     # [R, W] int32
     temperatures: torch.Tensor     # [N] float32, 0 = greedy
+    prefill_work: torch.Tensor     # [I, 4] int32: the varlen attention kernel's work items (eager steps with prefill)
     logits_indices: torch.Tensor   # [S] int64: the token whose logits each sampling row uses
 
 
 # StepTensors' fields in the order they lie in the buffer, with their dtypes. logits_indices is
 # last: its length is the step's own count of sampling rows, which a CUDA graph's layout (N = its
 # batch size, padding rows greedy) does not fix, so no other array's offset may depend on it.
+# (prefill_work is empty in every decode step, so a graph's layout never moves with it either.)
 STEP_FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
                ("prev_index", torch.int64), ("seeds", torch.int64), ("seq_lens", torch.int32),
                ("query_start_loc", torch.int32), ("block_tables", torch.int32), ("temperatures", torch.float32),
-               ("logits_indices", torch.int64))
+               ("prefill_work", torch.int32), ("logits_indices", torch.int64))
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
@@ -62,17 +64,17 @@ class StepInputBuffers:
     # new variants during the run (benchmarks/NOTES.md, entry 24).
     ALIGN_BYTES = 128
 
-    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device):
-        sizes = self.sizes(max_tokens, max_rows, max_blocks, max_rows, max_rows)
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_work_items: int, device: torch.device):
+        sizes = self.sizes(max_tokens, max_rows, max_blocks, max_rows, max_rows, max_work_items)
         self.data = torch.zeros(self.offsets(sizes)[-1], dtype=torch.uint8, device=device)
 
     @staticmethod
     def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
-              num_samples: int) -> list[int]:
+              num_samples: int, num_work_items: int = 0) -> list[int]:
         """Each field's length, in STEP_FIELDS' order. num_sample_slots: the seeds' and temperatures'
         length (a graph's batch size, or the step's sampling rows); num_samples: logits_indices'."""
         t, r, n = num_tokens, num_rows, num_sample_slots
-        return [t, t, t, t, n, r, r + 1, r * table_width, n, num_samples]
+        return [t, t, t, t, n, r, r + 1, r * table_width, n, 4 * num_work_items, num_samples]
 
     @classmethod
     def offsets(cls, sizes: list[int]) -> list[int]:
@@ -93,13 +95,14 @@ class StepInputBuffers:
         tensors = [self.data[o:o + n * dtype.itemsize].view(dtype)
                    for o, n, (_, dtype) in zip(offsets, sizes, STEP_FIELDS)]
         tensors[7] = tensors[7].view(num_rows, table_width)
+        tensors[9] = tensors[9].view(-1, 4)
         return StepTensors(*tensors)
 
     def stage(self, parts: list, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
-              num_samples: int) -> StepTensors:
+              num_samples: int, num_work_items: int = 0) -> StepTensors:
         """Packs the parts (in STEP_FIELDS' order, block tables as one [rows, width] array) at
         their offsets and copies the pack to the device."""
-        sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
+        sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples, num_work_items)
         offsets = self.offsets(sizes)
         # The caching host allocator hands out pinned memory, and does not reuse it before the
         # copy from it has run: packs of steps in flight never overwrite each other.

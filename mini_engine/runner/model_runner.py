@@ -10,6 +10,7 @@ import torch
 from mini_engine.config import EngineConfig
 from mini_engine.kernels import resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
+from mini_engine.kernels.paged_attention import prefill_block_q, prefill_work
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
@@ -30,6 +31,14 @@ def padded_token_count(num_tokens: int, max_num_seqs: int) -> int:
     if num_tokens <= max_num_seqs:
         return num_tokens
     return -(-num_tokens // EAGER_TOKEN_MULTIPLE) * EAGER_TOKEN_MULTIPLE
+
+
+def token_column(values: list[int], chunks: list[np.ndarray], pad: int, fill: int) -> list[int] | np.ndarray:
+    """One token-level input of a step: the single-token rows' values, then the prefill chunks'
+    arrays, then pad tokens of fill."""
+    if not chunks:
+        return values + [fill] * pad
+    return np.concatenate([np.asarray(values, dtype=np.int64), *chunks, np.full(pad, fill, dtype=np.int64)])
 
 
 def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[list[int], list[int]]:
@@ -90,8 +99,13 @@ class ModelRunner:
         # outside every sequence alone (the PyTorch reference gives each token a row).
         self.pad_eager_tokens = "attention" in self.kernels
         max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
+        # The varlen attention kernel's programs take their queries from a work list built here
+        # (prefill_work); the PyTorch reference needs none.
+        self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
+        self.uses_prefill_work = "attention" in self.kernels
+        max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
         self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
-                                       self.device)
+                                       max_work_items, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
@@ -257,25 +271,29 @@ class ModelRunner:
         appends; block tables are one padded array a row. graph_size: lay the step out as the CUDA
         graph of that batch size was captured (rows padded with greedy ones that write nowhere,
         tables max_model_len wide)."""
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
-        prev_index, temperatures, seeds = [], [], []
+        # Token-level inputs: single-token rows (they come first) append to the lists, each prefill
+        # chunk adds numpy arrays (a 16k-token step spends ~3 ms less than with Python ints a token).
+        input_ids, positions, slot_mapping, prev_index = [], [], [], []
+        chunk_ids, chunk_positions, chunk_slots, chunk_prev = [], [], [], []
+        query_start_loc, seq_lens, logits_indices, temperatures, seeds = [0], [], [], [], []
         bs = self.block_size
         num_tokens = 0
         for row in rows:
             n, start, table = len(row.token_ids), row.start_position, row.block_table
-            if n == 1:
+            if n == 1 and not chunk_ids:
                 input_ids.append(row.token_ids[0])
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
                 prev_index.append(row.prev_token_index)
             else:
-                # A prefill chunk: its slots in one numpy expression, not a Python loop per token.
                 chunk = np.arange(start, start + n)
                 table_array = row.block_table_array if row.block_table_array is not None else np.asarray(table)
-                input_ids.extend(row.token_ids)
-                positions.extend(range(start, start + n))
-                slot_mapping.extend((table_array[chunk // bs].astype(np.int64) * bs + chunk % bs).tolist())
-                prev_index.extend([-1] * (n - 1) + [row.prev_token_index])
+                chunk_ids.append(row.token_ids)
+                chunk_positions.append(chunk)
+                chunk_slots.append(table_array[chunk // bs].astype(np.int64) * bs + chunk % bs)
+                prev = np.full(n, -1, dtype=np.int64)
+                prev[-1] = row.prev_token_index
+                chunk_prev.append(prev)
             num_tokens += n
             query_start_loc.append(num_tokens)
             seq_lens.append(start + n)
@@ -304,20 +322,23 @@ class ModelRunner:
             seeds += [0] * pad_samples
             num_decodes = graph_size
         # Padding tokens write no KV (slot -1).
-        input_ids += [0] * pad
-        positions += [0] * pad
-        slot_mapping += [-1] * pad
-        prev_index += [-1] * pad
+        columns = [token_column(values, chunks, pad, fill)
+                   for values, chunks, fill in ((input_ids, [np.asarray(ids) for ids in chunk_ids], 0),
+                                                (positions, chunk_positions, 0), (slot_mapping, chunk_slots, -1),
+                                                (prev_index, chunk_prev, -1))]
         num_tokens += pad
         block_tables = np.zeros((num_rows, width), dtype=np.int32)       # padding rows read block 0
         for i, row in enumerate(rows):
             block_tables[i] = self.padded_block_table(row, width)
-        t = self.inputs.stage([input_ids, positions, slot_mapping, prev_index, seeds, seq_lens, query_start_loc,
-                               block_tables, temperatures, logits_indices],
-                              num_tokens, num_rows, width, len(temperatures), len(logits_indices))
+        work = np.zeros((0, 4), dtype=np.int32)
+        if max_query_len > 1 and self.uses_prefill_work:
+            work = prefill_work(np.diff(query_start_loc), seq_lens, self.prefill_block_q)
+        t = self.inputs.stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
+                               logits_indices], num_tokens, num_rows, width, len(temperatures), len(logits_indices),
+                              len(work))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
-                                 max_seq_len=max_seq_len)
+                                 max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None)
         return t, meta
 
     @staticmethod

@@ -1,10 +1,11 @@
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 from mini_engine.kernels.paged_attention import (  # noqa: E402
     DECODE_STAGES, DECODE_STAGES_BY_BATCH, decode_num_stages, paged_attention, paged_attention_ref,
-    paged_decode_attention, paged_prefill_attention)
+    paged_decode_attention, paged_prefill_attention, prefill_block_q, prefill_work)
 
 HEAD_DIM = 32
 TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
@@ -118,11 +119,23 @@ def test_prefill_small_query_blocks(device, block_m, tile_n):
     check(out, *batch)
 
 
-def test_batch_wider_than_one_sequence_scan(device):
-    """Programs find their sequence by scanning query_start_loc block_seqs entries at a time:
-    a batch wider than that takes several passes."""
-    batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, 4, 2, 4, device, seed=3)
-    check(paged_prefill_attention(*batch, HEAD_DIM ** -0.5, block_seqs=2), *batch)
+def test_prefill_work_items():
+    """One item for every block of block_q query tokens, sequence by sequence; none for a sequence
+    with no query tokens; each item's first query position counts the cached context before it."""
+    work = prefill_work([1, 0, 5, 2], [7, 3, 12, 2], block_q=2)
+    assert work.dtype == np.int32
+    assert work.tolist() == [[0, 0, 1, 6],
+                             [2, 1, 2, 7], [2, 3, 2, 9], [2, 5, 1, 11],
+                             [3, 6, 2, 0]]
+    assert prefill_work([], [], block_q=4).shape == (0, 4)
+
+
+def test_prefill_over_a_staged_work_list(device):
+    """The engine passes the work list it staged; a batch of any width takes one pass."""
+    query_lens, seq_lens = [1, 3] * 40, [5, 9] * 40
+    batch = make_batch(query_lens, seq_lens, 4, 2, 4, device, seed=3)
+    work = torch.from_numpy(prefill_work(query_lens, seq_lens, prefill_block_q(2))).to(device)
+    check(paged_attention(*batch, HEAD_DIM ** -0.5, max_query_len=3, max_seq_len=9, prefill_work=work), *batch)
 
 
 @pytest.mark.parametrize("max_query_len", [1, 9])
