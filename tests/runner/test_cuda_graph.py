@@ -102,13 +102,20 @@ def test_tokens_from_the_previous_launch_fill_the_staged_ids(tiny_checkpoint):
 def test_staged_arrays_start_aligned(tiny_checkpoint):
     """Every staged array starts 128 bytes from another into its buffer (whose base the CUDA
     allocator aligns to 512): Triton specialises its kernels on pointer alignment, so views whose
-    alignment moved with the step's sizes compiled new kernel variants mid-run. Odd sizes too."""
+    alignment moved with the step's sizes compiled new kernel variants mid-run. Odd sizes too.
+    (An empty array has no address to check: a decode step stages no prefill work, and on CUDA
+    an empty view's data_ptr is 0.)"""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
-                                      max_num_seqs=24, block_size=4))
+                                      max_num_seqs=24, block_size=4, kernels="attention"))
     params = SamplingParams(temperature=0, max_tokens=4)
-    for n, graph_size in ((13, None), (13, 16), (1, 1), (7, None)):
+    for n, graph_size, chunk in ((13, None, 0), (13, 16, 0), (1, 1, 0), (7, None, 0), (3, None, 9), (0, None, 5)):
         rows = _decode_rows(n, 4, params)
-        rows[0].prev_token_index = 0
+        if rows:
+            rows[0].prev_token_index = 0
+        if chunk:
+            rows.append(BatchRow(list(range(3, 3 + chunk)), 2, list(range(60, 64)), True, params))
         t, _ = runner.prepare_inputs(rows, graph_size)
+        assert t.prefill_work.numel() == (4 * len(rows) if chunk else 0)
         for f in dataclasses.fields(t):
-            assert (getattr(t, f.name).data_ptr() - runner.inputs.data.data_ptr()) % 128 == 0, f.name
+            if getattr(t, f.name).numel():
+                assert (getattr(t, f.name).data_ptr() - runner.inputs.data.data_ptr()) % 128 == 0, f.name
