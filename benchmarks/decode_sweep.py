@@ -9,8 +9,9 @@ overhead is out of the picture:
   * every projection of a layer (qkv, o, gate_up, down) at every captured batch size, cuBLAS
     against the skinny Triton kernel's configurations;
   * decode attention on uniform batches, fitted as a fixed cost per launch plus bytes / rate (fit);
-  * prefill attention on the first prefill step, for a few tile shapes;
-  * the sampler at a few batch sizes.
+  * prefill attention on the first prefill step, for a few tile shapes and work orders;
+  * the sampler at a few batch sizes;
+  * SwiGLU (swiglu, not run by default) a program a column block against a program a token.
 Each table ends with the run total it implies (28 layers x the steps at that batch size), so a
 choice is judged by what it would save over the whole benchmark. Needs CUDA.
 
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import torch
 
 from bench import make_workload
@@ -277,7 +279,38 @@ def sweep_prefill(results: dict):
             continue
         print(f"  {label:<28} {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  x28 layers: {us * 28 / 1e3:6.2f} ms")
         rows.append(dict(config=label, us=us))
+    # The engine's tile over the same items in other orders: the kernel starts programs in work
+    # order (the KV head fastest), so the order is the only thing that differs.
+    work = prefill_work(lens, lens, prefill_block_q(NUM_HEADS // NUM_KV_HEADS))
+    kv_len = work[:, 3] + work[:, 2]
+    blocks_back = np.lexsort((-work[:, 1], work[:, 0]))       # each sequence's last query block first
+    for order, items in (("sequence by sequence (the engine's)", work),
+                         ("longest context first", work[np.argsort(-kv_len, kind="stable")]),
+                         ("each sequence's blocks last first", work[blocks_back])):
+        items = torch.from_numpy(np.ascontiguousarray(items)).cuda()
+        us = time_us(lambda: paged_prefill_attention(q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5, out,
+                                                     items))
+        print(f"  work order: {order:<38} {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s")
+        rows.append(dict(config=f"order: {order}", us=us))
     results["prefill"] = rows
+
+
+def sweep_swiglu(results: dict):
+    """SwiGLU with the folded norm, a program a column block against a program a token (the norm
+    row read once), at prefill and decode token counts."""
+    from mini_engine.kernels.activation import WHOLE_ROW_MIN_TOKENS, silu_and_mul
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"\n== SwiGLU, intermediate {INTERMEDIATE}, folded norm (engine: a token a program from "
+          f"{WHOLE_ROW_MIN_TOKENS} tokens) ==")
+    rows = []
+    for tokens in (16384, 8192, 2048, 1024, 512, 256, 64, 8, 1):
+        gate_up = torch.randn(tokens, 2 * INTERMEDIATE, generator=gen, device="cuda").to(DTYPE)
+        norm_input = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(DTYPE)
+        per_block = time_us(lambda: silu_and_mul(gate_up, norm_input, 1e-6, whole_row_min_tokens=tokens + 1))
+        per_token = time_us(lambda: silu_and_mul(gate_up, norm_input, 1e-6, whole_row_min_tokens=tokens))
+        print(f"  {tokens:6d} tokens: a program a column block {per_block:7.2f} us, a program a token {per_token:7.2f} us")
+        rows.append(dict(tokens=tokens, per_block_us=per_block, per_token_us=per_token))
+    results["swiglu"] = rows
 
 
 def skinny_configs(num_rows: int):
@@ -399,6 +432,8 @@ def main(argv=None) -> int:
         sweep_prefill(results)
     if "sampler" in args.sections:
         sweep_sampler(results)
+    if "swiglu" in args.sections:
+        sweep_swiglu(results)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_sweep.json"), "w") as f:
