@@ -303,7 +303,7 @@ def sweep_swiglu(results: dict):
     print(f"\n== SwiGLU, intermediate {INTERMEDIATE}, folded norm (engine: a token a program from "
           f"{WHOLE_ROW_MIN_TOKENS} tokens) ==")
     rows = []
-    for tokens in (16384, 8192, 2048, 1024, 512, 256, 64, 8, 1):
+    for tokens in (16384, 8192, 2048, 1024, 512, 256, 224, 192, 160, 128, 96, 64, 8, 1):
         gate_up = torch.randn(tokens, 2 * INTERMEDIATE, generator=gen, device="cuda").to(DTYPE)
         norm_input = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(DTYPE)
         per_block = time_us(lambda: silu_and_mul(gate_up, norm_input, 1e-6, whole_row_min_tokens=tokens + 1))

@@ -48,11 +48,12 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, norm_input_ptr, intermediate_size
                  mask=mask)
 
 
-# From this many tokens (a prefill step) a program walks its token's whole row, so the norm row is
-# read once a token, not once a column block: on the H200 at 16,384 tokens 78.6 against 94.1 us
-# (Qwen3-0.6B's 3,072 columns, three blocks). A decode step's few tokens need the parallelism of a
-# program a block instead (64 tokens: 1.95 against 2.60 us). benchmarks/NOTES.md, entry 37.
-WHOLE_ROW_MIN_TOKENS = 1024
+# From this many tokens a program walks its token's whole row, so the norm row is read once a
+# token, not once a column block: on the H200 (Qwen3-0.6B's 3,072 columns, three blocks) 78.4
+# against 94.0 us at 16,384 tokens, 2.48 against 2.75 at 256 and 2.43 against 2.58 at 224; at 192
+# they tie, and fewer tokens need the parallelism of a program a block (64 tokens: 2.05 against
+# 1.45 us). benchmarks/decode_sweep.py --sections swiglu; benchmarks/NOTES.md, entry 37.
+WHOLE_ROW_MIN_TOKENS = 224
 
 
 def silu_and_mul(gate_up: torch.Tensor, norm_input: torch.Tensor | None = None, eps: float = 0.0,
