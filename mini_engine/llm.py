@@ -44,9 +44,11 @@ class LLM:
         try:
             # Only the requests that the first step can schedule are validated and added before it
             # launches; the rest while the device runs it, so that their host work (~11 ms for
-            # the benchmark's 256 prompts) does not hold back the first kernel. A bad request, in
-            # either part, aborts those already added and fails the call: it still costs the
-            # others nothing, and leaves the engine as it found it.
+            # the benchmark's 256 prompts) does not hold back the first kernel. The first step is
+            # the one it would have been with every request waiting, unless prefix-cache hits
+            # (tokens that cost no budget) would have let it admit more. A bad request, in either
+            # part, aborts those already added and fails the call: it still costs the others
+            # nothing, and leaves the engine as it found it.
             self.add_requests(requests, seqs, stoppers, engine.config.max_num_batched_tokens)
             first_step = True
             while engine.has_unfinished_requests():
