@@ -95,14 +95,12 @@ class ModelRunner:
         self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.take_prev_tokens = take_prev_tokens if "prev_tokens" in self.kernels else take_prev_tokens_ref
         self.max_blocks = -(-config.max_model_len // self.block_size)
-        # Padding an eager step's tokens needs the varlen attention kernel, which leaves tokens
-        # outside every sequence alone (the PyTorch reference gives each token a row).
-        self.pad_eager_tokens = "attention" in self.kernels
+        # The Triton varlen attention kernel: it leaves tokens outside every sequence alone, so an
+        # eager step's tokens may be padded (the PyTorch reference gives each token a row), and its
+        # programs take their queries from a work list built here (prefill_work).
+        self.triton_attention = "attention" in self.kernels
         max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
-        # The varlen attention kernel's programs take their queries from a work list built here
-        # (prefill_work); the PyTorch reference needs none.
         self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
-        self.uses_prefill_work = "attention" in self.kernels
         max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
         self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
                                        max_work_items, self.device)
@@ -302,15 +300,13 @@ class ModelRunner:
                 temperatures.append(row.params.temperature)
                 # Seeded rows draw from their own stream; the rest get a fresh seed every step.
                 seeds.append(row.seed if row.seed is not None else self.rng.getrandbits(31))
-        num_decodes = 0
-        while num_decodes < len(rows) and len(rows[num_decodes].token_ids) == 1:
-            num_decodes += 1
+        num_decodes = len(input_ids)        # the leading single-token rows
         if graph_size is None:
             width, max_seq_len = max(len(r.block_table) for r in rows), max(seq_lens)
             max_query_len, num_rows = max(len(r.token_ids) for r in rows), len(rows)
             # Tokens past query_start_loc[-1]: no sequence's, so attention skips them. Only the
             # products and elementwise kernels see them.
-            pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.pad_eager_tokens else 0
+            pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.triton_attention else 0
         else:
             width, max_seq_len, max_query_len, num_rows = self.max_blocks, self.config.max_model_len, 1, graph_size
             # Rows of one token each (num_tokens == len(rows) here), greedy, with a context of one.
@@ -331,7 +327,7 @@ class ModelRunner:
         for i, row in enumerate(rows):
             block_tables[i] = self.padded_block_table(row, width)
         work = np.zeros((0, 4), dtype=np.int32)
-        if max_query_len > 1 and self.uses_prefill_work:
+        if max_query_len > 1 and self.triton_attention:
             work = prefill_work(np.diff(query_start_loc), seq_lens, self.prefill_block_q)
         t = self.inputs.stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
                                logits_indices], num_tokens, num_rows, width, len(temperatures), len(logits_indices),
