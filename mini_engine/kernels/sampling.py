@@ -218,6 +218,11 @@ SAMPLE_CHUNK_SIZE = 4096
 _MAX_CHUNKS = 4096
 
 
+def _tile_columns(chunk_size: int) -> int:
+    """Both kernels' tile: _BLOCK_V columns, or a smaller chunk's whole width."""
+    return min(_BLOCK_V, triton.next_power_of_2(chunk_size))
+
+
 def _chunk_stats(logits: torch.Tensor, temperatures: torch.Tensor,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each chunk's max logit, and a sampling row's sum of exp2((l - max) * log2(e) / T) or a greedy
@@ -230,7 +235,7 @@ def _chunk_stats(logits: torch.Tensor, temperatures: torch.Tensor,
     chunk_col = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_stats_kernel[(num_rows, num_chunks)](
         logits, temperatures, chunk_max, chunk_sum, chunk_col, vocab_size, logits.stride(0), chunk_size,
-        num_chunks, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=_NUM_WARPS)
+        num_chunks, BLOCK_V=_tile_columns(chunk_size), num_warps=_NUM_WARPS)
     return chunk_max, chunk_sum, chunk_col
 
 
@@ -244,7 +249,7 @@ def _select(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tenso
     _select_kernel[(num_rows,)](
         logits, temperatures, seeds, chunk_max, chunk_sum, chunk_col, tokens, vocab_size, logits.stride(0),
         chunk_size, num_chunks, BLOCK_CHUNKS=max(triton.next_power_of_2(num_chunks), 16),
-        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(chunk_size)), num_warps=_NUM_WARPS)
+        BLOCK_V=_tile_columns(chunk_size), num_warps=_NUM_WARPS)
     return tokens
 
 
