@@ -11,8 +11,7 @@ overhead is out of the picture:
   * decode attention on uniform batches, fitted as a fixed cost per launch plus bytes / rate (fit);
   * prefill attention on the first prefill step, for a few tile shapes and work orders;
   * the sampler at a few batch sizes;
-  * SwiGLU (swiglu, not run by default) a program a column block against a program a token;
-  * decode attention's split merge (merge, not run by default): by the last split, or a kernel.
+  * SwiGLU (swiglu, not run by default) a program a column block against a program a token.
 Each table ends with the run total it implies (28 layers x the steps at that batch size), so a
 choice is judged by what it would save over the whole benchmark. Needs CUDA.
 
@@ -186,48 +185,6 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
           f"\n    {'KV bytes at read bandwidth':<44} {read_total:6.3f}")
     results["attention_totals"] = dict(totals) | {"best_per_step": best_total, "copy_bw_floor": floor_total,
                                                   "read_bw_floor": read_total}
-
-
-def sweep_split_merge(schedule, every: int, results: dict):
-    """Decode attention at the steps whose launch splits each context (decode_num_splits > 1: the
-    smaller batches): the last program of each (sequence, KV head) merging its splits, against the
-    reduce kernel after the launch. One layer, graph replay."""
-    from mini_engine.kernels.paged_attention import (_num_sms, decode_num_splits, decode_num_stages,
-                                                     paged_decode_attention)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    num_blocks = max(sum(c) for c in schedule) // BLOCK_SIZE + len(schedule[0]) + 64
-    k_cache, v_cache = make_kv_cache(num_blocks, BLOCK_SIZE, "token", gen)
-    arrivals = torch.zeros(len(schedule[0]) * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
-    variants = {"merged by the last split": True, "reduce kernel": False}
-    totals = collections.Counter()
-    print(f"\n== decode attention's split merge, one layer, every {every}th step with splits (us) ==")
-    for step in range(0, len(schedule), every):
-        ctx = schedule[step]
-        bs = graph_size(len(ctx))
-        splits = decode_num_splits(bs, NUM_KV_HEADS, MAX_MODEL_LEN, 64, _num_sms(torch.device("cuda")),
-                                   decode_num_stages(bs))
-        if splits == 1:
-            continue
-        seq_lens, q, sl, qsl, _ = decode_step_inputs(ctx, gen)
-        tables = scattered_block_tables(seq_lens, BLOCK_SIZE, num_blocks, gen)
-        row, outs = {}, {}
-        for name, merge_last in variants.items():
-            outs[name] = out = torch.empty_like(q)
-            row[name] = time_us(lambda: paged_decode_attention(q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5,
-                                                               MAX_MODEL_LEN, out, split_arrivals=arrivals,
-                                                               merge_last=merge_last))
-        diff = (outs["merged by the last split"].float() - outs["reduce kernel"].float()).abs().max().item()
-        weight = min(every, len(schedule) - step) * LAYERS / 1e6
-        for name, us in row.items():
-            totals[name] += us * weight
-        print(f"  step {step + 1:4d} batch {len(ctx):3d} (graph {bs:3d}, {splits:2d} splits): "
-              + "  ".join(f"{name} {us:6.2f}" for name, us in row.items()) + f"  max |diff| {diff:.2e}")
-        results["split_merge"].append(dict(step=step + 1, batch=len(ctx), graph=bs, splits=splits, us=row,
-                                           max_abs_diff=diff))
-    assert not arrivals.any(), "a launch left an arrival count behind"
-    print("  run totals (s, 28 layers, the steps with splits):")
-    for name, total in totals.items():
-        print(f"    {name:<28} {total:6.3f}")
 
 
 def print_per_graph_size(steps: list[dict], every: int, num_steps: int, default: str) -> None:
@@ -456,8 +413,7 @@ def main(argv=None) -> int:
     from benchmarks.floor import copy_bandwidth
     schedule = decode_schedule()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "copy_GBps": copy_bandwidth(torch.device("cuda")) / 1e9, "attention": [], "gemm": [], "sampler": [],
-               "split_merge": []}
+               "copy_GBps": copy_bandwidth(torch.device("cuda")) / 1e9, "attention": [], "gemm": [], "sampler": []}
     print(f"{results['device']}, copy {results['copy_GBps']:.0f} GB/s; {len(schedule)} decode steps")
     if "attention" in args.sections:
         results["read_GBps"] = read_bandwidth() / 1e9        # the attention's own ceiling
@@ -468,11 +424,6 @@ def main(argv=None) -> int:
         from benchmarks.pdl_chain import print_registers
         from mini_engine.kernels.paged_attention import _paged_decode_kernel
         print_registers(_paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))
-    if "merge" in args.sections:
-        sweep_split_merge(schedule, args.every, results)
-        from benchmarks.pdl_chain import print_registers
-        from mini_engine.kernels.paged_attention import _paged_decode_kernel
-        print_registers(_paged_decode_kernel, ("NUM_SPLITS", "MERGE_LAST", "ROW_BLOCKS"))
     if "fit" in args.sections:
         sweep_attention_fit(results)
     if "gemm" in args.sections:

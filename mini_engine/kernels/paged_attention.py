@@ -159,13 +159,11 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_h
 @triton.jit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, qk_scale, table_width,
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, table_width,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        MERGE_LAST: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-        SPLITS_PER_PASS: tl.constexpr,
         ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
@@ -233,52 +231,6 @@ def _paged_decode_kernel(
         tl.store(partial_max_ptr + part, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(partial_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
-        if MERGE_LAST:
-            # The bar.sync puts every thread's stores above before the count, and the count's
-            # release (GPU scope) publishes them to the program that arrives last.
-            tl.debug_barrier()
-            counter = arrivals_ptr + seq * (NUM_HEADS // QUERIES_PER_KV) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.store(counter, 0)            # for the next launch, which starts after this one ends
-                heads = kv_head * QUERIES_PER_KV + tl.arange(0, BLOCK_QH)
-                head_ok = tl.arange(0, BLOCK_QH) < QUERIES_PER_KV
-                merged = _combine_splits(partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq, heads, head_ok,
-                                         NUM_HEADS, NUM_SPLITS, BLOCK_QH, BLOCK_D, BLOCK_SPLITS, SPLITS_PER_PASS,
-                                         ".cg")
-                tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + offs_d[None, :],
-                         merged.to(out_ptr.dtype.element_ty), mask=_rows_mask(head_ok, offs_d, HEAD_DIM, BLOCK_D))
-
-
-@triton.jit
-def _combine_splits(partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq, heads, head_ok,
-                    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLITS_PER_PASS: tl.constexpr,
-                    CACHE: tl.constexpr):
-    """The output rows [BLOCK_H, BLOCK_D] of heads (of sequence seq) from their NUM_SPLITS partial
-    results: each split's accumulator rescaled by exp2(its max - the overall max), summed, divided
-    by the rescaled total sum. Empty splits carry max -inf and sum 0 and drop out; a row with no
-    context at all gets zeros. The accumulators come SPLITS_PER_PASS splits at a time, which bounds
-    the registers they take. CACHE: the loads' cache modifier."""
-    base = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * NUM_SPLITS                # [H, 1]
-    splits = tl.arange(0, BLOCK_SPLITS)
-    valid = head_ok[:, None] & (splits[None, :] < NUM_SPLITS)                          # [H, S]
-    m = tl.load(partial_max_ptr + base + splits[None, :], mask=valid, other=float("-inf"), cache_modifier=CACHE)
-    l = tl.load(partial_sum_ptr + base + splits[None, :], mask=valid, other=0.0, cache_modifier=CACHE)
-    m_max = tl.max(m, axis=1)
-    shift = tl.where(m_max == float("-inf"), 0.0, m_max)[:, None]
-    total = tl.sum(tl.math.exp2(m - shift) * l, axis=1)
-    offs_d = tl.arange(0, BLOCK_D)
-    out = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for first in tl.static_range(0, BLOCK_SPLITS, SPLITS_PER_PASS):
-        pass_splits = first + tl.arange(0, SPLITS_PER_PASS)
-        ok = head_ok[:, None] & (pass_splits[None, :] < NUM_SPLITS)
-        part = base + pass_splits[None, :]
-        weight = tl.math.exp2(tl.load(partial_max_ptr + part, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-                              - shift)
-        acc = tl.load(partial_out_ptr + part[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=ok[:, :, None],
-                      other=0.0, cache_modifier=CACHE)                                 # [H, S, D]
-        out += tl.sum(acc * weight[:, :, None], axis=1)
-    return out / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
@@ -287,20 +239,30 @@ def _paged_decode_reduce_kernel(
         stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_SPLITS: tl.constexpr, BLOCK_HEADS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Flash-decoding, second half. Program (seq, head block): _combine_splits for BLOCK_HEADS
-    heads, in one pass. Several heads a program: with one tiny program per (seq, head), launching
+    """Flash-decoding, second half. Program (seq, head block): for each of BLOCK_HEADS heads,
+    rescales each split's partial result by exp2(its max - the overall max) and divides by the
+    rescaled total sum. Empty splits carry max -inf and sum 0 and drop out; a row with no context
+    at all gets zeros. Several heads a program: with one tiny program per (seq, head), launching
     them was the cost (on the H200 at 256 sequences x 2 splits: 4.67 us one head a program, 2.24 us
     sixteen; at 64 sequences 2.27 -> 1.86 us)."""
     pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-    head_ok = heads < NUM_HEADS
-    out = _combine_splits(partial_out_ptr, partial_max_ptr, partial_sum_ptr, seq, heads, head_ok, NUM_HEADS,
-                          NUM_SPLITS, BLOCK_HEADS, BLOCK_D, BLOCK_SPLITS, BLOCK_SPLITS, "")
-    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    valid = (heads[:, None] < NUM_HEADS) & (splits[None, :] < NUM_SPLITS)          # [H, S]
+    part = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * NUM_SPLITS + splits[None, :]
+    m = tl.load(partial_max_ptr + part, mask=valid, other=float("-inf"))
+    l = tl.load(partial_sum_ptr + part, mask=valid, other=0.0)
+    m_max = tl.max(m, axis=1)
+    weight = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)[:, None])    # [H, S]
+    total = tl.sum(weight * l, axis=1)
     offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(partial_out_ptr + part[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=valid[:, :, None],
+                  other=0.0)                                                          # [H, S, D]
+    out = tl.sum(acc * weight[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+             out.to(out_ptr.dtype.element_ty), mask=(heads[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -440,16 +402,6 @@ def _check_shapes(q, k_cache, v_cache, block_tables):
     return num_heads, num_kv_heads, head_dim
 
 
-# The most partial accumulator values one merge pass holds: 32 fp32 registers a thread at 4 warps.
-_MERGE_VALUES = 4096
-
-
-def _splits_per_pass(block_heads: int, block_splits: int, head_dim: int) -> int:
-    """Splits a merge pass takes (_combine_splits) for a block of heads: the rest of
-    _MERGE_VALUES, or every split where they fit."""
-    return min(block_splits, max(1, _MERGE_VALUES // (block_heads * _block_d(head_dim))))
-
-
 def _cache_strides(k_cache, v_cache):
     return (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
@@ -458,21 +410,14 @@ def _cache_strides(k_cache, v_cache):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                           split_arrivals: torch.Tensor | None = None, num_splits: int | None = None,
-                           tile_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
-                           row_blocks_limit: int | None = None, merge_last: bool = True) -> torch.Tensor:
+                           num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
+                           num_stages: int | None = None, row_blocks_limit: int | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
-    program may keep, 0 for per-tile id loads; merge_last=False: the splits' results are merged
-    by a second kernel). paged_attention uses the defaults, the fastest of a sweep over the
-    benchmark's schedule on the H200 (tile 64, 3 stages, 4 warps: 3.55 s of decode attention over
-    the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md, entry 22), with the
-    stage count of decode_num_stages.
-
-    split_arrivals: int32 zeros, at least num_seqs x num_kv_heads of them, where the programs of
-    each (sequence, KV head) count themselves; the last to arrive merges the splits and sets the
-    count back to 0, so a buffer serves every later launch on its stream (a CUDA graph's static
-    one). None: zeros made for this call."""
+    program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
+    a sweep over the benchmark's schedule on the H200 (tile 64, 3 stages, 4 warps: 3.55 s of
+    decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
+    entry 22), with the stage count of decode_num_stages."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -485,39 +430,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_stages = decode_num_stages(num_seqs)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device), num_stages)
-    merge_last = merge_last and num_splits > 1
     if num_splits > 1:
         partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
         partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_max = partial_sum = out     # unused
-    if not merge_last:
-        split_arrivals = out                              # unused
-    elif split_arrivals is None:
-        split_arrivals = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device)
-    else:
-        assert split_arrivals.dtype == torch.int32 and split_arrivals.numel() >= num_seqs * num_kv_heads
     block_size, table_width = k_cache.shape[1], block_tables.shape[1]
     row_blocks = _row_blocks(table_width, block_size, tile_n)
     if row_blocks_limit is not None and row_blocks > row_blocks_limit:
         row_blocks = 0
-    block_splits = triton.next_power_of_2(num_splits)
-    block_qh = triton.next_power_of_2(queries_per_kv)
     pdl = pdl_options(q.device)
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
-        split_arrivals, scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), block_tables.stride(0), *_cache_strides(k_cache, v_cache),
+        scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=max(16, block_qh), TILE_N=tile_n, NUM_SPLITS=num_splits,
-        MERGE_LAST=merge_last, BLOCK_QH=block_qh, BLOCK_SPLITS=block_splits,
-        SPLITS_PER_PASS=_splits_per_pass(block_qh, block_splits, head_dim), ROW_BLOCKS=row_blocks,
-        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages, **pdl)
-    if num_splits > 1 and not merge_last:
-        # as many heads as keep a program's partials at <= _MERGE_VALUES, in one pass
-        block_heads = min(triton.next_power_of_2(num_heads),
-                          max(1, _MERGE_VALUES // (block_splits * _block_d(head_dim))))
+        BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
+        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
+        num_stages=num_stages, **pdl)
+    if num_splits > 1:
+        block_splits = triton.next_power_of_2(num_splits)
+        # as many heads as keep a program's partials at <= 4096 fp32 values (32 a thread)
+        block_heads = min(triton.next_power_of_2(num_heads), max(1, 4096 // (block_splits * _block_d(head_dim))))
         _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, block_heads))](
             partial_out, partial_max, partial_sum, query_start_loc, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), NUM_SPLITS=num_splits,
@@ -588,15 +523,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
-                    prefill_work: torch.Tensor | None = None,
-                    split_arrivals: torch.Tensor | None = None) -> torch.Tensor:
+                    prefill_work: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
-    queries (max_query_len == 1) takes flash-decoding (with split_arrivals, see
-    paged_decode_attention); anything else one varlen launch (over prefill_work, where given).
-    Every host choice of the decode path depends on shapes and the two host ints only, so it can
-    be graph-captured (pass max_seq_len = max_model_len there)."""
+    queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch (over
+    prefill_work, where given). Every host choice of the decode path depends on shapes and the two
+    host ints only, so it can be graph-captured (pass max_seq_len = max_model_len there)."""
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      max_seq_len, out, split_arrivals)
+                                      max_seq_len, out)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                    prefill_work)

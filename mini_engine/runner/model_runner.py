@@ -94,12 +94,6 @@ class ModelRunner:
         # (a row's prev_token_index). A static buffer, so that a CUDA graph reads and writes it.
         self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.take_prev_tokens = take_prev_tokens if "prev_tokens" in self.kernels else take_prev_tokens_ref
-        # Where flash-decoding's split programs count their arrivals (paged_decode_attention): one
-        # buffer for every layer and graph, zeroed here and left zeroed by every launch.
-        self.split_arrivals = torch.zeros(config.max_num_seqs * mc.num_key_value_heads, dtype=torch.int32,
-                                          device=self.device)
-        for layer in self.model.layers:
-            layer.self_attn.attn.split_arrivals = self.split_arrivals
         self.max_blocks = -(-config.max_model_len // self.block_size)
         # The Triton varlen attention kernel: it leaves tokens outside every sequence alone, so an
         # eager step's tokens may be padded (the PyTorch reference gives each token a row), and its

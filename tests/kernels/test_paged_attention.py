@@ -52,27 +52,11 @@ def test_decode_matches_reference(device, num_heads, num_kv_heads, block_size):
 
 @pytest.mark.parametrize("num_splits,tile_n", [(1, 16), (3, 16), (8, 32), (40, 16)])  # 40: most splits empty
 @pytest.mark.parametrize("row_blocks_limit", [None, 0])      # the block-table row up front, or each tile's ids
-@pytest.mark.parametrize("merge_last", [True, False])        # the last split merges, or the reduce kernel
-def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_limit, merge_last):
+def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_limit):
     batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 4, device)
-    out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), num_splits=num_splits,
-                                 tile_n=tile_n, row_blocks_limit=row_blocks_limit, merge_last=merge_last)
+    out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS),
+                                 num_splits=num_splits, tile_n=tile_n, row_blocks_limit=row_blocks_limit)
     check(out, *batch)
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2), (8, 1)])     # 2, 3 (padded to 4), 8 a KV head
-def test_decode_last_split_merges_and_resets_the_counts(device, num_heads, num_kv_heads):
-    """The last program of each (sequence, KV head) to arrive merges the splits, here over several
-    passes (head_dim 128: 16, 8 or 4 splits a pass), and sets its count back to zero: one buffer
-    serves launch after launch, of other batches and split counts too."""
-    arrivals = torch.zeros(len(DECODE_SEQ_LENS) * num_kv_heads, dtype=torch.int32, device=device)
-    for seed, num_splits in ((0, 40), (1, 7), (2, 40)):
-        batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, num_heads, num_kv_heads, 4, device,
-                           seed=seed, head_dim=128)
-        out = paged_decode_attention(*batch, 128 ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), split_arrivals=arrivals,
-                                     num_splits=num_splits, tile_n=16)
-        check(out, *batch)
-        assert not arrivals.any()
 
 
 @pytest.mark.parametrize("num_stages", sorted({DECODE_STAGES, *DECODE_STAGES_BY_BATCH.values()}))
