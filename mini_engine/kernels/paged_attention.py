@@ -465,8 +465,9 @@ PREFILL_BLOCK_M = 64
 
 
 def prefill_block_q(queries_per_kv: int, block_m: int = PREFILL_BLOCK_M) -> int:
-    """Query tokens a prefill program (one work item) holds."""
-    return max(block_m, triton.next_power_of_2(queries_per_kv)) // queries_per_kv
+    """Query tokens a prefill program (one work item) holds. Host arithmetic the runner calls at
+    start-up whatever its kernels, so plain Python, not triton.next_power_of_2: triton is optional."""
+    return max(block_m, 1 << (queries_per_kv - 1).bit_length()) // queries_per_kv
 
 
 def prefill_work(query_lens, seq_lens, block_q: int) -> np.ndarray:
