@@ -336,9 +336,18 @@ def _num_sms(device: torch.device) -> int:
 # tiles a program keeps in flight and how many programs an SM holds (DECODE_PROGRAMS_PER_SM): so
 # they decide how full the launch's last wave of programs is, and which count wins moves with the
 # batch in steps no simple rule on programs and slots follows (two stages win at 128 and 256 rows
-# and lose at 144 and 160). Other sizes keep 3.
-DECODE_STAGES_BY_BATCH = {64: 4, 128: 2, 176: 2, 192: 2, 208: 2, 256: 2}
+# and lose at 144 and 160). Sizes 16 and 32 were measured together with their splits (below).
+# Other sizes keep 3.
+DECODE_STAGES_BY_BATCH = {16: 2, 32: 2, 64: 4, 128: 2, 176: 2, 192: 2, 208: 2, 256: 2}
 DECODE_STAGES = 3
+
+# Splits of the decode kernel by batch size, where the H200 measured another count faster than
+# decode_num_splits's rule (decode_sweep.py over every decode step of 9-32 rows; benchmarks/NOTES.md,
+# entry 39). At 16 and 32 sequences, 2 stages and about two or three programs for every slot (1,024
+# and 1,536 programs on 528 slots) beat the rule's one full wave (3 stages; 4 and 2 splits): each
+# program holds a shorter share of its context, so the launch's last programs end sooner. Decode
+# attention over the run: 70 ms against 74 at size 32, 12 against 13 at 16.
+DECODE_SPLITS_BY_BATCH = {16: 8, 32: 6}
 
 # Decode programs resident on one SM at a time, by pipeline stages: at the default tile (64 tokens)
 # a program takes 38 / 70 / 102 KB of shared memory at 2 / 3 / 4 stages, so 3 or 2 fit the H200's
@@ -358,15 +367,18 @@ def decode_programs_per_sm(num_stages: int) -> int:
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int,
                       num_stages: int) -> int:
-    """How many programs share one (sequence, KV head): enough to fill every program slot of the
-    GPU at once (slots: decode_programs_per_sm(num_stages) times the SMs), never more than the
-    longest context has tiles; one where the batch alone fills it, which then needs no reduce
-    kernel. (Half the slots, the rule before, left 33-48 sequences at one split and ~11 us a layer
-    slower than with two: benchmarks/NOTES.md, entry 32.) Host ints only, so a captured graph keeps
-    its grid."""
+    """How many programs share one (sequence, KV head): DECODE_SPLITS_BY_BATCH's count for the
+    batch sizes it has; otherwise enough to fill every program slot of the GPU at once (slots:
+    decode_programs_per_sm(num_stages) times the SMs), one where the batch alone fills it, which
+    then needs no reduce kernel. (Half the slots, the rule before, left 33-48 sequences at one
+    split and ~11 us a layer slower than with two: benchmarks/NOTES.md, entry 32.) Never more than
+    the longest context has tiles. Host ints only, so a captured graph keeps its grid."""
+    tiles = triton.cdiv(max_seq_len, tile_n)
+    if num_seqs in DECODE_SPLITS_BY_BATCH:
+        return max(1, min(DECODE_SPLITS_BY_BATCH[num_seqs], tiles))
     programs = num_seqs * num_kv_heads
     slots = decode_programs_per_sm(num_stages) * num_sms
-    return max(1, min(triton.cdiv(slots, programs), triton.cdiv(max_seq_len, tile_n), 64))
+    return max(1, min(triton.cdiv(slots, programs), tiles, 64))
 
 
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4

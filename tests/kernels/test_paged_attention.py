@@ -160,29 +160,45 @@ def test_head_dim_padded(device, head_dim, max_query_len):
 
 
 def test_decode_split_count():
-    """Enough programs to fill every slot where the batch is small (three a SM at 3 stages, as
-    many as fit at other counts); one split once the batch alone fills them; never more than the
-    longest context has tiles."""
-    from mini_engine.kernels.paged_attention import decode_num_splits
+    """Outside the split table: enough programs to fill every slot where the batch is small (three
+    a SM at 3 stages, as many as fit at other counts); one split once the batch alone fills them;
+    never more than the longest context has tiles."""
+    from mini_engine.kernels.paged_attention import DECODE_SPLITS_BY_BATCH, decode_num_splits
+    assert not {1, 4, 15, 31, 48, 50, 256} & set(DECODE_SPLITS_BY_BATCH)
     assert decode_num_splits(1, 8, 2048, 128, 132, 3) == 16          # capped by the 16 tiles of 2,048 tokens
     assert decode_num_splits(1, 8, 2048, 64, 132, 3) == 32
-    assert decode_num_splits(16, 8, 2048, 64, 132, 3) == 4           # 128 programs x 4 fill 396 slots
-    assert decode_num_splits(32, 8, 2048, 64, 132, 3) == 2
+    assert decode_num_splits(15, 8, 2048, 64, 132, 3) == 4           # 120 programs x 4 fill 396 slots
+    assert decode_num_splits(31, 8, 2048, 64, 132, 3) == 2
     assert decode_num_splits(48, 8, 2048, 64, 132, 3) == 2           # 384 programs: not quite every slot
     assert decode_num_splits(50, 8, 2048, 64, 132, 3) == 1           # 400 >= 3 x 132
     assert decode_num_splits(256, 8, 2048, 64, 132, 3) == 1
     assert decode_num_splits(4, 8, 100, 64, 132, 3) == 2             # 100 tokens: two tiles
-    assert decode_num_splits(16, 8, 2048, 64, 132, 4) == 3           # two a SM: 264 slots
-    assert decode_num_splits(16, 8, 2048, 64, 132, 2) == 5           # four a SM: 528 slots
-    assert decode_num_splits(16, 8, 2048, 64, 132, 5) == 4           # outside the table: as 3 stages
+    assert decode_num_splits(15, 8, 2048, 64, 132, 4) == 3           # two a SM: 264 slots
+    assert decode_num_splits(15, 8, 2048, 64, 132, 2) == 5           # four a SM: 528 slots
+    assert decode_num_splits(15, 8, 2048, 64, 132, 5) == 4           # outside the table: as 3 stages
+
+
+def test_decode_split_table():
+    """The split table is keyed by CUDA-graph batch sizes, each measured with its stage count (so
+    both tables hold it); its count applies whatever the stages, capped by the longest context's
+    tiles."""
+    from mini_engine.kernels.paged_attention import DECODE_SPLITS_BY_BATCH, decode_num_splits
+    from mini_engine.runner.cuda_graph import graph_batch_sizes
+    assert set(DECODE_SPLITS_BY_BATCH) <= set(DECODE_STAGES_BY_BATCH) & set(graph_batch_sizes(256))
+    assert decode_num_splits(16, 8, 2048, 64, 132, 2) == DECODE_SPLITS_BY_BATCH[16] == 8
+    assert decode_num_splits(32, 8, 2048, 64, 132, 3) == DECODE_SPLITS_BY_BATCH[32] == 6
+    assert decode_num_splits(16, 8, 100, 64, 132, 2) == 2             # 100 tokens: two tiles
 
 
 def test_decode_split_count_with_the_stage_table():
-    """The batch sizes that take another stage count keep the split count that 3 stages gave them
-    when the table was measured (one: the batch alone fills the GPU), so the table's timings hold."""
-    from mini_engine.kernels.paged_attention import decode_num_splits
+    """The batch sizes that take another stage count and have no split count of their own keep the
+    split count that 3 stages gave them when the table was measured (one: the batch alone fills the
+    GPU), so the table's timings hold."""
+    from mini_engine.kernels.paged_attention import DECODE_SPLITS_BY_BATCH, decode_num_splits
     for num_seqs, stages in DECODE_STAGES_BY_BATCH.items():
-        assert decode_num_splits(num_seqs, 8, 2048, 64, 132, stages) == decode_num_splits(num_seqs, 8, 2048, 64, 132, 3)
+        if num_seqs not in DECODE_SPLITS_BY_BATCH:
+            assert (decode_num_splits(num_seqs, 8, 2048, 64, 132, stages)
+                    == decode_num_splits(num_seqs, 8, 2048, 64, 132, 3) == 1)
 
 
 def test_decode_rejects_more_sequences_than_the_grid_holds(device):
