@@ -123,7 +123,7 @@ def scattered_block_tables(seq_lens: list[int], block_size: int, num_blocks: int
 
 
 def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), configs=ATTENTION_CONFIGS,
-                    max_batch: int | None = None):
+                    max_batch: int | None = None, min_batch: int = 1):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(sum(c) for c in schedule)
@@ -138,7 +138,7 @@ def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), 
         num_blocks = max_tokens // block_size + len(schedule[0]) + 64
         caches[spec] = (block_size, num_blocks, *make_kv_cache(num_blocks, block_size, layout, gen))
     for step in range(0, len(schedule), every):
-        if max_batch is not None and len(schedule[step]) > max_batch:
+        if (max_batch is not None and len(schedule[step]) > max_batch) or len(schedule[step]) < min_batch:
             continue
         ctx = schedule[step]
         b = len(ctx)
@@ -402,6 +402,7 @@ def main(argv=None) -> int:
                     help="attention: time these instead of ATTENTION_CONFIGS (stages 0: the engine's table)")
     ap.add_argument("--max-batch", type=int, help="attention: only the steps of at most this many rows "
                     "(the run totals then cover those steps alone)")
+    ap.add_argument("--min-batch", type=int, default=1, help="attention: only the steps of at least this many rows")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")
     ap.add_argument("--gemm-rows", type=int, nargs="+", help="projections: only these captured batch sizes")
     ap.add_argument("--out")
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
         configs = ATTENTION_CONFIGS if args.tile_configs else ()
         if args.attention_configs:
             configs = [tuple(int(v) for v in c.split(",")) for c in args.attention_configs]
-        sweep_attention(schedule, args.every, results, tuple(args.layouts), configs, args.max_batch)
+        sweep_attention(schedule, args.every, results, tuple(args.layouts), configs, args.max_batch, args.min_batch)
         from benchmarks.pdl_chain import print_registers
         from mini_engine.kernels.paged_attention import _paged_decode_kernel
         print_registers(_paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))
