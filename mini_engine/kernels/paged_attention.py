@@ -419,17 +419,55 @@ def _cache_strides(k_cache, v_cache):
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
 
+def _split_partials(workspace: torch.Tensor | None, num_seqs: int, num_heads: int, num_splits: int,
+                    head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split programs' partial accumulators [S, H, splits, BLOCK_D], maxima and sums [S, H,
+    splits], in fp32: views into workspace, or (none given) fresh tensors."""
+    n, block_d = num_seqs * num_heads * num_splits, _block_d(head_dim)
+    gap = -(-n // 4) * 4               # keeps each view 16-byte aligned, as Triton specialises on it
+    if workspace is None:
+        workspace = torch.empty(gap * (block_d + 2), dtype=torch.float32, device=device)
+    elif workspace.numel() < gap * (block_d + 2):
+        raise ValueError(f"decode workspace holds {workspace.numel()} floats; {num_seqs} sequences x "
+                         f"{num_splits} splits need {gap * (block_d + 2)} (decode_workspace_numel)")
+    shape = (num_seqs, num_heads, num_splits)
+    partial_out = workspace[:n * block_d].view(*shape, block_d)
+    partial_max = workspace[gap * block_d:gap * block_d + n].view(shape)
+    partial_sum = workspace[gap * (block_d + 1):gap * (block_d + 1) + n].view(shape)
+    return partial_out, partial_max, partial_sum
+
+
+def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           max_seq_len: int, device: torch.device, tile_n: int = 64) -> int:
+    """Floats of split partials that the engine's decode launches need at most, over every batch
+    of 1 to max_num_seqs sequences whose contexts are at most max_seq_len tokens. The runner holds
+    one workspace of this size for every layer and step: no allocation on the decode path, and none
+    in the CUDA graphs' pool, where split tables that favour small batches made a 16- or 32-row
+    graph's partials (1-1.5 MiB) the pool's largest allocation, which the pool's sizing, taken
+    from the largest batch, did not see."""
+    most = 0
+    for num_seqs in range(1, max_num_seqs + 1):
+        splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(device),
+                                   decode_num_stages(num_seqs))
+        if splits > 1:
+            most = max(most, -(-num_seqs * num_heads * splits // 4) * 4 * (_block_d(head_dim) + 2))
+    return most
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
-                           num_stages: int | None = None, row_blocks_limit: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, row_blocks_limit: int | None = None,
+                           workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
     a sweep over the benchmark's schedule on the H200 (tile 64, 3 stages, 4 warps: 3.55 s of
     decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
-    entry 22), with the stage count of decode_num_stages."""
+    entry 22), with the stage and split counts of decode_num_stages and decode_num_splits.
+    workspace: fp32 for the splits' partial results (decode_workspace_numel), allocated here if
+    not given."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -443,9 +481,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device), num_stages)
     if num_splits > 1:
-        partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        partial_sum = torch.empty_like(partial_max)
-        partial_out = torch.empty(*partial_max.shape, _block_d(head_dim), dtype=torch.float32, device=q.device)
+        partial_out, partial_max, partial_sum = _split_partials(workspace, num_seqs, num_heads, num_splits,
+                                                                head_dim, q.device)
     else:
         partial_out = partial_max = partial_sum = out     # unused
     block_size, table_width = k_cache.shape[1], block_tables.shape[1]
@@ -536,13 +573,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
-                    prefill_work: torch.Tensor | None = None) -> torch.Tensor:
+                    prefill_work: torch.Tensor | None = None,
+                    decode_workspace: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
     queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch (over
-    prefill_work, where given). Every host choice of the decode path depends on shapes and the two
-    host ints only, so it can be graph-captured (pass max_seq_len = max_model_len there)."""
+    prefill_work, where given), with decode_workspace holding the decode splits' partial results
+    where given. Every host choice of the decode path depends on shapes and the two host ints only,
+    so it can be graph-captured (pass max_seq_len = max_model_len there)."""
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      max_seq_len, out)
+                                      max_seq_len, out, workspace=decode_workspace)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                    prefill_work)

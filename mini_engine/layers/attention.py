@@ -31,13 +31,16 @@ class Attention(nn.Module):
         self.use_triton = use_triton
         # Views into the runner's KV pool, [num_blocks, block_size, Hkv, D]; set by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
+        # fp32 scratch for the decode kernel's split partials, one for all layers; set by the runner
+        # (None: the kernel allocates its own).
+        self.decode_workspace: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.use_triton:
             from mini_engine.kernels.paged_attention import paged_attention
             return paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                                   prefill_work=meta.prefill_work)
+                                   prefill_work=meta.prefill_work, decode_workspace=self.decode_workspace)
         return self.forward_eager(q, meta)
 
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from mini_engine.config import EngineConfig
 from mini_engine.kernels import resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
-from mini_engine.kernels.paged_attention import prefill_block_q, prefill_work
+from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
@@ -104,6 +104,14 @@ class ModelRunner:
         max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
         self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
                                        max_work_items, self.device)
+        if self.triton_attention:
+            # One scratch for every layer's decode splits: allocated before the KV pool is sized, so
+            # it is counted there, and never inside a CUDA graph's pool (decode_workspace_numel).
+            numel = decode_workspace_numel(config.max_num_seqs, mc.num_attention_heads, mc.num_key_value_heads,
+                                           mc.head_dim, config.max_model_len, self.device)
+            self.decode_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
+            for layer in self.model.layers:
+                layer.self_attn.attn.decode_workspace = self.decode_workspace
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:

@@ -201,6 +201,28 @@ def test_decode_split_count_with_the_stage_table():
                     == decode_num_splits(num_seqs, 8, 2048, 64, 132, 3) == 1)
 
 
+def test_decode_splits_in_a_given_workspace(device):
+    """The splits' partial results in a caller's workspace (the runner's one scratch for every
+    layer), sized by decode_workspace_numel for any batch up to its maximum; a workspace too
+    small for the launch is a clear error, not a write past its end."""
+    from mini_engine.kernels.paged_attention import (
+        _num_sms, decode_num_splits, decode_num_stages, decode_workspace_numel)
+    max_len = max(DECODE_SEQ_LENS)
+    numel = decode_workspace_numel(len(DECODE_SEQ_LENS), 4, 2, HEAD_DIM, max_len, torch.device(device))
+    for num_seqs in (1, 2, len(DECODE_SEQ_LENS)):
+        lens = DECODE_SEQ_LENS[-num_seqs:]
+        batch = make_batch([1] * num_seqs, lens, 4, 2, 16, device, seed=num_seqs)
+        workspace = torch.full((numel,), float("nan"), device=device)
+        out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max_len, workspace=workspace)
+        check(out, *batch)
+        splits = decode_num_splits(num_seqs, 2, max_len, 64, _num_sms(batch[0].device), decode_num_stages(num_seqs))
+        assert workspace.isnan().all().item() == (splits == 1)       # written where the launch splits
+    batch = make_batch([1], [130], 4, 2, 16, device)
+    with pytest.raises(ValueError, match="decode_workspace_numel"):
+        paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=130, num_splits=3,
+                               workspace=torch.empty(10, device=device))
+
+
 def test_decode_rejects_more_sequences_than_the_grid_holds(device):
     """Sequences go on CUDA's grid z (at most 65,535): more is a clear error, not a launch failure."""
     num_seqs = 65536

@@ -4,6 +4,7 @@ are checked on the H200 by benchmarks/gpu_correctness.py: graph logits bitwise e
 padded batch run eagerly)."""
 import dataclasses
 
+import pytest
 import torch
 
 from mini_engine.config import EngineConfig
@@ -26,6 +27,24 @@ def test_reserved_bytes_cover_the_static_buffers(tiny_checkpoint):
     graphs = CUDAGraphRunner(runner.model, 24, torch.device("cpu"), runner.sampled_tokens, runner.take_prev_tokens,
                              None)
     assert CUDAGraphRunner.buffer_bytes(24, runner.model_config.vocab_size, runner.dtype) == graphs.logits.nbytes
+
+
+def test_one_decode_workspace_for_every_layer(tiny_checkpoint):
+    """With the Triton attention kernel the runner allocates the decode splits' scratch once, before
+    the KV pool is sized, for every batch it can run, and every layer uses it: a decode step
+    allocates none, so none lands in a CUDA graph's pool, whose sizing sees only the largest batch."""
+    pytest.importorskip("triton")
+    from mini_engine.kernels.paged_attention import decode_workspace_numel
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
+                                      max_num_seqs=8, block_size=4, kernels="attention"))
+    mc, workspace = runner.model_config, runner.decode_workspace
+    assert workspace.numel() == decode_workspace_numel(8, mc.num_attention_heads, mc.num_key_value_heads,
+                                                       mc.head_dim, 100, runner.device) > 0
+    assert all(layer.self_attn.attn.decode_workspace is workspace for layer in runner.model.layers)
+    workspace.fill_(float("nan"))
+    # One row over two 64-token tiles: it splits.
+    runner.execute([BatchRow([100], 90, list(range(23)), True, SamplingParams(temperature=0, max_tokens=1))])
+    assert not workspace.isnan().all()
 
 
 def _decode_rows(n, block_size, params):
