@@ -1,8 +1,10 @@
 """Where a decode step's GPU time goes: one decode batch per size (contexts ~U(ctx/2, 3ctx/2)),
 timed as a CUDA-graph replay, then the same step under torch.profiler with kernels listed by
-total device time. Needs CUDA.
+total device time. With --in-graph the profiler watches the graph replays themselves instead (the
+engine's own launches, PDL overlap included) and the table ends with the replay's time against
+its kernels' sum: what is left between kernels. Needs CUDA.
 
-    PYTHONPATH=. python benchmarks/decode_step_profile.py --batch 1 64 256 --ctx 1000
+    PYTHONPATH=. python benchmarks/decode_step_profile.py --batch 1 64 256 --ctx 1000 [--in-graph]
 """
 import argparse
 import random
@@ -29,6 +31,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=1000)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--in-graph", action="store_true", help="profile the decode graphs' replays (kernels as the "
+                    "engine runs them), not the same step run eagerly")
     ap.add_argument("--prefill-tokens", type=int, default=0,
                     help="also profile one prefill step: the benchmark's first prompts, whole, up to this many tokens")
     args = ap.parse_args()
@@ -46,6 +50,9 @@ def main():
     bs = runner.block_size
     for batch in args.batch:
         rows = synthetic_decode_rows(batch, args.ctx, bs, rng, params)
+        if args.in_graph:
+            print(profile_graph_replay(runner, rows, replays=20, top=args.top))
+            continue
         step_ms, table = time_and_profile(runner, rows, warmup=3, timed=20, profiled=5, top=args.top)
         kv_gb = sum(r.start_position + 1 for r in rows) * runner.kv_bytes_per_token / 1e9
         print(f"\n=== decode batch {batch}, mean context {sum(r.start_position for r in rows) / batch:.0f}: "
@@ -106,6 +113,36 @@ def time_and_profile(runner, rows: list, warmup: int, timed: int, profiled: int,
         runner.graph_runner = graph_runner
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
     return step_ms, table
+
+
+def profile_graph_replay(runner, rows: list, replays: int, top: int) -> str:
+    """The decode graph of rows' batch size, replayed back to back: its time per replay (CUDA
+    events), then its kernels under torch.profiler by device time a replay. With PDL a kernel is
+    resident while it waits for the one ahead, so at small batch the kernels' sum exceeds the
+    replay; at large batch the difference is the time between kernels."""
+    import collections
+    from torch.profiler import ProfilerActivity, profile
+    graphs = runner.graph_runner
+    size = graphs.graph_size(len(rows), 1)
+    runner.prepare_inputs(rows, size)
+    replay_ms = per_call_ms(lambda: graphs.replay(size), replays)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.replay(size)
+        torch.cuda.synchronize()
+    kernels = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            kernels[event.name[:72]][0] += event.device_time / replays
+            kernels[event.name[:72]][1] += 1
+    total_us = sum(us for us, _ in kernels.values())
+    count = sum(n for _, n in kernels.values()) / replays
+    lines = [f"\n=== decode graph {size} ({len(rows)} rows): {replay_ms * 1e3:.1f} us a replay; its {count:.0f} "
+             f"kernels {total_us:.1f} us; left between kernels {replay_ms * 1e3 - total_us:.1f} us "
+             f"({(replay_ms * 1e3 - total_us) / count:.2f} us a kernel)"]
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us:8.1f} us {n / replays:4.0f} a replay {us * replays / n:8.2f} us each  {name}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
