@@ -35,8 +35,10 @@ def test_one_decode_workspace_for_every_layer(tiny_checkpoint):
     allocates none, so none lands in a CUDA graph's pool, whose sizing sees only the largest batch."""
     pytest.importorskip("triton")
     from mini_engine.kernels.paged_attention import decode_workspace_numel
-    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
-                                      max_num_seqs=8, block_size=4, kernels="attention"))
+    # On a GPU machine the kernel needs CUDA tensors (there is no interpreter there).
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cuda" if torch.cuda.is_available() else "cpu",
+                                      num_kv_blocks=64, max_model_len=100, max_num_seqs=8, block_size=4,
+                                      kernels="attention", enforce_eager=True))
     mc, workspace = runner.model_config, runner.decode_workspace
     assert workspace.numel() == decode_workspace_numel(8, mc.num_attention_heads, mc.num_key_value_heads,
                                                        mc.head_dim, 100, runner.device) > 0
