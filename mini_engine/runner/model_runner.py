@@ -104,6 +104,7 @@ class ModelRunner:
         max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
         self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
                                        max_work_items, self.device)
+        self.decode_workspace = None
         if self.triton_attention:
             # One scratch for every layer's decode splits: allocated before the KV pool is sized, so
             # it is counted there, and never inside a CUDA graph's pool (decode_workspace_numel).

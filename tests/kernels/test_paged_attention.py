@@ -206,7 +206,7 @@ def test_decode_splits_in_a_given_workspace(device):
     layer), sized by decode_workspace_numel for any batch up to its maximum; a workspace too
     small for the launch is a clear error, not a write past its end."""
     from mini_engine.kernels.paged_attention import (
-        _num_sms, decode_num_splits, decode_num_stages, decode_workspace_numel)
+        _num_sms, _split_partials, decode_num_splits, decode_num_stages, decode_workspace_numel)
     max_len = max(DECODE_SEQ_LENS)
     numel = decode_workspace_numel(len(DECODE_SEQ_LENS), 4, 2, HEAD_DIM, max_len, torch.device(device))
     for num_seqs in (1, 2, len(DECODE_SEQ_LENS)):
@@ -217,6 +217,17 @@ def test_decode_splits_in_a_given_workspace(device):
         check(out, *batch)
         splits = decode_num_splits(num_seqs, 2, max_len, 64, _num_sms(batch[0].device), decode_num_stages(num_seqs))
         assert workspace.isnan().all().item() == (splits == 1)       # written where the launch splits
+    # One sequence, one KV head of two query heads, three splits: 6 partial rows, so the maxima and
+    # sums start at the next multiple of 4 rows, not right after the accumulators.
+    batch = make_batch([1], [130], 2, 1, 16, device)
+    workspace = torch.full((decode_workspace_numel(1, 2, 1, HEAD_DIM, 130, torch.device(device)),), float("nan"),
+                           device=device)
+    assert decode_num_splits(1, 1, 130, 64, _num_sms(batch[0].device), decode_num_stages(1)) == 3
+    check(paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=130, workspace=workspace), *batch)
+    views = _split_partials(workspace, 1, 2, 3, HEAD_DIM, workspace.device)
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in views)
+    assert all(start % 16 == 0 for start, _ in spans)                  # aligned, as Triton specialises on it
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))    # apart
     batch = make_batch([1], [130], 4, 2, 16, device)
     with pytest.raises(ValueError, match="decode_workspace_numel"):
         paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=130, num_splits=3,
