@@ -121,6 +121,10 @@ def test_without_async_scheduling(tiny_checkpoint):
     assert got == expected(tiny_checkpoint, prompts)
 
 
+# Padding tokens belong to no sequence, so attention leaves their output rows as allocated (as vLLM
+# does), and the products and SwiGLU carry whatever those rows held: values no real row reads, which
+# the interpreter's numpy reports when they overflow (entry 39 of benchmarks/NOTES.md).
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("max_num_seqs", [256, 2])
 def test_every_triton_kernel(tiny_checkpoint, monkeypatch, max_num_seqs):
     """The whole model on the Triton kernels (through the interpreter on CPU): attention on the
