@@ -349,6 +349,10 @@ DECODE_STAGES = 3
 # attention over the run: 70 ms against 74 at size 32, 12 against 13 at 16.
 DECODE_SPLITS_BY_BATCH = {16: 8, 32: 6}
 
+# Context tokens a decode tile: the fastest of entry 22's sweep. paged_decode_attention's default,
+# and the tile decode_workspace_numel sizes the engine's splits for.
+DECODE_TILE_N = 64
+
 # Decode programs resident on one SM at a time, by pipeline stages: at the default tile (64 tokens)
 # a program takes 38 / 70 / 102 KB of shared memory at 2 / 3 / 4 stages, so 3 or 2 fit the H200's
 # 228 KB at 3 or 4 stages; at 2 stages the registers (104-108 a thread at 4 warps, as compiled on
@@ -419,17 +423,25 @@ def _cache_strides(k_cache, v_cache):
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
 
+def _partials_layout(num_rows: int, head_dim: int) -> tuple[int, int]:
+    """(gap, numel) of num_rows split partials laid out as accumulators, then maxima, then sums:
+    the later two start gap rows in (num_rows rounded up to 4, so that each view stays 16-byte
+    aligned, as Triton specialises on it), and the three take numel fp32 values."""
+    gap = -(-num_rows // 4) * 4
+    return gap, gap * (_block_d(head_dim) + 2)
+
+
 def _split_partials(workspace: torch.Tensor | None, num_seqs: int, num_heads: int, num_splits: int,
                     head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split programs' partial accumulators [S, H, splits, BLOCK_D], maxima and sums [S, H,
     splits], in fp32: views into workspace, or (none given) fresh tensors."""
     n, block_d = num_seqs * num_heads * num_splits, _block_d(head_dim)
-    gap = -(-n // 4) * 4               # keeps each view 16-byte aligned, as Triton specialises on it
+    gap, numel = _partials_layout(n, head_dim)
     if workspace is None:
-        workspace = torch.empty(gap * (block_d + 2), dtype=torch.float32, device=device)
-    elif workspace.numel() < gap * (block_d + 2):
+        workspace = torch.empty(numel, dtype=torch.float32, device=device)
+    elif workspace.numel() < numel:
         raise ValueError(f"decode workspace holds {workspace.numel()} floats; {num_seqs} sequences x "
-                         f"{num_splits} splits need {gap * (block_d + 2)} (decode_workspace_numel)")
+                         f"{num_splits} splits need {numel} (decode_workspace_numel)")
     shape = (num_seqs, num_heads, num_splits)
     partial_out = workspace[:n * block_d].view(*shape, block_d)
     partial_max = workspace[gap * block_d:gap * block_d + n].view(shape)
@@ -438,7 +450,7 @@ def _split_partials(workspace: torch.Tensor | None, num_seqs: int, num_heads: in
 
 
 def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                           max_seq_len: int, device: torch.device, tile_n: int = 64) -> int:
+                           max_seq_len: int, device: torch.device, tile_n: int = DECODE_TILE_N) -> int:
     """Floats of split partials that the engine's decode launches need at most, over every batch
     of 1 to max_num_seqs sequences whose contexts are at most max_seq_len tokens. The runner holds
     one workspace of this size for every layer and step: no allocation on the decode path, and none
@@ -450,14 +462,14 @@ def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int,
         splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(device),
                                    decode_num_stages(num_seqs))
         if splits > 1:
-            most = max(most, -(-num_seqs * num_heads * splits // 4) * 4 * (_block_d(head_dim) + 2))
+            most = max(most, _partials_layout(num_seqs * num_heads * splits, head_dim)[1])
     return most
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, tile_n: int = 64, num_warps: int = 4,
+                           num_splits: int | None = None, tile_n: int = DECODE_TILE_N, num_warps: int = 4,
                            num_stages: int | None = None, row_blocks_limit: int | None = None,
                            workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
