@@ -2,8 +2,7 @@
 and, beside it, the fused Triton kernel that replaces it on CUDA."""
 import importlib.util
 
-KERNEL_NAMES = ("attention", "rms_norm", "rope_kv", "silu_and_mul", "sampler", "linear", "prev_tokens",
-                "zero_copy")
+KERNEL_NAMES = ("attention", "rms_norm", "rope_kv", "silu_and_mul", "sampler", "linear", "prev_tokens")
 
 
 def triton_available() -> bool:

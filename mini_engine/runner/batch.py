@@ -1,12 +1,10 @@
 """What crosses between the engine and the runner each step: the rows of a batch going in (and
 the device buffers their integer inputs travel to), and a handle on the sampled tokens coming out."""
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mini_engine.kernels.zero_copy import copy_from_host_ref
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -51,12 +49,11 @@ _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np
 
 
 class StepInputBuffers:
-    """One device buffer for every step's inputs, reached by one transfer from the host a step.
+    """One device buffer for every step's inputs, reached by one host-to-device copy a step.
 
     The host packs a step's arrays (STEP_FIELDS, in that order, of three dtypes) into one pinned
-    array, and it crosses in one asynchronous transfer, not one per array (each transfer's latency
-    is paid by the device, in front of the step's first kernel): on CUDA with the Triton kernels,
-    a kernel that reads the pinned pack itself (kernels/zero_copy.py), else a copy. The step's
+    byte array, and it crosses in one asynchronous copy: one copy a step instead of one per array
+    (each copy's latency is paid by the device, in front of the step's first kernel). The step's
     tensors are views at offsets that depend only on its sizes, so a CUDA graph captured on the
     views of a bs-row decode step reads the inputs of every later step laid out for bs where they
     land: no copy into separate graph buffers before a replay. (Stream order makes reuse safe: a
@@ -67,18 +64,9 @@ class StepInputBuffers:
     # new variants during the run (benchmarks/NOTES.md, entry 24).
     ALIGN_BYTES = 128
 
-    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_work_items: int, device: torch.device,
-                 copy_from_host: Callable[[torch.Tensor, torch.Tensor], None] = copy_from_host_ref):
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_work_items: int, device: torch.device):
         sizes = self.sizes(max_tokens, max_rows, max_blocks, max_rows, max_rows, max_work_items)
-        num_words = self.words(self.offsets(sizes)[-1])
-        self.data = torch.zeros(num_words, dtype=torch.int64, device=device)
-        # Two packs on the host, used in turn: the host fills one while the device may still read
-        # the other. Each one's event marks when the device has read it.
-        pinned = self.data.is_cuda
-        self.packs = [torch.zeros(num_words, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self.pack_read = [torch.cuda.Event() if pinned else None for _ in range(2)]
-        self.next_pack = 0
-        self.copy_from_host = copy_from_host
+        self.data = torch.zeros(self.offsets(sizes)[-1], dtype=torch.uint8, device=device)
 
     @staticmethod
     def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
@@ -87,11 +75,6 @@ class StepInputBuffers:
         length (a graph's batch size, or the step's sampling rows); num_samples: logits_indices'."""
         t, r, n = num_tokens, num_rows, num_sample_slots
         return [t, t, t, t, n, r, r + 1, r * table_width, n, 4 * num_work_items, num_samples]
-
-    @staticmethod
-    def words(num_bytes: int) -> int:
-        """The pack crosses as int64 words: its bytes rounded up to whole ones."""
-        return -(-num_bytes // 8)
 
     @classmethod
     def offsets(cls, sizes: list[int]) -> list[int]:
@@ -109,8 +92,8 @@ class StepInputBuffers:
         return self._views(sizes, self.offsets(sizes), num_rows, table_width)
 
     def _views(self, sizes: list[int], offsets: list[int], num_rows: int, table_width: int) -> StepTensors:
-        data = self.data.view(torch.uint8)
-        tensors = [data[o:o + n * dtype.itemsize].view(dtype) for o, n, (_, dtype) in zip(offsets, sizes, STEP_FIELDS)]
+        tensors = [self.data[o:o + n * dtype.itemsize].view(dtype)
+                   for o, n, (_, dtype) in zip(offsets, sizes, STEP_FIELDS)]
         tensors[7] = tensors[7].view(num_rows, table_width)
         tensors[9] = tensors[9].view(-1, 4)
         return StepTensors(*tensors)
@@ -121,17 +104,13 @@ class StepInputBuffers:
         their offsets and copies the pack to the device."""
         sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples, num_work_items)
         offsets = self.offsets(sizes)
-        i, self.next_pack = self.next_pack, 1 - self.next_pack
-        if self.pack_read[i] is not None:
-            self.pack_read[i].synchronize()     # read two steps ago: in the engine's loop, long done
-        num_words = self.words(offsets[-1])
-        pack = self.packs[i][:num_words]
-        packed = pack.numpy().view(np.uint8)
+        # The caching host allocator hands out pinned memory, and does not reuse it before the
+        # copy from it has run: packs of steps in flight never overwrite each other.
+        host = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.data.is_cuda)
+        packed = host.numpy()
         for part, start, size, (_, dtype) in zip(parts, offsets, sizes, STEP_FIELDS):
             packed[start:start + size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])[:] = np.ravel(part)
-        self.copy_from_host(self.data[:num_words], pack)
-        if self.pack_read[i] is not None:
-            self.pack_read[i].record()
+        self.data[:offsets[-1]].copy_(host, non_blocking=True)
         return self._views(sizes, offsets, num_rows, table_width)
 
 

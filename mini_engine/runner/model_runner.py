@@ -12,7 +12,6 @@ from mini_engine.kernels import resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
 from mini_engine.kernels.sampling import sample
-from mini_engine.kernels.zero_copy import copy_from_host, copy_from_host_ref
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from mini_engine.model.loader import load_model
@@ -104,8 +103,7 @@ class ModelRunner:
         self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
         max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
         self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
-                                       max_work_items, self.device,
-                                       copy_from_host if "zero_copy" in self.kernels else copy_from_host_ref)
+                                       max_work_items, self.device)
         self.decode_workspace = None
         if self.triton_attention:
             # One scratch for every layer's decode splits: allocated before the KV pool is sized, so

@@ -4,7 +4,6 @@ are checked on the H200 by benchmarks/gpu_correctness.py: graph logits bitwise e
 padded batch run eagerly)."""
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -141,35 +140,3 @@ def test_staged_arrays_start_aligned(tiny_checkpoint):
         for f in dataclasses.fields(t):
             if getattr(t, f.name).numel():
                 assert (getattr(t, f.name).data_ptr() - runner.inputs.data.data_ptr()) % 128 == 0, f.name
-
-
-@pytest.mark.parametrize("kernel", [False, True])
-def test_steps_stage_through_two_host_packs_in_turn(kernel):
-    """Each step packs its inputs into one of two host packs, in turn, and the device reads that
-    pack (through the zero-copy kernel, or a copy): the views show the step's own arrays, and
-    staging a step leaves the pack of the step before as it was (the device may still be reading
-    it). On the GPU the packs are pinned and the kernel reads them over PCIe."""
-    from mini_engine.kernels.zero_copy import copy_from_host, copy_from_host_ref
-    from mini_engine.runner.batch import StepInputBuffers
-    if kernel:
-        pytest.importorskip("triton")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    buffers = StepInputBuffers(max_tokens=16, max_rows=4, max_blocks=3, max_work_items=2, device=device,
-                               copy_from_host=copy_from_host if kernel else copy_from_host_ref)
-    assert all(p.is_pinned() == (device.type == "cuda") for p in buffers.packs)
-    previous = None
-    for step in range(4):
-        rng = np.random.default_rng(step)
-        t, r, n = 5 + step, 2 + step % 2, 2       # tokens, rows, sampling rows
-        ints = lambda size: rng.integers(-1000, 1000, size)
-        parts = [ints(t), ints(t), ints(t), ints(t), ints(n), ints(r), ints(r + 1), ints((r, 3)),
-                 rng.random(n).astype(np.float32), ints((1, 4)), ints(n)]
-        views = buffers.stage(parts, t, r, 3, n, n, num_work_items=1)
-        for f, part in zip(dataclasses.fields(views), parts):
-            assert np.array_equal(getattr(views, f.name).cpu().numpy(), np.asarray(part)), (step, f.name)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        pack = buffers.packs[step % 2].clone()
-        if previous is not None:
-            assert torch.equal(buffers.packs[(step - 1) % 2], previous), "staging overwrote the pack before"
-        previous = pack
