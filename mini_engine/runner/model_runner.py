@@ -88,6 +88,7 @@ class ModelRunner:
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.kernels)
         self.graph_runner = None
+        self.last_ready = None
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
         # The last launch's samples, on the device, where the next launch takes its input tokens
@@ -239,6 +240,10 @@ class ModelRunner:
         if self.graph_runner is not None:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
         t, meta = self.prepare_inputs(rows, graph_size)
+        if self.last_ready is not None:
+            # PROTOTYPE: the previous step's tokens leave on a side stream; nothing may overwrite
+            # sampled_tokens before they have.
+            torch.cuda.current_stream().wait_event(self.last_ready)
         sample_rows = [r for r in rows if r.sample]
         tokens = None
         if graph_size is not None:
@@ -264,7 +269,9 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits[want].float(), dim=-1)
             return StepHandle.done(*gather_logprobs(tokens, logprobs, want,
                                                     [sample_rows[i].params.logprobs for i in want]))
-        return StepHandle.copying(tokens)
+        handle = StepHandle.copying(tokens)
+        self.last_ready = handle.ready
+        return handle
 
     @staticmethod
     def restricts_support(rows: list[BatchRow]) -> bool:
