@@ -70,7 +70,7 @@ class StepInputBuffers:
         self.data = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         # PROTOTYPE: the pack lands in a staging buffer on a copy stream, overlapping the step before;
         # an SM kernel moves it into place on the main stream.
-        self.staging = torch.zeros_like(self.data) if self.data.is_cuda else None
+        self.staging = None     # PROTOTYPE B: the H2D stays on the main stream
         if self.staging is not None:
             self.copy_stream = torch.cuda.Stream(device)
             self.staged, self.consumed = torch.cuda.Event(), torch.cuda.Event()
