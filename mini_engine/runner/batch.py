@@ -66,14 +66,7 @@ class StepInputBuffers:
 
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_work_items: int, device: torch.device):
         sizes = self.sizes(max_tokens, max_rows, max_blocks, max_rows, max_rows, max_work_items)
-        num_bytes = -(-self.offsets(sizes)[-1] // 8) * 8
-        self.data = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-        # PROTOTYPE: the pack lands in a staging buffer on a copy stream, overlapping the step before;
-        # an SM kernel moves it into place on the main stream.
-        self.staging = None     # PROTOTYPE B: the H2D stays on the main stream
-        if self.staging is not None:
-            self.copy_stream = torch.cuda.Stream(device)
-            self.staged, self.consumed = torch.cuda.Event(), torch.cuda.Event()
+        self.data = torch.zeros(self.offsets(sizes)[-1], dtype=torch.uint8, device=device)
 
     @staticmethod
     def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
@@ -117,28 +110,8 @@ class StepInputBuffers:
         packed = host.numpy()
         for part, start, size, (_, dtype) in zip(parts, offsets, sizes, STEP_FIELDS):
             packed[start:start + size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])[:] = np.ravel(part)
-        if self.staging is None:
-            self.data[:offsets[-1]].copy_(host, non_blocking=True)
-        else:
-            from mini_engine.kernels.zero_copy import copy_from_host
-            n = -(-offsets[-1] // 8) * 8
-            self.copy_stream.wait_event(self.consumed)
-            with torch.cuda.stream(self.copy_stream):
-                self.staging[:offsets[-1]].copy_(host, non_blocking=True)
-                self.staged.record(self.copy_stream)
-            main = torch.cuda.current_stream()
-            main.wait_event(self.staged)
-            copy_from_host(self.data[:n].view(torch.int64), self.staging[:n].view(torch.int64))
-            self.consumed.record(main)
+        self.data[:offsets[-1]].copy_(host, non_blocking=True)
         return self._views(sizes, offsets, num_rows, table_width)
-
-
-import functools
-
-
-@functools.lru_cache
-def _d2h_stream(device):
-    return torch.cuda.Stream(device)
 
 
 class StepHandle:
@@ -153,20 +126,22 @@ class StepHandle:
         return cls(tokens, logprobs)
 
     @classmethod
-    def copying(cls, tokens: torch.Tensor) -> "StepHandle":
+    def copying(cls, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> "StepHandle":
+        """Copies tokens, once the current stream has produced them, into pinned memory without
+        blocking; the handle's event marks when they are there (and so the step is done). On a
+        stream of its own the copy leaves the current stream free for the next step's input copy:
+        the two copies then run side by side between the steps (benchmarks/NOTES.md, entry 40).
+        The caller must not overwrite tokens until the event has fired."""
         if not tokens.is_cuda:
             return cls(tokens.tolist())
-        # Into pinned memory without blocking; an event marks when the copy (and so the step) is done.
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        main = torch.cuda.current_stream()
-        done, ready = torch.cuda.Event(), torch.cuda.Event()
-        done.record(main)
-        d2h = _d2h_stream(tokens.device)
-        d2h.wait_event(done)
-        tokens.record_stream(d2h)
-        with torch.cuda.stream(d2h):
+        ready = torch.cuda.Event()
+        stream = stream or torch.cuda.current_stream(tokens.device)
+        stream.wait_stream(torch.cuda.current_stream(tokens.device))
+        tokens.record_stream(stream)          # an eager step's tokens: not reused before the copy
+        with torch.cuda.stream(stream):
             host.copy_(tokens, non_blocking=True)
-            ready.record(d2h)
+            ready.record(stream)
         return cls(host=host, ready=ready)
 
     def result(self) -> tuple[list[int], list | None]:

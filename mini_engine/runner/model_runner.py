@@ -88,12 +88,15 @@ class ModelRunner:
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.kernels)
         self.graph_runner = None
-        self.last_ready = None
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
         # The last launch's samples, on the device, where the next launch takes its input tokens
         # (a row's prev_token_index). A static buffer, so that a CUDA graph reads and writes it.
         self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        # The sampled tokens go to the host on a stream of their own; the next launch waits for the
+        # copy (tokens_copied) before it may overwrite sampled_tokens.
+        self.tokens_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.tokens_copied: torch.cuda.Event | None = None
         self.take_prev_tokens = take_prev_tokens if "prev_tokens" in self.kernels else take_prev_tokens_ref
         self.max_blocks = -(-config.max_model_len // self.block_size)
         # The Triton varlen attention kernel: it leaves tokens outside every sequence alone, so an
@@ -240,10 +243,9 @@ class ModelRunner:
         if self.graph_runner is not None:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
         t, meta = self.prepare_inputs(rows, graph_size)
-        if self.last_ready is not None:
-            # PROTOTYPE: the previous step's tokens leave on a side stream; nothing may overwrite
-            # sampled_tokens before they have.
-            torch.cuda.current_stream().wait_event(self.last_ready)
+        if self.tokens_copied is not None:
+            # After the input copy is queued, so that it runs beside the previous step's tokens' copy.
+            torch.cuda.current_stream(self.device).wait_event(self.tokens_copied)
         sample_rows = [r for r in rows if r.sample]
         tokens = None
         if graph_size is not None:
@@ -269,8 +271,8 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits[want].float(), dim=-1)
             return StepHandle.done(*gather_logprobs(tokens, logprobs, want,
                                                     [sample_rows[i].params.logprobs for i in want]))
-        handle = StepHandle.copying(tokens)
-        self.last_ready = handle.ready
+        handle = StepHandle.copying(tokens, self.tokens_stream)
+        self.tokens_copied = handle.ready
         return handle
 
     @staticmethod

@@ -140,3 +140,35 @@ def test_staged_arrays_start_aligned(tiny_checkpoint):
         for f in dataclasses.fields(t):
             if getattr(t, f.name).numel():
                 assert (getattr(t, f.name).data_ptr() - runner.inputs.data.data_ptr()) % 128 == 0, f.name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tokens' own copy stream is CUDA's")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_launches_in_flight_return_what_one_at_a_time_returns(tiny_checkpoint, enforce_eager):
+    """The sampled tokens travel to the host on a stream of their own while the next launch runs.
+    Eight greedy decode launches queued back to back, each taking its input tokens from the one
+    before on the device (prev_token_index), return the tokens that waiting for each launch in
+    turn returns: a copy that read the tokens before the step wrote them, or after the next step
+    overwrote them, would differ."""
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cuda", num_kv_blocks=64, max_model_len=100,
+                                      max_num_seqs=8, block_size=4, enforce_eager=enforce_eager))
+    runner.kv_cache.zero_()
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    def run(wait_each: bool) -> list[list[int]]:
+        rows = [BatchRow([100 + i], 5 + 3 * i, list(range(12 * i, 12 * i + 12)), True, params) for i in range(5)]
+        handles, tokens = [], []
+        for _ in range(8):
+            handle = runner.launch(rows)
+            if wait_each:
+                tokens.append(handle.result()[0])
+            handles.append(handle)
+            for i, row in enumerate(rows):      # the next step: one position on, its input the token just sampled
+                row.start_position += 1
+                row.token_ids, row.prev_token_index = [PENDING_TOKEN], i
+        return tokens if wait_each else [h.result()[0] for h in handles]
+
+    queued = run(wait_each=False)
+    assert runner.tokens_copied is not None and runner.tokens_stream is not None
+    assert queued == run(wait_each=True)
+    assert len({tuple(t) for t in queued}) > 1          # the steps' tokens are not all alike
