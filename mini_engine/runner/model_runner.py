@@ -126,7 +126,8 @@ class ModelRunner:
             self.graph_runner.capture(lambda bs: self.prepare_inputs([], graph_size=bs))
             self.cuda_graph_capture_s = time.perf_counter() - start
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
-            if self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
+            # (A pool of num_kv_blocks given by the caller was not sized here: nothing to compare.)
+            if config.num_kv_blocks is None and self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
                 warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
                               f"{self.graph_reserve_bytes / 2**20:.0f} MiB set aside when the KV pool was sized")
         self.gemm_warmup_s = None
