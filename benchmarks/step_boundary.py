@@ -1,0 +1,92 @@
+"""What the device does between two decode graphs in the real run: bench.py's workload and warm-up,
+torch.profiler's CUDA trace over engine steps START..STOP of the timed run, and from it, for each
+pair of consecutive decode steps, the time from the end of one graph's last kernel (the sampler's
+_select_kernel) to the start of the next graph's first (_take_prev_tokens_kernel), and the
+copies that run in that window. Back-to-back probes (step_overhead.py) queue many steps ahead; the
+run queues one, so this is the measure of what a step boundary costs the run.
+
+    PYTHONPATH=. python benchmarks/step_boundary.py --start 400 --stop 460 --out /tmp/boundary
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+FIRST_KERNEL, LAST_KERNEL = "_take_prev_tokens_kernel", "_select_kernel"
+
+
+def boundaries(events: list[dict]) -> list[dict]:
+    """Per boundary (a LAST_KERNEL followed by a FIRST_KERNEL): the idle time between them and
+    each copy inside, in us. events: the trace's GPU events (name, cat, ts, dur)."""
+    events = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e),
+                    key=lambda e: e["ts"])
+    out = []
+    for i, e in enumerate(events):
+        if not e["name"].startswith(LAST_KERNEL):
+            continue
+        end = e["ts"] + e["dur"]
+        nxt = next((f for f in events[i + 1:] if f["cat"] == "kernel"), None)
+        if nxt is None or not nxt["name"].startswith(FIRST_KERNEL):
+            continue                       # not two decode graphs in a row
+        row = {"idle": nxt["ts"] - end}
+        for f in events[i + 1:]:
+            if f is nxt:
+                break
+            kind = "h2d" if "HtoD" in f["name"] else "d2h" if "DtoH" in f["name"] else "other"
+            row[kind + "_start"], row[kind] = f["ts"] - end, f["dur"]
+        out.append(row)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--start", type=int, default=400, help="first engine step traced (1-based)")
+    ap.add_argument("--stop", type=int, default=460)
+    ap.add_argument("--out", default=".", help="folder for the trace (gzipped chrome trace)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_boundary.py needs CUDA")
+    from torch.profiler import ProfilerActivity, profile
+
+    import bench
+    from mini_engine import LLM, SamplingParams
+    from mini_engine.model.random_checkpoint import default_checkpoint
+
+    prompts, max_tokens = bench.make_workload()
+    llm = LLM(default_checkpoint(device="cuda"), max_model_len=bench.MAX_MODEL_LEN, max_num_seqs=256)
+    bench.warm_up(llm, prompts, 0.6)
+    engine, prof, count = llm.engine, profile(activities=[ProfilerActivity.CUDA]), [0]
+    step = engine.step
+
+    def traced_step():
+        count[0] += 1
+        if count[0] == args.start:
+            prof.start()
+        outputs = step()
+        if count[0] == args.stop:
+            torch.cuda.synchronize()
+            prof.stop()
+        return outputs
+
+    engine.step = traced_step
+    llm.generate(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens],
+                 use_tqdm=False)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"step_boundary_{args.start}_{args.stop}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        rows = boundaries(json.load(f)["traceEvents"])
+    os.system(f"gzip -f {path}")
+    print(f"steps {args.start}-{args.stop}: {len(rows)} boundaries between decode graphs (us, median / min / max)")
+    for key in ("idle", "h2d_start", "h2d", "d2h_start", "d2h"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            print(f"  {key:>9s} {statistics.median(values):7.2f} {min(values):7.2f} {max(values):7.2f}"
+                  f"   ({len(values)} of {len(rows)})")
+
+
+if __name__ == "__main__":
+    main()
