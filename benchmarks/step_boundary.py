@@ -2,7 +2,8 @@
 torch.profiler's CUDA trace over engine steps START..STOP of the timed run, and from it, for each
 pair of consecutive decode steps, the time from the end of one graph's last kernel (the sampler's
 _select_kernel) to the start of the next graph's first (_take_prev_tokens_kernel), and the
-copies that run in that window. Back-to-back probes (step_overhead.py) queue many steps ahead; the
+copies that run in that window (and the time to the forward's first kernel, the one after
+_take_prev_tokens_kernel). Back-to-back probes (step_overhead.py) queue many steps ahead; the
 run queues one, so this is the measure of what a step boundary costs the run.
 
     PYTHONPATH=. python benchmarks/step_boundary.py --start 400 --stop 460 --out /tmp/boundary
@@ -32,6 +33,9 @@ def boundaries(events: list[dict]) -> list[dict]:
         if nxt is None or not nxt["name"].startswith(FIRST_KERNEL):
             continue                       # not two decode graphs in a row
         row = {"idle": nxt["ts"] - end}
+        after = next((f for f in events[events.index(nxt) + 1:] if f["cat"] == "kernel"), None)
+        if after is not None:
+            row["to_forward"] = after["ts"] - end        # to the forward's first kernel, after FIRST_KERNEL
         for f in events[i + 1:]:
             if f is nxt:
                 break
@@ -81,7 +85,7 @@ def main():
         rows = boundaries(json.load(f)["traceEvents"])
     os.system(f"gzip -f {path}")
     print(f"steps {args.start}-{args.stop}: {len(rows)} boundaries between decode graphs (us, median / min / max)")
-    for key in ("idle", "h2d_start", "h2d", "d2h_start", "d2h"):
+    for key in ("idle", "to_forward", "h2d_start", "h2d", "d2h_start", "d2h"):
         values = [r[key] for r in rows if key in r]
         if values:
             print(f"  {key:>9s} {statistics.median(values):7.2f} {min(values):7.2f} {max(values):7.2f}"
