@@ -125,10 +125,10 @@ def profile_graph_replay(runner, rows: list, replays: int, top: int) -> str:
     graphs = runner.graph_runner
     size = graphs.graph_size(len(rows), 1)
     runner.prepare_inputs(rows, size)
-    replay_ms = per_call_ms(lambda: graphs.replay(size, runner.staged_slot), replays)
+    replay_ms = per_call_ms(lambda: graphs.replay(size), replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graphs.replay(size, runner.staged_slot)
+            graphs.replay(size)
         torch.cuda.synchronize()
     kernels = collections.defaultdict(lambda: [0.0, 0])
     for event in prof.events():

@@ -198,7 +198,7 @@ def main():
         with torch.inference_mode():
             t, meta = runner.prepare_inputs(rows, graph_size=16)    # staged where graph 16 reads
             kv_before = runner.kv_cache.clone()
-            graph_logits = runner.graph_runner.replay(16, runner.staged_slot)[:13].clone()
+            graph_logits = runner.graph_runner.replay(16)[:13].clone()
             graph_tokens = runner.sampled_tokens[:13].clone()
             written = (runner.kv_cache != kv_before).any(dim=(0, 1, 3, 4, 5)).sum().item()   # blocks touched
             ids_taken = t.input_ids[:13].tolist() == expected_ids

@@ -1,8 +1,7 @@
 """CUDA graphs for decode-only steps. A decode step of a 0.6B model is ~30 small kernels per
 layer; launched one by one from Python they cost more than the GPU work at small batch. Each
-graph replays a whole decode step for one batch size, reading its inputs from one of the runner's
-two StepInputBuffers (laid out for that size; each size is captured for both, since consecutive
-steps take them in turn): the input tokens that the previous step sampled, the
+graph replays a whole decode step for one batch size, reading its inputs from the runner's
+StepInputBuffers (laid out for that size): the input tokens that the previous step sampled, the
 forward through lm_head into a static logits buffer and, with the Triton sampler, the sampler into
 the runner's buffer of sampled tokens, where the next step's graph takes its input tokens from."""
 from typing import Callable
@@ -19,8 +18,8 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 # Inputs of a decode step of bs rows, all padding (slot -1: they write nowhere; greedy), laid out
-# where a real step padded to bs will put its own, in input buffer 0 or 1 (bs, buffer).
-PaddedInputs = Callable[[int, int], tuple[StepTensors, AttentionMetadata]]
+# where a real step padded to bs will put its own.
+PaddedInputs = Callable[[int], tuple[StepTensors, AttentionMetadata]]
 # take_prev_tokens(input_ids, prev_index, sampled_tokens) and sample(logits, temperatures, seeds, out=)
 TakePrevTokens = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 Sample = Callable[..., torch.Tensor]
@@ -36,7 +35,7 @@ class CUDAGraphRunner:
         self.sampled_tokens = sampled_tokens
         self.take_prev_tokens = take_prev_tokens
         self.sample = sample             # None: the graph stops at the logits, and the runner samples
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (batch size, input buffer)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     @staticmethod
     def buffer_bytes(max_batch_size: int, vocab_size: int, dtype: torch.dtype) -> int:
@@ -53,18 +52,15 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self, padded_inputs: PaddedInputs) -> None:
-        """Every batch size, once for each of the runner's two input buffers (consecutive steps use
-        them in turn), all in one memory pool: the graphs run one at a time."""
         pool = None
-        for buffer in (0, 1):
-            for bs in reversed(self.batch_sizes):      # largest first: the smaller ones reuse its pool
-                inputs = padded_inputs(bs, buffer)       # staged here: a copy inside the capture would replay
-                self.forward(*inputs)                    # warm-up: compile and autotune outside capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.forward(*inputs)
-                pool = graph.pool()
-                self.graphs[bs, buffer] = graph
+        for bs in reversed(self.batch_sizes):      # largest first: the smaller ones reuse its pool
+            inputs = padded_inputs(bs)               # staged here: a copy inside the capture would replay
+            self.forward(*inputs)                    # warm-up: compile and autotune outside capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.forward(*inputs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
         torch.cuda.synchronize()
 
     def graph_size(self, num_rows: int, max_query_len: int) -> int | None:
@@ -73,8 +69,8 @@ class CUDAGraphRunner:
             return None
         return next(size for size in self.batch_sizes if size >= num_rows)
 
-    def replay(self, bs: int, buffer: int) -> torch.Tensor:
-        """Logits of the step whose inputs were staged for bs rows in input buffer `buffer`: [bs,
-        vocab], padding included (and, if the graph samples, its tokens in sampled_tokens[:bs])."""
-        self.graphs[bs, buffer].replay()
+    def replay(self, bs: int) -> torch.Tensor:
+        """Logits of the step whose inputs were staged for bs rows: [bs, vocab], padding included
+        (and, if the graph samples, its tokens in sampled_tokens[:bs])."""
+        self.graphs[bs].replay()
         return self.logits[:bs]

@@ -106,12 +106,8 @@ class ModelRunner:
         max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
         self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
         max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
-        # Two input buffers, used by consecutive steps in turn (StepInputBuffers): on CUDA the next
-        # step's inputs cross on a copy stream while the step before still runs.
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.inputs = [StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
-                                        max_work_items, self.device, self.copy_stream) for _ in range(2)]
-        self.next_slot, self.staged_slot = 0, None      # the buffer the next step takes; the last one staged
+        self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
+                                       max_work_items, self.device)
         self.decode_workspace = None
         if self.triton_attention:
             # One scratch for every layer's decode splits: allocated before the KV pool is sized, so
@@ -127,7 +123,7 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device, self.sampled_tokens,
                                                 self.take_prev_tokens, sample if "sampler" in self.kernels else None)
             start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.graph_runner.capture(lambda bs, slot: self.prepare_inputs([], graph_size=bs, slot=slot))
+            self.graph_runner.capture(lambda bs: self.prepare_inputs([], graph_size=bs))
             self.cuda_graph_capture_s = time.perf_counter() - start
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
             # (A pool of num_kv_blocks given by the caller was not sized here: nothing to compare.)
@@ -254,7 +250,7 @@ class ModelRunner:
         sample_rows = [r for r in rows if r.sample]
         tokens = None
         if graph_size is not None:
-            logits = self.graph_runner.replay(graph_size, self.staged_slot)[:len(rows)]
+            logits = self.graph_runner.replay(graph_size)[:len(rows)]
             if len(sample_rows) < len(rows):
                 logits = logits[t.logits_indices]
             elif self.graph_runner.sample is not None and not self.restricts_support(sample_rows):
@@ -285,21 +281,13 @@ class ModelRunner:
         """Does any row sample from a top-k or top-p set (which only the eager sampler applies)?"""
         return any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
 
-    def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
-                       slot: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
+    def prepare_inputs(self, rows: list[BatchRow],
+                       graph_size: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
         """The step's flat input tensors, its sampling rows' temperatures and seeds, and its
         attention metadata, staged in StepInputBuffers by one copy. A decode row costs a few list
         appends; block tables are one padded array a row. graph_size: lay the step out as the CUDA
         graph of that batch size was captured (rows padded with greedy ones that write nowhere,
-        tables max_model_len wide). Consecutive calls stage into the two buffers in turn (slot: this
-        one instead, as a graph's capture does); staged_slot names the buffer, and so the graph,
-        that a step staged here reads. The caller queues all of a step's work before it stages
-        the next: the buffer of a step is released, on the device, with the work queued so far."""
-        if slot is None:
-            if self.staged_slot is not None:
-                self.inputs[self.staged_slot].release()
-            slot, self.next_slot = self.next_slot, 1 - self.next_slot
-        self.staged_slot = slot
+        tables max_model_len wide)."""
         # Token-level inputs: single-token rows (they come first) append to the lists, each prefill
         # chunk adds numpy arrays (a 16k-token step spends ~3 ms less than with Python ints a token).
         input_ids, positions, slot_mapping, prev_index = [], [], [], []
@@ -360,7 +348,7 @@ class ModelRunner:
         work = np.zeros((0, 4), dtype=np.int32)
         if max_query_len > 1 and self.triton_attention:
             work = prefill_work(np.diff(query_start_loc), seq_lens, self.prefill_block_q)
-        t = self.inputs[slot].stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
+        t = self.inputs.stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
                                logits_indices], num_tokens, num_rows, width, len(temperatures), len(logits_indices),
                               len(work))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,

@@ -67,14 +67,14 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
     params = SamplingParams(temperature=0.75, max_tokens=4)
     rows = _decode_rows(13, 4, params)
     rows[5].seed = 1234
-    captured, captured_meta = runner.prepare_inputs([], graph_size=16, slot=0)   # as graph (16, 0) was captured
+    captured, captured_meta = runner.prepare_inputs([], graph_size=16)
     assert captured_meta.slot_mapping.tolist() == [-1] * 16 and captured_meta.seq_lens.tolist() == [1] * 16
     assert captured.temperatures.tolist() == [0.0] * 16 and captured.prev_index.tolist() == [-1] * 16
     eager, eager_meta = runner.prepare_inputs(rows)
     eager = dataclasses.replace(eager, **{f.name: getattr(eager, f.name).clone() for f in dataclasses.fields(eager)})
     eager_meta = dataclasses.replace(eager_meta, **{f: getattr(eager_meta, f).clone() for f in
                                                     ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
-    staged, meta = runner.prepare_inputs(rows, graph_size=16, slot=0)
+    staged, meta = runner.prepare_inputs(rows, graph_size=16)
     for field in ("input_ids", "positions", "slot_mapping", "prev_index", "seeds", "seq_lens", "query_start_loc",
                   "block_tables", "temperatures"):
         s, c = getattr(staged, field), getattr(captured, field)
@@ -139,8 +139,7 @@ def test_staged_arrays_start_aligned(tiny_checkpoint):
         assert t.prefill_work.numel() == (4 * len(rows) if chunk else 0)
         for f in dataclasses.fields(t):
             if getattr(t, f.name).numel():
-                assert (getattr(t, f.name).data_ptr() - runner.inputs[runner.staged_slot].data.data_ptr()) % 128 == 0, \
-                    f.name
+                assert (getattr(t, f.name).data_ptr() - runner.inputs.data.data_ptr()) % 128 == 0, f.name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tokens' own copy stream is CUDA's")
@@ -173,30 +172,3 @@ def test_launches_in_flight_return_what_one_at_a_time_returns(tiny_checkpoint, e
     assert runner.tokens_copied is not None and runner.tokens_stream is not None
     assert queued == run(wait_each=True)
     assert len({tuple(t) for t in queued}) > 1          # the steps' tokens are not all alike
-
-
-def test_consecutive_steps_stage_into_two_buffers_in_turn(tiny_checkpoint):
-    """A step's inputs must stay where its graph reads them while the next step's are staged (on
-    CUDA they cross during that step): consecutive steps take the two buffers in turn, staged_slot
-    names the one a step's views (and so its graph) are in, and a capture's explicit buffer leaves
-    the turn where it was."""
-    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
-                                      max_num_seqs=8, block_size=4))
-    params = SamplingParams(temperature=0, max_tokens=4)
-    slots, previous = [], None
-    for step in range(4):
-        rows = _decode_rows(3, 4, params)
-        for row in rows:
-            row.token_ids = [row.token_ids[0] + 10 * step]
-        t, _ = runner.prepare_inputs(rows, graph_size=4)
-        data = runner.inputs[runner.staged_slot].data
-        assert data.data_ptr() <= t.input_ids.data_ptr() < data.data_ptr() + data.numel()
-        if previous is not None:
-            assert previous[0].input_ids.tolist() == previous[1], "staging overwrote the step before"
-        previous = (t, t.input_ids.tolist())
-        slots.append(runner.staged_slot)
-    assert slots == [0, 1, 0, 1]
-    runner.prepare_inputs([], graph_size=4, slot=1)
-    assert runner.staged_slot == 1
-    runner.prepare_inputs([], graph_size=4)
-    assert runner.staged_slot == 0
