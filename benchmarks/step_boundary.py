@@ -9,6 +9,7 @@ run queues one, so this is the measure of what a step boundary costs the run.
     PYTHONPATH=. python benchmarks/step_boundary.py --start 400 --stop 460 --out /tmp/boundary
 """
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -24,23 +25,19 @@ def boundaries(events: list[dict]) -> list[dict]:
     each copy inside, in us. events: the trace's GPU events (name, cat, ts, dur)."""
     events = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e),
                     key=lambda e: e["ts"])
+    kernels = [i for i, e in enumerate(events) if e["cat"] == "kernel"]
     out = []
-    for i, e in enumerate(events):
-        if not e["name"].startswith(LAST_KERNEL):
-            continue
-        end = e["ts"] + e["dur"]
-        nxt = next((f for f in events[i + 1:] if f["cat"] == "kernel"), None)
-        if nxt is None or not nxt["name"].startswith(FIRST_KERNEL):
-            continue                       # not two decode graphs in a row
-        row = {"idle": nxt["ts"] - end}
-        after = next((f for f in events[events.index(nxt) + 1:] if f["cat"] == "kernel"), None)
-        if after is not None:
-            row["to_forward"] = after["ts"] - end        # to the forward's first kernel, after FIRST_KERNEL
-        for f in events[i + 1:]:
-            if f is nxt:
-                break
-            kind = "h2d" if "HtoD" in f["name"] else "d2h" if "DtoH" in f["name"] else "other"
-            row[kind + "_start"], row[kind] = f["ts"] - end, f["dur"]
+    for k, (i, j) in enumerate(zip(kernels, kernels[1:])):
+        last, first = events[i], events[j]
+        if not (last["name"].startswith(LAST_KERNEL) and first["name"].startswith(FIRST_KERNEL)):
+            continue                       # not the end of one decode graph and the start of the next
+        end = last["ts"] + last["dur"]
+        row = {"idle": first["ts"] - end}
+        if k + 2 < len(kernels):           # to the forward's first kernel, the one after FIRST_KERNEL
+            row["to_forward"] = events[kernels[k + 2]]["ts"] - end
+        for copy in events[i + 1:j]:
+            kind = "h2d" if "HtoD" in copy["name"] else "d2h" if "DtoH" in copy["name"] else "other"
+            row[kind + "_start"], row[kind] = copy["ts"] - end, copy["dur"]
         out.append(row)
     return out
 
@@ -82,8 +79,11 @@ def main():
     path = os.path.join(args.out, f"step_boundary_{args.start}_{args.stop}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        rows = boundaries(json.load(f)["traceEvents"])
-    os.system(f"gzip -f {path}")
+        trace = f.read()
+    with gzip.open(path + ".gz", "wt") as f:
+        f.write(trace)
+    os.remove(path)
+    rows = boundaries(json.loads(trace)["traceEvents"])
     print(f"steps {args.start}-{args.stop}: {len(rows)} boundaries between decode graphs (us, median / min / max)")
     for key in ("idle", "to_forward", "h2d_start", "h2d", "d2h_start", "d2h"):
         values = [r[key] for r in rows if key in r]

@@ -12,8 +12,8 @@ def test_boundaries_time_the_gap_between_decode_graphs_and_the_copies_in_it():
         _kernel("_take_prev_tokens_kernel", 0, 2), _kernel("_select_kernel", 100, 5),
         {"name": "Memcpy DtoH (Device -> Pinned)", "cat": "gpu_memcpy", "ts": 107, "dur": 1.5},
         {"name": "Memcpy HtoD (Pinned -> Device)", "cat": "gpu_memcpy", "ts": 110, "dur": 4},
-        _kernel("_take_prev_tokens_kernel", 125, 2), _kernel("embedding_kernel", 128, 1), _kernel("_select_kernel", 200, 5),
-        _kernel("embedding_kernel", 230, 3),
+        _kernel("_take_prev_tokens_kernel", 125, 2), _kernel("embedding_kernel", 128, 1),
+        _kernel("_select_kernel", 200, 5), _kernel("embedding_kernel", 230, 3),
     ]
     rows = boundaries(list(reversed(events)))          # the trace's order does not matter
     assert rows == [{"idle": 20, "to_forward": 23, "d2h_start": 2, "d2h": 1.5, "h2d_start": 5, "h2d": 4}]
