@@ -525,10 +525,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 PREFILL_BLOCK_M = 64
 
 
-def prefill_block_q(queries_per_kv: int, block_m: int = PREFILL_BLOCK_M) -> int:
-    """Query tokens a prefill program (one work item) holds. Host arithmetic the runner calls at
+def prefill_block_m(queries_per_kv: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Query rows of a prefill program: block_m, raised to the next power of two >= queries_per_kv
+    (tl.arange's tile) where one token's query heads need more. Host arithmetic the runner calls at
     start-up whatever its kernels, so plain Python, not triton.next_power_of_2: triton is optional."""
-    return max(block_m, 1 << (queries_per_kv - 1).bit_length()) // queries_per_kv
+    return max(block_m, 1 << (queries_per_kv - 1).bit_length())
+
+
+def prefill_block_q(queries_per_kv: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Query tokens a prefill program (one work item) holds."""
+    return prefill_block_m(queries_per_kv, block_m) // queries_per_kv
 
 
 def prefill_work(query_lens, seq_lens, block_q: int) -> np.ndarray:
@@ -564,11 +570,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or num_seqs == 0:
         return out
     queries_per_kv = num_heads // num_kv_heads
-    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
-    block_q = prefill_block_q(queries_per_kv, block_m)
+    block_m = prefill_block_m(queries_per_kv, block_m)
+    block_q = block_m // queries_per_kv
     if work is None:
-        starts = query_start_loc.tolist()
-        query_lens = [end - start for start, end in zip(starts, starts[1:])]
+        query_lens = np.diff(query_start_loc.tolist())
         work = torch.from_numpy(prefill_work(query_lens, seq_lens.tolist(), block_q)).to(q.device)
     if work.shape[0] == 0:
         return out
