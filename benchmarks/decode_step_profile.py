@@ -125,10 +125,10 @@ def profile_graph_replay(runner, rows: list, replays: int, top: int) -> str:
     graphs = runner.graph_runner
     size = graphs.graph_size(len(rows), 1)
     runner.prepare_inputs(rows, size)
-    replay_ms = per_call_ms(lambda: graphs.replay(size), replays)
+    replay_ms = per_call_ms(lambda: graphs.replay(size, runner.turn), replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graphs.replay(size)
+            graphs.replay(size, runner.turn)
         torch.cuda.synchronize()
     kernels = collections.defaultdict(lambda: [0.0, 0])
     for event in prof.events():

@@ -185,9 +185,10 @@ def main():
             # Half the rows sample (one of them seeded), half are greedy: the graph samples them all.
             params = SamplingParams(temperature=0.8, seed=7) if len(rows) % 2 else greedy
             rows.append(BatchRow([rng.randrange(vocab)], ctx, blocks, True, params, params.seed))
-        # Four rows take their input token from the previous launch's samples, on the device.
+        # Four rows take their input token from the previous launch's samples, on the device (the
+        # other turn's).
         prev = torch.tensor([rng.randrange(vocab) for _ in range(13)], device=dev)
-        runner.sampled_tokens[:13] = prev
+        runner.sampled_tokens[1 - runner.turn, :13] = prev
         for i in (0, 4, 5, 12):
             rows[i].prev_token_index = 12 - i
         from mini_engine.engine.sequence import PENDING_TOKEN
@@ -198,8 +199,8 @@ def main():
         with torch.inference_mode():
             t, meta = runner.prepare_inputs(rows, graph_size=16)    # staged where graph 16 reads
             kv_before = runner.kv_cache.clone()
-            graph_logits = runner.graph_runner.replay(16)[:13].clone()
-            graph_tokens = runner.sampled_tokens[:13].clone()
+            graph_logits = runner.graph_runner.replay(16, runner.turn)[:13].clone()
+            graph_tokens = runner.sampled_tokens[runner.turn, :13].clone()
             written = (runner.kv_cache != kv_before).any(dim=(0, 1, 3, 4, 5)).sum().item()   # blocks touched
             ids_taken = t.input_ids[:13].tolist() == expected_ids
             eager_logits = runner.model.compute_logits(runner.model(t.input_ids, t.positions, meta))[:13]

@@ -3,7 +3,7 @@ torch.profiler's CUDA trace over engine steps START..STOP of the timed run, and 
 pair of consecutive decode steps, the time from the end of one graph's last kernel (the sampler's
 _select_kernel) to the start of the next graph's first (_take_prev_tokens_kernel), and the
 copies that run in that window (and the time to the forward's first kernel, the one after
-_take_prev_tokens_kernel). Back-to-back probes (step_overhead.py) queue many steps ahead; the
+_take_prev_tokens_kernel); and the gaps between the kernels inside each graph. Back-to-back probes (step_overhead.py) queue many steps ahead; the
 run queues one, so this is the measure of what a step boundary costs the run.
 
     PYTHONPATH=. python benchmarks/step_boundary.py --start 400 --stop 460 --out /tmp/boundary
@@ -39,6 +39,23 @@ def boundaries(events: list[dict]) -> list[dict]:
             kind = "h2d" if "HtoD" in copy["name"] else "d2h" if "DtoH" in copy["name"] else "other"
             row[kind + "_start"], row[kind] = copy["ts"] - end, copy["dur"]
         out.append(row)
+    return out
+
+
+def graph_gaps(events: list[dict]) -> list[list[float]]:
+    """Per decode graph (FIRST_KERNEL to the next LAST_KERNEL), the gaps between its consecutive
+    kernels, in us: what the graph's own launches cost. An eager kernel just before a replay
+    made every one of them ~0.4 us longer (benchmarks/NOTES.md, entry 40)."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    out, current = [], None
+    for a, b in zip(kernels, kernels[1:]):
+        if a["name"].startswith(FIRST_KERNEL):
+            current = []
+        if current is not None:
+            current.append(b["ts"] - (a["ts"] + a["dur"]))
+            if b["name"].startswith(LAST_KERNEL):
+                out.append(current)
+                current = None
     return out
 
 
@@ -83,13 +100,19 @@ def main():
     with gzip.open(path + ".gz", "wt") as f:
         f.write(trace)
     os.remove(path)
-    rows = boundaries(json.loads(trace)["traceEvents"])
+    events = json.loads(trace)["traceEvents"]
+    rows = boundaries(events)
     print(f"steps {args.start}-{args.stop}: {len(rows)} boundaries between decode graphs (us, median / min / max)")
     for key in ("idle", "to_forward", "h2d_start", "h2d", "d2h_start", "d2h"):
         values = [r[key] for r in rows if key in r]
         if values:
             print(f"  {key:>9s} {statistics.median(values):7.2f} {min(values):7.2f} {max(values):7.2f}"
                   f"   ({len(values)} of {len(rows)})")
+    gaps = graph_gaps(events)
+    if gaps:
+        print(f"inside {len(gaps)} decode graphs: kernel-to-kernel gap median "
+              f"{statistics.median(g for graph in gaps for g in graph):.3f} us, "
+              f"{statistics.median(sum(graph) for graph in gaps):.1f} us a graph (median of the sums)")
 
 
 if __name__ == "__main__":

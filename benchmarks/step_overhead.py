@@ -48,7 +48,7 @@ def main():
             return runner.prepare_inputs(rows, size)
 
         def replay():
-            return runner.graph_runner.replay(size)
+            return runner.graph_runner.replay(size, runner.turn)
 
         inputs()
         times = [per_call_ms(replay, args.steps), per_call_ms(lambda: (inputs(), replay()), args.steps),

@@ -56,17 +56,33 @@ class StepInputBuffers:
     (each copy's latency is paid by the device, in front of the step's first kernel). The step's
     tensors are views at offsets that depend only on its sizes, so a CUDA graph captured on the
     views of a bs-row decode step reads the inputs of every later step laid out for bs where they
-    land: no copy into separate graph buffers before a replay. (Stream order makes reuse safe: a
-    step's copy lands after the previous step's kernels have read the buffer.)"""
+    land: no copy into separate graph buffers before a replay.
+
+    The runner keeps two, one for each turn of its launches (consecutive launches take turns). With
+    a copy stream the pack crosses on it while the step before (the other turn's) still runs, and the
+    current stream waits for it; the copy first waits until the launch that last read this buffer
+    is done (release()). So no copy sits between two steps on the device (benchmarks/NOTES.md,
+    entry 41)."""
 
     # Each array starts on a 128-byte boundary. Triton specialises a kernel on whether each pointer
     # is 16-byte aligned: with offsets that moved with the step's sizes, a fresh machine compiled
     # new variants during the run (benchmarks/NOTES.md, entry 24).
     ALIGN_BYTES = 128
 
-    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_work_items: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_work_items: int, device: torch.device,
+                 copy_stream: torch.cuda.Stream | None = None):
         sizes = self.sizes(max_tokens, max_rows, max_blocks, max_rows, max_rows, max_work_items)
         self.data = torch.zeros(self.offsets(sizes)[-1], dtype=torch.uint8, device=device)
+        self.copy_stream = copy_stream
+        # copied: the last pack has landed; released: the steps queued before release() are done.
+        self.copied = self.released = None
+        if copy_stream is not None:
+            self.copied, self.released = torch.cuda.Event(), torch.cuda.Event()
+
+    def release(self) -> None:
+        """The next pack may land once the work queued so far on the current stream is done."""
+        if self.released is not None:
+            self.released.record()
 
     @staticmethod
     def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
@@ -110,7 +126,14 @@ class StepInputBuffers:
         packed = host.numpy()
         for part, start, size, (_, dtype) in zip(parts, offsets, sizes, STEP_FIELDS):
             packed[start:start + size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])[:] = np.ravel(part)
-        self.data[:offsets[-1]].copy_(host, non_blocking=True)
+        if self.copy_stream is None:
+            self.data[:offsets[-1]].copy_(host, non_blocking=True)
+        else:
+            self.copy_stream.wait_event(self.released)
+            with torch.cuda.stream(self.copy_stream):
+                self.data[:offsets[-1]].copy_(host, non_blocking=True)
+                self.copied.record()
+            torch.cuda.current_stream(self.data.device).wait_event(self.copied)
         return self._views(sizes, offsets, num_rows, table_width)
 
 

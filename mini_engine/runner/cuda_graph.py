@@ -1,9 +1,10 @@
 """CUDA graphs for decode-only steps. A decode step of a 0.6B model is ~30 small kernels per
 layer; launched one by one from Python they cost more than the GPU work at small batch. Each
-graph replays a whole decode step for one batch size, reading its inputs from the runner's
-StepInputBuffers (laid out for that size): the input tokens that the previous step sampled, the
-forward through lm_head into a static logits buffer and, with the Triton sampler, the sampler into
-the runner's buffer of sampled tokens, where the next step's graph takes its input tokens from."""
+graph replays a whole decode step for one batch size: the input tokens that the previous step
+sampled, the forward through lm_head into a static logits buffer and, with the Triton sampler, the
+sampler. The runner's consecutive launches take turns, 0 and 1, and each size is captured once for
+each turn: the graph of turn k reads the inputs staged in that turn's StepInputBuffers (laid out
+for its size), takes its input tokens from the other turn's samples and writes its own to turn k's."""
 from typing import Callable
 
 import torch
@@ -17,9 +18,9 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-# Inputs of a decode step of bs rows, all padding (slot -1: they write nowhere; greedy), laid out
-# where a real step padded to bs will put its own.
-PaddedInputs = Callable[[int], tuple[StepTensors, AttentionMetadata]]
+# Inputs of a decode step of bs rows, all padding (slot mapping -1: they write nowhere; greedy),
+# laid out where a real step padded to bs will put its own, in turn 0 or 1: (bs, turn).
+PaddedInputs = Callable[[int, int], tuple[StepTensors, AttentionMetadata]]
 # take_prev_tokens(input_ids, prev_index, sampled_tokens) and sample(logits, temperatures, seeds, out=)
 TakePrevTokens = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 Sample = Callable[..., torch.Tensor]
@@ -28,6 +29,7 @@ Sample = Callable[..., torch.Tensor]
 class CUDAGraphRunner:
     def __init__(self, model, max_batch_size: int, device: torch.device, sampled_tokens: torch.Tensor,
                  take_prev_tokens: TakePrevTokens, sample: Sample | None):
+        """sampled_tokens: the runner's [2, max_batch_size] samples, a row for each turn."""
         self.model = model
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.logits = torch.zeros(max_batch_size, model.config.vocab_size, dtype=model.embed_tokens.weight.dtype,
@@ -35,32 +37,35 @@ class CUDAGraphRunner:
         self.sampled_tokens = sampled_tokens
         self.take_prev_tokens = take_prev_tokens
         self.sample = sample             # None: the graph stops at the logits, and the runner samples
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (batch size, turn)
 
     @staticmethod
     def buffer_bytes(max_batch_size: int, vocab_size: int, dtype: torch.dtype) -> int:
         """The static logits buffer (256 x 152k bf16 is 74 MiB)."""
         return max_batch_size * vocab_size * dtype.itemsize
 
-    def forward(self, t: StepTensors, meta: AttentionMetadata) -> None:
+    def forward(self, t: StepTensors, meta: AttentionMetadata, turn: int) -> None:
         bs = t.input_ids.shape[0]
-        self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens)
+        self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens[1 - turn])
         hidden = self.model(t.input_ids, t.positions, meta)
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
         if self.sample is not None:
-            self.sample(logits, t.temperatures, t.seeds, out=self.sampled_tokens[:bs])
+            self.sample(logits, t.temperatures, t.seeds, out=self.sampled_tokens[turn, :bs])
 
     @torch.inference_mode()
     def capture(self, padded_inputs: PaddedInputs) -> None:
+        """Every batch size, once for each turn, all in one memory pool: the graphs run one
+        at a time."""
         pool = None
-        for bs in reversed(self.batch_sizes):      # largest first: the smaller ones reuse its pool
-            inputs = padded_inputs(bs)               # staged here: a copy inside the capture would replay
-            self.forward(*inputs)                    # warm-up: compile and autotune outside capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.forward(*inputs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        for turn in (0, 1):
+            for bs in reversed(self.batch_sizes):      # largest first: the smaller ones reuse its pool
+                inputs = padded_inputs(bs, turn)         # staged here: a copy inside the capture would replay
+                self.forward(*inputs, turn)              # warm-up: compile and autotune outside capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self.forward(*inputs, turn)
+                pool = graph.pool()
+                self.graphs[bs, turn] = graph
         torch.cuda.synchronize()
 
     def graph_size(self, num_rows: int, max_query_len: int) -> int | None:
@@ -69,8 +74,8 @@ class CUDAGraphRunner:
             return None
         return next(size for size in self.batch_sizes if size >= num_rows)
 
-    def replay(self, bs: int) -> torch.Tensor:
-        """Logits of the step whose inputs were staged for bs rows: [bs, vocab], padding included
-        (and, if the graph samples, its tokens in sampled_tokens[:bs])."""
-        self.graphs[bs].replay()
+    def replay(self, bs: int, turn: int) -> torch.Tensor:
+        """Logits of the step whose inputs were staged for bs rows in that turn: [bs, vocab],
+        padding included (and, if the graph samples, its tokens in sampled_tokens[turn, :bs])."""
+        self.graphs[bs, turn].replay()
         return self.logits[:bs]

@@ -90,13 +90,19 @@ class ModelRunner:
         self.graph_runner = None
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
-        # The last launch's samples, on the device, where the next launch takes its input tokens
-        # (a row's prev_token_index). A static buffer, so that a CUDA graph reads and writes it.
-        self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        # The sampled tokens go to the host on a stream of their own; the next launch waits for the
-        # copy (tokens_copied) before it may overwrite sampled_tokens.
+        # Consecutive launches take turns, 0 and 1 (self.turn: the next launch's). A turn has its
+        # own staged inputs (self.inputs[turn]) and samples (self.sampled_tokens[turn], static, so
+        # that a CUDA graph reads and writes them), where the next launch takes its input tokens
+        # (a row's prev_token_index). So on CUDA the next step's inputs cross on a copy stream, and
+        # the step's tokens go to the host on a stream of their own, while the device runs on: the
+        # next launch waits for neither, and the one after finds both long done (it waits for
+        # tokens_copied[turn] before it overwrites the turn's samples, and its input copy for
+        # StepInputBuffers.release). Between two decode graphs the device then runs no copy at
+        # all (benchmarks/NOTES.md, entry 41).
+        self.turn = 0
+        self.sampled_tokens = torch.zeros(2, config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.tokens_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.tokens_copied: torch.cuda.Event | None = None
+        self.tokens_copied: list[torch.cuda.Event | None] = [None, None]
         self.take_prev_tokens = take_prev_tokens if "prev_tokens" in self.kernels else take_prev_tokens_ref
         self.max_blocks = -(-config.max_model_len // self.block_size)
         # The Triton varlen attention kernel: it leaves tokens outside every sequence alone, so an
@@ -106,8 +112,9 @@ class ModelRunner:
         max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
         self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
         max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
-        self.inputs = StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
-                                       max_work_items, self.device)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.inputs = [StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
+                                        max_work_items, self.device, self.copy_stream) for _ in range(2)]
         self.decode_workspace = None
         if self.triton_attention:
             # One scratch for every layer's decode splits: allocated before the KV pool is sized, so
@@ -123,7 +130,7 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device, self.sampled_tokens,
                                                 self.take_prev_tokens, sample if "sampler" in self.kernels else None)
             start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.graph_runner.capture(lambda bs: self.prepare_inputs([], graph_size=bs))
+            self.graph_runner.capture(lambda bs, turn: self.prepare_inputs([], graph_size=bs, turn=turn))
             self.cuda_graph_capture_s = time.perf_counter() - start
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
             # (A pool of num_kv_blocks given by the caller was not sized here: nothing to compare.)
@@ -240,31 +247,40 @@ class ModelRunner:
         first (they take the batched decode path). A row whose prev_token_index is set takes its
         input token from the previous launch's samples, still on the device: the host need not
         know it, so the engine can schedule step n+1 while step n runs."""
+        turn = self.turn
+        try:
+            handle = self.enqueue(rows, turn)
+        finally:
+            self.inputs[turn].release()       # (also after a failed launch: its kernels may be queued)
+        self.turn = 1 - turn                  # a failed launch leaves the turn, and its samples, as they were
+        return handle
+
+    def enqueue(self, rows: list[BatchRow], turn: int) -> "StepHandle":
         graph_size = None
         if self.graph_runner is not None:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
-        t, meta = self.prepare_inputs(rows, graph_size)
-        if self.tokens_copied is not None:
-            # After the input copy is queued, so that it runs beside the previous step's tokens' copy.
-            torch.cuda.current_stream(self.device).wait_event(self.tokens_copied)
+        t, meta = self.prepare_inputs(rows, graph_size, turn)
+        if self.tokens_copied[turn] is not None:
+            # The launch before the last one copies this turn's samples out: long done by now.
+            torch.cuda.current_stream(self.device).wait_event(self.tokens_copied[turn])
         sample_rows = [r for r in rows if r.sample]
-        tokens = None
+        samples, tokens = self.sampled_tokens[turn], None
         if graph_size is not None:
-            logits = self.graph_runner.replay(graph_size)[:len(rows)]
+            logits = self.graph_runner.replay(graph_size, turn)[:len(rows)]
             if len(sample_rows) < len(rows):
                 logits = logits[t.logits_indices]
             elif self.graph_runner.sample is not None and not self.restricts_support(sample_rows):
-                tokens = self.sampled_tokens[:len(rows)]         # sampled inside the graph
+                tokens = samples[:len(rows)]         # sampled inside the graph
         else:
             if any(r.prev_token_index >= 0 for r in rows):
-                self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens)
+                self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens[1 - turn])
             hidden = self.model(t.input_ids, t.positions, meta)
             logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
         if not sample_rows:
             return StepHandle.done([], None)
         if tokens is None:
             tokens = self.sampler(logits, self.sampling_tensors(sample_rows, t))
-            self.sampled_tokens[:len(tokens)].copy_(tokens)
+            samples[:len(tokens)].copy_(tokens)
         # Log-probabilities of the raw logits (before temperature, as vLLM reports them), and
         # only for the rows that asked: such a step waits for its results here.
         want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
@@ -273,7 +289,7 @@ class ModelRunner:
             return StepHandle.done(*gather_logprobs(tokens, logprobs, want,
                                                     [sample_rows[i].params.logprobs for i in want]))
         handle = StepHandle.copying(tokens, self.tokens_stream)
-        self.tokens_copied = handle.ready
+        self.tokens_copied[turn] = handle.ready
         return handle
 
     @staticmethod
@@ -281,13 +297,15 @@ class ModelRunner:
         """Does any row sample from a top-k or top-p set (which only the eager sampler applies)?"""
         return any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
 
-    def prepare_inputs(self, rows: list[BatchRow],
-                       graph_size: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
+    def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
+                       turn: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
         """The step's flat input tensors, its sampling rows' temperatures and seeds, and its
         attention metadata, staged in StepInputBuffers by one copy. A decode row costs a few list
         appends; block tables are one padded array a row. graph_size: lay the step out as the CUDA
         graph of that batch size was captured (rows padded with greedy ones that write nowhere,
-        tables max_model_len wide)."""
+        tables max_model_len wide). turn: whose input buffer (and so graph) the step takes; by
+        default the next launch's."""
+        turn = self.turn if turn is None else turn
         # Token-level inputs: single-token rows (they come first) append to the lists, each prefill
         # chunk adds numpy arrays (a 16k-token step spends ~3 ms less than with Python ints a token).
         input_ids, positions, slot_mapping, prev_index = [], [], [], []
@@ -348,9 +366,9 @@ class ModelRunner:
         work = np.zeros((0, 4), dtype=np.int32)
         if max_query_len > 1 and self.triton_attention:
             work = prefill_work(np.diff(query_start_loc), seq_lens, self.prefill_block_q)
-        t = self.inputs.stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
-                               logits_indices], num_tokens, num_rows, width, len(temperatures), len(logits_indices),
-                              len(work))
+        t = self.inputs[turn].stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
+                                     logits_indices], num_tokens, num_rows, width, len(temperatures),
+                                    len(logits_indices), len(work))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
                                  max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None)

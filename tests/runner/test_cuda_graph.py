@@ -67,14 +67,14 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
     params = SamplingParams(temperature=0.75, max_tokens=4)
     rows = _decode_rows(13, 4, params)
     rows[5].seed = 1234
-    captured, captured_meta = runner.prepare_inputs([], graph_size=16)
+    captured, captured_meta = runner.prepare_inputs([], graph_size=16, turn=0)   # as graph (16, 0) was captured
     assert captured_meta.slot_mapping.tolist() == [-1] * 16 and captured_meta.seq_lens.tolist() == [1] * 16
     assert captured.temperatures.tolist() == [0.0] * 16 and captured.prev_index.tolist() == [-1] * 16
     eager, eager_meta = runner.prepare_inputs(rows)
     eager = dataclasses.replace(eager, **{f.name: getattr(eager, f.name).clone() for f in dataclasses.fields(eager)})
     eager_meta = dataclasses.replace(eager_meta, **{f: getattr(eager_meta, f).clone() for f in
                                                     ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
-    staged, meta = runner.prepare_inputs(rows, graph_size=16)
+    staged, meta = runner.prepare_inputs(rows, graph_size=16, turn=0)
     for field in ("input_ids", "positions", "slot_mapping", "prev_index", "seeds", "seq_lens", "query_start_loc",
                   "block_tables", "temperatures"):
         s, c = getattr(staged, field), getattr(captured, field)
@@ -109,11 +109,11 @@ def test_tokens_from_the_previous_launch_fill_the_staged_ids(tiny_checkpoint):
     rows = _decode_rows(5, 4, SamplingParams(temperature=0, max_tokens=4))
     for i, index in ((1, 2), (3, 0)):
         rows[i].token_ids, rows[i].prev_token_index = [PENDING_TOKEN], index
-    runner.sampled_tokens[:3] = torch.tensor([7, 8, 9])
+    runner.sampled_tokens[1 - runner.turn, :3] = torch.tensor([7, 8, 9])     # the previous launch's turn
     t, _ = runner.prepare_inputs(rows, graph_size=8)
     assert t.prev_index.tolist() == [-1, 2, -1, 0, -1, -1, -1, -1]
     assert t.input_ids.tolist() == [100, PENDING_TOKEN, 102, PENDING_TOKEN, 104, 0, 0, 0]
-    runner.take_prev_tokens(t.input_ids, t.prev_index, runner.sampled_tokens)
+    runner.take_prev_tokens(t.input_ids, t.prev_index, runner.sampled_tokens[1 - runner.turn])
     assert t.input_ids.tolist() == [100, 9, 102, 7, 104, 0, 0, 0]
     chunk = BatchRow([11, 12, PENDING_TOKEN], 0, [40], True, rows[0].params, prev_token_index=1)
     t, _ = runner.prepare_inputs(rows[:1] + [chunk])
@@ -139,7 +139,7 @@ def test_staged_arrays_start_aligned(tiny_checkpoint):
         assert t.prefill_work.numel() == (4 * len(rows) if chunk else 0)
         for f in dataclasses.fields(t):
             if getattr(t, f.name).numel():
-                assert (getattr(t, f.name).data_ptr() - runner.inputs.data.data_ptr()) % 128 == 0, f.name
+                assert (getattr(t, f.name).data_ptr() - runner.inputs[runner.turn].data.data_ptr()) % 128 == 0, f.name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tokens' own copy stream is CUDA's")
@@ -169,6 +169,60 @@ def test_launches_in_flight_return_what_one_at_a_time_returns(tiny_checkpoint, e
         return tokens if wait_each else [h.result()[0] for h in handles]
 
     queued = run(wait_each=False)
-    assert runner.tokens_copied is not None and runner.tokens_stream is not None
+    assert all(event is not None for event in runner.tokens_copied) and runner.tokens_stream is not None
     assert queued == run(wait_each=True)
+    runner.kv_cache.zero_()
+    assert queued == _greedy_launches(runner, 8, on_device=False)     # each input token from the host
     assert len({tuple(t) for t in queued}) > 1          # the steps' tokens are not all alike
+
+
+def _greedy_launches(runner, steps: int, on_device: bool = True, fail_at: int | None = None) -> list[list[int]]:
+    """Five greedy decode rows launched `steps` times, each step's input the token the step before
+    sampled: taken on the device (prev_token_index), or (on_device=False) handed over by the host.
+    fail_at: that launch raises in the sampler (after its forward ran) and is then launched again."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    rows = [BatchRow([100 + i], 5 + 3 * i, list(range(12 * i, 12 * i + 12)), True, params) for i in range(5)]
+    out = []
+    for step in range(steps):
+        if step == fail_at:
+            sampler = runner.sampler
+            runner.sampler = lambda *args: 1 / 0
+            with pytest.raises(ZeroDivisionError):
+                runner.launch(rows)
+            runner.sampler = sampler
+        out.append(runner.launch(rows).result()[0])
+        for i, row in enumerate(rows):
+            row.start_position += 1
+            row.token_ids, row.prev_token_index = ([PENDING_TOKEN], i) if on_device else ([out[-1][i]], -1)
+    return out
+
+
+def test_consecutive_launches_take_turns(tiny_checkpoint):
+    """Launch n stages its inputs in inputs[turn] and writes its samples to sampled_tokens[turn];
+    launch n+1 takes the other turn, and its input tokens from launch n's samples. Staging one
+    turn's inputs leaves the other's alone (on CUDA the next step's cross while a step reads its
+    own). A launch that fails leaves the turn as it was: the launch after it still finds the
+    last launch's samples, and returns what it would have without the failure."""
+    config = EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100, max_num_seqs=8,
+                          block_size=4)
+    runner = ModelRunner(config)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first, _ = runner.prepare_inputs(_decode_rows(3, 4, params), graph_size=4)
+    ids = first.input_ids.tolist()
+    runner.prepare_inputs(_decode_rows(2, 4, params), graph_size=4, turn=1)
+    assert first.input_ids.tolist() == ids and runner.turn == 0, "staging the other turn overwrote this one"
+
+    turns, launch = [], runner.launch
+
+    def launch_and_check(rows):
+        turns.append(runner.turn)
+        handle = launch(rows)
+        assert runner.sampled_tokens[turns[-1], :len(rows)].tolist() == handle.result()[0]
+        return handle
+
+    expected = _greedy_launches(ModelRunner(config), 4, on_device=False)
+    assert len({tuple(t) for t in expected}) > 1          # the steps' tokens are not all alike
+    runner.launch = launch_and_check
+    assert _greedy_launches(runner, 4) == expected
+    assert turns == [0, 1, 0, 1]
+    assert _greedy_launches(ModelRunner(config), 4, fail_at=2) == expected
