@@ -303,9 +303,12 @@ class ModelRunner:
         attention metadata, staged in StepInputBuffers by one copy. A decode row costs a few list
         appends; block tables are one padded array a row. graph_size: lay the step out as the CUDA
         graph of that batch size was captured (rows padded with greedy ones that write nowhere,
-        tables max_model_len wide). turn: whose input buffer (and so graph) the step takes; by
-        default the next launch's."""
-        turn = self.turn if turn is None else turn
+        tables max_model_len wide). turn: whose input buffer (and so graph) the step takes, given
+        by a caller that knows no queued work still reads it (launch, the graphs' capture); by
+        default the next launch's, staged after all work queued so far."""
+        if turn is None:
+            turn = self.turn
+            self.inputs[turn].release()
         # Token-level inputs: single-token rows (they come first) append to the lists, each prefill
         # chunk adds numpy arrays (a 16k-token step spends ~3 ms less than with Python ints a token).
         input_ids, positions, slot_mapping, prev_index = [], [], [], []
