@@ -42,20 +42,22 @@ class LLM:
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
         try:
-            # Only the requests that the first step can schedule are validated and added before it
-            # launches; the rest while the device runs it, so that their host work (~11 ms for
-            # the benchmark's 256 prompts) does not hold back the first kernel. The first step is
-            # the one it would have been with every request waiting, unless prefix-cache hits
-            # (tokens that cost no budget) would have let it admit more. A bad request, in either
-            # part, aborts those already added and fails the call: it still costs the others
-            # nothing, and leaves the engine as it found it.
-            self.add_requests(requests, seqs, stoppers, engine.config.max_num_batched_tokens)
-            first_step = True
-            while engine.has_unfinished_requests():
+            # Requests are validated and added only as the scheduler can take them: before each
+            # step, enough that the step is the one it would have been with every request waiting
+            # (FCFS admission stops at the token budget or at max_num_seqs; only prefix-cache hits,
+            # tokens that cost no budget, could have let it admit more). The first step launches
+            # after the host work of its own requests alone, and the rest is done after each
+            # launch, while the device runs it: all at once, the host work of the benchmark's 256
+            # prompts (~10-20 ms here, about twice that on the H200's host) kept the device waiting
+            # before the first step and again before the second (benchmarks/NOTES.md, entries 37
+            # and 41). A bad request aborts those already added and fails the call: it still costs
+            # the others nothing, and leaves the engine as it found it.
+            budget = engine.config.max_num_batched_tokens
+            pending = self.add_requests(requests, seqs, stoppers, budget)
+            while pending or engine.has_unfinished_requests():
                 outputs = engine.step()
-                if first_step:
-                    self.add_requests(requests, seqs, stoppers)
-                    first_step = False
+                if pending:
+                    pending = self.add_requests(requests, seqs, stoppers, budget)
                 prefill_tokens += engine.last_step_prefill_tokens
                 decode_tokens += engine.last_step_decode_tokens
                 elapsed = time.perf_counter() - start
@@ -73,15 +75,17 @@ class LLM:
         return [self.to_output(seq, prompt, stoppers.get(seq.request_id)) for seq, prompt in zip(seqs, prompts)]
 
     def add_requests(self, requests: Iterator[tuple[int, tuple]], seqs: list[Sequence],
-                     stoppers: dict[str, IncrementalDetokenizer], max_tokens: int | None = None) -> None:
+                     stoppers: dict[str, IncrementalDetokenizer], max_tokens: int) -> bool:
         """Validates and adds the next (index, (prompt, params)) of requests, into seqs (and
-        stoppers, where params have stop strings), until their prompts hold max_tokens tokens or
-        as many requests as a step can run (None: all of them). A bad one raises, naming its index."""
-        engine, tokens, added = self.engine, 0, 0
-        while max_tokens is None or (tokens < max_tokens and added < engine.config.max_num_seqs):
+        stoppers, where params have stop strings), until the engine's waiting requests hold
+        max_tokens tokens to compute or as many requests as a step can run. A bad one raises,
+        naming its index. Returns whether requests are left."""
+        engine = self.engine
+        num_waiting, tokens = engine.waiting_load()
+        while tokens < max_tokens and num_waiting < engine.config.max_num_seqs:
             request = next(requests, None)
             if request is None:
-                return
+                return False
             i, (prompt, params) = request
             try:
                 ids = engine.tokenize(prompt)
@@ -89,14 +93,15 @@ class LLM:
             except (ValueError, TypeError) as e:
                 for seq in seqs:
                     engine.abort_request(seq.request_id)
-                engine.wait_in_flight()          # the first step, if launched: its tokens are dropped
+                engine.wait_in_flight()          # a launched step, if any: its tokens are dropped
                 raise type(e)(f"prompt {i}: {e}") from None
             seq = engine.add_request(ids, params, validated=True)
             seqs.append(seq)
             if params.stop:
                 stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop)
             tokens += len(ids)
-            added += 1
+            num_waiting += 1
+        return True
 
     def hit_stop_string(self, out: StepOutput, stoppers: dict[str, IncrementalDetokenizer]) -> bool:
         """Feeds a step's tokens to the request's stop-string matcher; True when a stop string

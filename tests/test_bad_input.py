@@ -186,3 +186,24 @@ def test_generate_schedules_as_if_every_request_were_added_first(tiny_checkpoint
     while engine.has_unfinished_requests():
         engine.step()
     assert steps == expected and len(steps) > 3
+
+
+def test_generate_adds_requests_as_the_scheduler_can_take_them(tiny_checkpoint):
+    """Each step is scheduled with the requests it can admit waiting, not all of them: the host
+    work of the rest waits until a launch is on the device. Here 40 prompts of 6 tokens and a
+    16-token budget: 3 wait before the first step, and at every step at most a budget's worth
+    (plus the one that crosses it) or max_num_seqs more than are running."""
+    llm = LLM(tiny_checkpoint, device="cpu", max_model_len=32, max_num_batched_tokens=16, max_num_seqs=8,
+              num_kv_blocks=128)
+    engine, schedule, held = llm.engine, llm.engine.scheduler.schedule, []
+
+    def recording():
+        held.append((len(engine.requests), len(engine.scheduler.running)))
+        return schedule()
+    engine.scheduler.schedule = recording
+    prompts = [list(range(3 + i, 9 + i)) for i in range(40)]
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [2] * 40
+    assert held[0] == (3, 0)
+    assert all(requests - running <= 3 for requests, running in held)
+    assert max(requests for requests, _ in held) < 40 // 2

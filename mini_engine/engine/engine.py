@@ -88,6 +88,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def waiting_load(self) -> tuple[int, int]:
+        """The waiting requests, and the tokens they have left to compute."""
+        waiting = self.scheduler.waiting
+        return len(waiting), sum(seq.num_tokens - seq.num_computed_tokens for seq in waiting)
+
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
