@@ -118,7 +118,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     profiler = None
     if opts.profile:
         from benchmarks.step_profile import StepProfiler
-        profiler = StepProfiler(engine)
+        profiler = StepProfiler(engine, num_requests=len(prompts))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)   # returns once every token is on the host
     wall = time.perf_counter() - start

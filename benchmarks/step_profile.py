@@ -24,7 +24,7 @@ class StepRecord:
     prefill_tokens: int
     decode_tokens: int
     running: int            # after the step
-    waiting: int
+    waiting: int            # requests not yet running nor finished (StepProfiler's num_requests)
 
 
 class StepProfiler:
@@ -32,11 +32,16 @@ class StepProfiler:
     results on the host, and the device time of each launch, between a CUDA event recorded once
     its inputs are built and one recorded after its last kernel. The events are read after the
     run, so timing never makes a step wait (with async scheduling a step returns while the device
-    still runs it)."""
+    still runs it).
 
-    def __init__(self, engine, clock=time.perf_counter):
+    num_requests: the requests of the run, so that a step's waiting count is those not yet running
+    nor finished: LLM.generate adds requests only as the scheduler can take them, so the engine's
+    own queue holds just the next step's. Without it, the length of that queue."""
+
+    def __init__(self, engine, clock=time.perf_counter, num_requests: int | None = None):
         import torch
         self.engine, self.records, self.events = engine, [], []
+        self.num_requests, self.finished = num_requests, 0
         self.t0 = self.interval_start = None
         self.awaiting = None            # async scheduling: the record whose results the next call returns
         cuda = engine.runner.device.type == "cuda"
@@ -65,11 +70,13 @@ class StepProfiler:
             self.launched, self.num_rows = None, 0
             out = step()
             end = clock()
+            self.finished += sum(o.finished for o in out)
             launched = None
             if self.num_rows:
                 s = engine.scheduler
+                waiting = len(s.waiting) if num_requests is None else num_requests - len(s.running) - self.finished
                 launched = StepRecord(0.0, 0.0, None, self.num_rows, engine.last_step_prefill_tokens,
-                                      engine.last_step_decode_tokens, len(s.running), len(s.waiting))
+                                      engine.last_step_decode_tokens, len(s.running), waiting)
                 self.records.append(launched)
                 self.events.append(self.launched)
             # The step whose results this call returned: the one launched a call earlier (async

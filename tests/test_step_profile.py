@@ -59,3 +59,25 @@ def test_each_call_is_billed_to_the_step_whose_results_it_returned(async_schedul
         assert walls == pytest.approx([10.0, 20.0, 30.0])
     assert [r.num_seqs for r in profiler.records] == batches
     assert sum(walls) == pytest.approx(1e3 * clock.now)      # the run's whole wall time, once
+
+
+def test_waiting_counts_the_requests_not_yet_running_nor_finished():
+    """generate adds requests only as the scheduler can take them, so the engine's queue is not
+    what waits: given the run's requests, a step's waiting count is those neither running nor
+    finished."""
+    clock = FakeClock()
+    engine = FakeEngine([4, 3, 2], [0.01] * 4, clock, async_scheduling=True)
+    running = iter([4, 3, 2, 0])
+    finished = iter([0, 0, 1, 2])
+    step = engine.step
+
+    def step_with_state():
+        out = step()
+        engine.scheduler.running = [None] * next(running)
+        return [SimpleNamespace(finished=True)] * next(finished)
+    engine.step = step_with_state
+    profiler = StepProfiler(engine, clock=clock, num_requests=10)
+    for _ in range(4):
+        engine.step()
+    assert [r.waiting for r in profiler.records] == [6, 7, 7]
+    assert [r.running for r in profiler.records] == [4, 3, 2]
