@@ -152,9 +152,9 @@ class StepHandle:
     def copying(cls, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> "StepHandle":
         """Copies tokens, once the current stream has produced them, into pinned memory without
         blocking; the handle's event marks when they are there (and so the step is done). On a
-        stream of its own the copy leaves the current stream free for the next step's input copy:
-        the two copies then run side by side between the steps (benchmarks/NOTES.md, entry 40).
-        The caller must not overwrite tokens until the event has fired."""
+        stream of its own the copy leaves the current stream free: the next step's work queues
+        behind the step, not behind its copy (benchmarks/NOTES.md, entries 40 and 41). The caller
+        must not overwrite tokens until the event has fired."""
         if not tokens.is_cuda:
             return cls(tokens.tolist())
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -112,6 +112,8 @@ class ModelRunner:
         max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
         self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
         max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
+        # Not tokens_stream: there the next step's input copy would queue behind the tokens' copy,
+        # which waits for the step before to end.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.inputs = [StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
                                         max_work_items, self.device, self.copy_stream) for _ in range(2)]

@@ -153,36 +153,23 @@ def test_launches_in_flight_return_what_one_at_a_time_returns(tiny_checkpoint, e
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cuda", num_kv_blocks=64, max_model_len=100,
                                       max_num_seqs=8, block_size=4, enforce_eager=enforce_eager))
     runner.kv_cache.zero_()
-    params = SamplingParams(temperature=0, max_tokens=8)
-
-    def run(wait_each: bool) -> list[list[int]]:
-        rows = [BatchRow([100 + i], 5 + 3 * i, list(range(12 * i, 12 * i + 12)), True, params) for i in range(5)]
-        handles, tokens = [], []
-        for _ in range(8):
-            handle = runner.launch(rows)
-            if wait_each:
-                tokens.append(handle.result()[0])
-            handles.append(handle)
-            for i, row in enumerate(rows):      # the next step: one position on, its input the token just sampled
-                row.start_position += 1
-                row.token_ids, row.prev_token_index = [PENDING_TOKEN], i
-        return tokens if wait_each else [h.result()[0] for h in handles]
-
-    queued = run(wait_each=False)
+    queued = _greedy_launches(runner, 8, wait_each=False)
     assert all(event is not None for event in runner.tokens_copied) and runner.tokens_stream is not None
-    assert queued == run(wait_each=True)
+    assert queued == _greedy_launches(runner, 8)
     runner.kv_cache.zero_()
     assert queued == _greedy_launches(runner, 8, on_device=False)     # each input token from the host
     assert len({tuple(t) for t in queued}) > 1          # the steps' tokens are not all alike
 
 
-def _greedy_launches(runner, steps: int, on_device: bool = True, fail_at: int | None = None) -> list[list[int]]:
+def _greedy_launches(runner, steps: int, on_device: bool = True, wait_each: bool = True,
+                     fail_at: int | None = None) -> list[list[int]]:
     """Five greedy decode rows launched `steps` times, each step's input the token the step before
     sampled: taken on the device (prev_token_index), or (on_device=False) handed over by the host.
-    fail_at: that launch raises in the sampler (after its forward ran) and is then launched again."""
+    wait_each=False: every launch queued before any result is read (on the device only). fail_at:
+    that launch raises in the sampler (after its forward ran) and is then launched again."""
     params = SamplingParams(temperature=0, max_tokens=8)
     rows = [BatchRow([100 + i], 5 + 3 * i, list(range(12 * i, 12 * i + 12)), True, params) for i in range(5)]
-    out = []
+    handles = []
     for step in range(steps):
         if step == fail_at:
             sampler = runner.sampler
@@ -190,11 +177,12 @@ def _greedy_launches(runner, steps: int, on_device: bool = True, fail_at: int | 
             with pytest.raises(ZeroDivisionError):
                 runner.launch(rows)
             runner.sampler = sampler
-        out.append(runner.launch(rows).result()[0])
+        handles.append(runner.launch(rows))
+        tokens = handles[-1].result()[0] if wait_each else None
         for i, row in enumerate(rows):
             row.start_position += 1
-            row.token_ids, row.prev_token_index = ([PENDING_TOKEN], i) if on_device else ([out[-1][i]], -1)
-    return out
+            row.token_ids, row.prev_token_index = ([PENDING_TOKEN], i) if on_device else ([tokens[i]], -1)
+    return [h.result()[0] for h in handles]
 
 
 def test_consecutive_launches_take_turns(tiny_checkpoint):
