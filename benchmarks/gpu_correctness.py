@@ -243,11 +243,12 @@ def main():
             c, _, _ = run(f"graphs bs={n}, top_k=1", ps, top1, kernels="auto")
             compare(f"graphs, batch {n}: top_k=1 at T=1 vs greedy", c, a, 8)
             teacher_forced(f"graphs, batch {n}, top_k=1, teacher-forced vs fp32", c, ps)
-    # Preemption during decode: a pool too small for all 24 sequences at once.
+    # Preemption during decode: a pool too small for all 24 sequences at once (120 blocks of 16
+    # tokens hold 17 of them at 7 blocks; each needs an eighth at its 13th token).
     ps = [[rng.randrange(vocab) for _ in range(100)] for _ in range(24)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    small, _, info = run("graphs, small pool", ps, params, kernels="auto", num_kv_blocks=120)
-    roomy, _, _ = run("graphs, roomy pool", ps, params, kernels="auto")
+    small, _, info = run("graphs, small pool", ps, params, kernels="auto", block_size=16, num_kv_blocks=120)
+    roomy, _, _ = run("graphs, roomy pool", ps, params, kernels="auto", block_size=16)
     results["preemption"] = dict(preemptions=info["preemptions"])
     if info["preemptions"] == 0:
         failures.append("the small pool did not preempt")

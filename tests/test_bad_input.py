@@ -140,6 +140,15 @@ def test_bad_engine_config(tiny_checkpoint, kwargs, match):
         EngineConfig(tiny_checkpoint, device="cpu", **kwargs)
 
 
+@pytest.mark.parametrize("device,expected", [("cpu", 16), ("cuda", 64), ("cuda:0", 64)])
+def test_default_block_size_by_device(tiny_checkpoint, device, expected):
+    """No GPU needed: the default is resolved from the device's name, before any runner exists."""
+    assert EngineConfig(tiny_checkpoint, device=device).block_size == expected
+    assert EngineConfig(tiny_checkpoint, device=device, block_size=32).block_size == 32
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        EngineConfig(tiny_checkpoint, device=device, block_size=0)
+
+
 def recorded_steps(engine) -> list:
     """Wraps engine.scheduler.schedule: the list it returns fills with each step's
     (request id, tokens) pairs."""

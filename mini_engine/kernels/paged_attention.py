@@ -265,7 +265,11 @@ def _paged_decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(heads[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM))
 
 
-@triton.jit
+# The block table's row stride is its width, the batch's longest sequence in blocks, which moves
+# from step to step. Specialised (Triton's divisible-by-16 variant), a width that first turned a
+# multiple of 16 mid-run compiled a second kernel there: +0.9 and +1.3 s at block size 64
+# (benchmarks/NOTES.md, entry 42). The prefill kernel gathers block ids, so it loses nothing.
+@triton.jit(do_not_specialize=["stride_block_table"])
 def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, work_ptr, out_ptr, qk_scale,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
