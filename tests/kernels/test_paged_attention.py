@@ -119,6 +119,27 @@ def test_prefill_small_query_blocks(device, block_m, tile_n):
     check(out, *batch)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter compiles nothing to count")
+def test_prefill_compiles_once_whatever_the_table_width(device):
+    """A mixed step's block table is as wide as its longest sequence, and that width is the prefill
+    kernel's row stride. Specialised on it, the kernel compiled a second variant the first time the
+    width was a multiple of 16, in the middle of a benchmark run (benchmarks/NOTES.md, entry 42)."""
+    from mini_engine.kernels.paged_attention import _paged_prefill_kernel
+
+    def compiled_variants():
+        return sum(len(cache[0] if isinstance(cache, tuple) else cache)
+                   for cache in _paged_prefill_kernel.device_caches.values())
+
+    counts = []
+    for longest in (60, 56, 120):       # block size 4: tables 17, 16 and 32 wide
+        batch = make_batch([5, 3], [longest, 10], 4, 2, 4, device, seed=longest)
+        assert batch[3].shape[1] == (longest + 3) // 4 + 2
+        check(paged_prefill_attention(*batch, HEAD_DIM ** -0.5), *batch)
+        counts.append(compiled_variants())
+    assert counts[0] >= 1                                   # the count sees the compile at all
+    assert counts == [counts[0]] * 3, counts
+
+
 def test_prefill_work_items():
     """One item for every block of block_q query tokens, sequence by sequence; none for a sequence
     with no query tokens; each item's first query position counts the cached context before it."""
