@@ -113,8 +113,7 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.block_size is None:
-            on_cuda = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
-            self.block_size = 64 if on_cuda else 16
+            self.block_size = 64 if self.resolved_device().type == "cuda" else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -131,6 +130,10 @@ class EngineConfig:
             self.max_model_len = limit
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
+
+    def resolved_device(self) -> torch.device:
+        """The device named, or CUDA when one is available, else the CPU."""
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

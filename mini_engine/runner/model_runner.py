@@ -51,7 +51,7 @@ def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[lis
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = config.resolved_device()
     if config.dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
