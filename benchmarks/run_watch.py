@@ -1,12 +1,11 @@
-"""bench.py under watch: what the GPU did during the timed run, and whether Triton compiled in it.
+"""bench.py under watch: what the GPU did during the timed run.
 
-    PYTHONPATH=. TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/run_watch.py [bench.py's options]
+    PYTHONPATH=. python benchmarks/run_watch.py [bench.py's options]
 
 A thread reads NVML every 10 ms: the SM clock, power, temperature and the clock-event reasons
-(0x4 is the software power cap), summed up over the timed `generate` call alone. With
-TRITON_CACHE_DIR set (a fresh one, so that every kernel compiles in this process), it also lists
-the cache entries written during the timed run: a kernel compiled there was missed by the warm-up
-and its compile time is in the wall time (benchmarks/NOTES.md, entry 42).
+(0x4 is the software power cap), summed up over the timed `generate` call alone. The machines'
+spread is mostly that cap (benchmarks/NOTES.md, entry 42). A Triton kernel compiled inside the
+timed run is benchmarks/host_stalls.py's to find: it logs every compile against the run.
 
 NVML is read through ctypes from the driver's libnvidia-ml.so.1: the GPU machine has no pynvml
 and no network to install it, and torch's own power and clock queries go through pynvml."""
@@ -49,16 +48,6 @@ def summary(samples: list[tuple]) -> str:
             f"{len(samples)} samples")
 
 
-def compiled_between(cache_dir: str, start: float, end: float) -> list[str]:
-    """The kernels of the Triton cache entries written between start and end."""
-    names = []
-    for entry in os.scandir(cache_dir):
-        if entry.is_dir() and start <= entry.stat().st_mtime <= end:
-            names += [f.removesuffix(".json") for f in os.listdir(entry.path)
-                      if f.endswith(".json") and not f.startswith("__grp")]
-    return names
-
-
 def main() -> int:
     import bench
     import mini_engine
@@ -90,10 +79,6 @@ def main() -> int:
     print(f"timed run {end - start:.3f} s: {summary(run)}")
     for s in run[::max(1, len(run) // 25)]:
         print(f"  +{s[0] - start:6.3f} s  SM {s[1]:5d} MHz  {s[2]:6.1f} W  {s[3]} C  reasons {s[4]:#x}")
-    cache_dir = os.environ.get("TRITON_CACHE_DIR")
-    if cache_dir and os.path.isdir(cache_dir):
-        late = compiled_between(cache_dir, start, end)
-        print(f"Triton kernels compiled during the timed run: {len(late)} {late}")
     return rc
 
 
