@@ -29,7 +29,8 @@ import torch
 from bench import make_workload
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, LAYERS = 1024, 16, 8, 128, 3072, 151936, 28
-BLOCK_SIZE, MAX_MODEL_LEN, DTYPE = 16, 2048, torch.bfloat16
+# BLOCK_SIZE: the engine's KV block on CUDA (EngineConfig: 64 since entry 42)
+BLOCK_SIZE, MAX_MODEL_LEN, DTYPE = 64, 2048, torch.bfloat16
 PROJECTIONS = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, NUM_HEADS * HEAD_DIM),
                "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}
 
@@ -122,7 +123,7 @@ def scattered_block_tables(seq_lens: list[int], block_size: int, num_blocks: int
     return tables
 
 
-def sweep_attention(schedule, every: int, results: dict, layouts=("token:16",), configs=ATTENTION_CONFIGS,
+def sweep_attention(schedule, every: int, results: dict, layouts=(f"token:{BLOCK_SIZE}",), configs=ATTENTION_CONFIGS,
                     max_batch: int | None = None, min_batch: int = 1):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="+", default=["attention", "gemm", "prefill", "sampler"])
     ap.add_argument("--every", type=int, default=96, help="attention: time every N-th decode step")
-    ap.add_argument("--layouts", nargs="+", default=["token:16"],
+    ap.add_argument("--layouts", nargs="+", default=[f"token:{BLOCK_SIZE}"],
                     help="attention: KV pool layouts as LAYOUT:BLOCK_SIZE, LAYOUT 'token' (the engine's "
                          "[block, offset, head, dim]) or 'head' ([block, head, offset, dim])")
     ap.add_argument("--tile-configs", action=argparse.BooleanOptionalAction, default=True,
