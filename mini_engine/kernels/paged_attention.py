@@ -336,23 +336,22 @@ def _num_sms(device: torch.device) -> int:
 
 # Pipeline stages of the decode kernel by the launch's number of sequences (a CUDA graph's batch
 # size), where the H200 measured another count faster than 3 over the benchmark's schedule
-# (benchmarks/decode_sweep.py, every 16th step; benchmarks/NOTES.md, entries 35 and 43). Stages set
-# both the tiles a program keeps in flight and how many programs an SM holds
-# (DECODE_PROGRAMS_PER_SM): so they decide how full the launch's last wave of programs is, and which
-# count wins moves with the batch in steps no simple rule on programs and slots follows (two stages
-# win at 128 and 256 rows and lose at 144 and 160). Sizes 16, 32 and 80 were measured together with
-# their splits (below); 80 and 96 at the 64-token KV blocks of entry 43. Other sizes keep 3.
-DECODE_STAGES_BY_BATCH = {16: 2, 32: 2, 64: 4, 80: 2, 96: 4, 128: 2, 176: 2, 192: 2, 208: 2, 256: 2}
+# (benchmarks/decode_sweep.py, every 16th step; benchmarks/NOTES.md, entry 35). Stages set both the
+# tiles a program keeps in flight and how many programs an SM holds (DECODE_PROGRAMS_PER_SM): so
+# they decide how full the launch's last wave of programs is, and which count wins moves with the
+# batch in steps no simple rule on programs and slots follows (two stages win at 128 and 256 rows
+# and lose at 144 and 160). Sizes 16 and 32 were measured together with their splits (below).
+# Other sizes keep 3.
+DECODE_STAGES_BY_BATCH = {16: 2, 32: 2, 64: 4, 128: 2, 176: 2, 192: 2, 208: 2, 256: 2}
 DECODE_STAGES = 3
 
 # Splits of the decode kernel by batch size, where the H200 measured another count faster than
-# decode_num_splits's rule (decode_sweep.py over every decode step of 9-32 rows, entry 39; of 65-96
-# rows, entry 43). At 16, 32 and 80 sequences, 2 stages and about two or three programs for every
-# slot (1,024, 1,536 and 1,280 programs on 528 slots) beat the rule's count at 3 stages (4, 2 and 1
-# splits: about one wave of 396 slots at 16 and 32, 1.6 at 80): each program holds a shorter share
-# of its context, so the launch's last programs end sooner. Decode attention over the run: 70 ms against 74 at size 32, 12 against 13 at 16, 160
-# against 164 at 80.
-DECODE_SPLITS_BY_BATCH = {16: 8, 32: 6, 80: 2}
+# decode_num_splits's rule (decode_sweep.py over every decode step of 9-32 rows; benchmarks/NOTES.md,
+# entry 39). At 16 and 32 sequences, 2 stages and about two or three programs for every slot (1,024
+# and 1,536 programs on 528 slots) beat the rule's one full wave (3 stages; 4 and 2 splits): each
+# program holds a shorter share of its context, so the launch's last programs end sooner. Decode
+# attention over the run: 70 ms against 74 at size 32, 12 against 13 at 16.
+DECODE_SPLITS_BY_BATCH = {16: 8, 32: 6}
 
 # Context tokens a decode tile: the fastest of entry 22's sweep. paged_decode_attention's default,
 # and the tile decode_workspace_numel sizes the engine's splits for.
