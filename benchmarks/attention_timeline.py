@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         finally:
             pa._paged_decode_kernel = original
         (grid, first), (_, second) = tracer.traces[-2:]
-        stages = args.stages or pa.decode_num_stages(bs)
+        stages = args.stages or pa.DECODE_STAGES
         slots = pa.decode_programs_per_sm(stages) * num_sms
         nbytes = program_bytes(grid, seq_lens, 64, kv_bytes_per_token)
         origin = int(first[:, 0].min())

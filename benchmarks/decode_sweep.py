@@ -53,7 +53,7 @@ def time_us(fn) -> float:
 
 
 # (tile, warps, stages, splits); splits 0: the engine's rule (decode_num_splits); stages 0: the engine's
-# table (decode_num_stages)
+# count (DECODE_STAGES)
 ATTENTION_CONFIGS = ((128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 4), (64, 4, 3, 2), (64, 4, 2, 2), (128, 8, 2, 2))
 
 
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tile-configs", action=argparse.BooleanOptionalAction, default=True,
                     help="attention: time ATTENTION_CONFIGS beside the default")
     ap.add_argument("--attention-configs", nargs="+", metavar="TILE,WARPS,STAGES,SPLITS",
-                    help="attention: time these instead of ATTENTION_CONFIGS (stages 0: the engine's table)")
+                    help="attention: time these instead of ATTENTION_CONFIGS (stages 0: the engine's count)")
     ap.add_argument("--max-batch", type=int, help="attention: only the steps of at most this many rows "
                     "(the run totals then cover those steps alone)")
     ap.add_argument("--min-batch", type=int, default=1, help="attention: only the steps of at least this many rows")

@@ -229,7 +229,7 @@ def copy_bandwidth(rep: Report) -> float:
 
 def bench_decode(rep: Report, gen, copy_bw: float):
     from mini_engine.kernels.paged_attention import (
-        decode_num_splits, decode_num_stages, paged_attention, paged_decode_attention,
+        DECODE_STAGES, decode_num_splits, paged_attention, paged_decode_attention,
         paged_decode_attention_torch)
     scale = HEAD_DIM ** -0.5
     for num_seqs, lo, hi in ((256, 900, 1100), (8, 3500, 4500)):
@@ -240,7 +240,7 @@ def bench_decode(rep: Report, gen, copy_bw: float):
         tag = f"decode B={num_seqs} ctx~{(lo + hi) // 2}"
         default = decode_num_splits(num_seqs, NUM_KV_HEADS, max(seq_lens), 64,
                                     torch.cuda.get_device_properties(0).multi_processor_count,
-                                    decode_num_stages(num_seqs))
+                                    DECODE_STAGES)
         rep.time(f"{tag} paged_attention (splits={default})",
                  lambda: paged_attention(*batch, scale, 1, max(seq_lens)), nbytes, copy_bw, kind="default",
                  num_seqs=num_seqs)

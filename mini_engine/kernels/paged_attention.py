@@ -334,24 +334,12 @@ def _num_sms(device: torch.device) -> int:
     return 4    # the interpreter: any small number, so tests exercise several splits
 
 
-# Pipeline stages of the decode kernel by the launch's number of sequences (a CUDA graph's batch
-# size), where the H200 measured another count faster than 3 over the benchmark's schedule
-# (benchmarks/decode_sweep.py, every 16th step; benchmarks/NOTES.md, entry 35). Stages set both the
-# tiles a program keeps in flight and how many programs an SM holds (DECODE_PROGRAMS_PER_SM): so
-# they decide how full the launch's last wave of programs is, and which count wins moves with the
-# batch in steps no simple rule on programs and slots follows (two stages win at 128 and 256 rows
-# and lose at 144 and 160). Sizes 16 and 32 were measured together with their splits (below).
-# Other sizes keep 3.
-DECODE_STAGES_BY_BATCH = {16: 2, 32: 2, 64: 4, 128: 2, 176: 2, 192: 2, 208: 2, 256: 2}
+# Pipeline stages of the decode kernel. Stages set both the tiles a program keeps in flight and how
+# many programs an SM holds (DECODE_PROGRAMS_PER_SM). At 16-token KV blocks the H200 measured other
+# stage and split counts faster at some batch sizes (benchmarks/NOTES.md, entries 35 and 39), and
+# the engine kept them in tables; at its 64-token blocks those tables made no difference to whole
+# runs (entry 43), so every batch takes 3 stages and decode_num_splits's rule.
 DECODE_STAGES = 3
-
-# Splits of the decode kernel by batch size, where the H200 measured another count faster than
-# decode_num_splits's rule (decode_sweep.py over every decode step of 9-32 rows; benchmarks/NOTES.md,
-# entry 39). At 16 and 32 sequences, 2 stages and about two or three programs for every slot (1,024
-# and 1,536 programs on 528 slots) beat the rule's one full wave (3 stages; 4 and 2 splits): each
-# program holds a shorter share of its context, so the launch's last programs end sooner. Decode
-# attention over the run: 70 ms against 74 at size 32, 12 against 13 at 16.
-DECODE_SPLITS_BY_BATCH = {16: 8, 32: 6}
 
 # Context tokens a decode tile: the fastest of entry 22's sweep. paged_decode_attention's default,
 # and the tile decode_workspace_numel sizes the engine's splits for.
@@ -364,26 +352,20 @@ DECODE_TILE_N = 64
 DECODE_PROGRAMS_PER_SM = {2: 4, 3: 3, 4: 2}
 
 
-def decode_num_stages(num_seqs: int) -> int:
-    return DECODE_STAGES_BY_BATCH.get(num_seqs, DECODE_STAGES)
-
-
 def decode_programs_per_sm(num_stages: int) -> int:
-    """DECODE_PROGRAMS_PER_SM; a stage count outside the table (sweeps) counts as the default's."""
+    """DECODE_PROGRAMS_PER_SM; a stage count outside it (sweeps) counts as the default's."""
     return DECODE_PROGRAMS_PER_SM.get(num_stages, DECODE_PROGRAMS_PER_SM[DECODE_STAGES])
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int,
                       num_stages: int) -> int:
-    """How many programs share one (sequence, KV head): DECODE_SPLITS_BY_BATCH's count for the
-    batch sizes it has; otherwise enough to fill every program slot of the GPU at once (slots:
-    decode_programs_per_sm(num_stages) times the SMs), one where the batch alone fills it, which
-    then needs no reduce kernel. (Half the slots, the rule before, left 33-48 sequences at one
-    split and ~11 us a layer slower than with two: benchmarks/NOTES.md, entry 32.) Never more than
-    the longest context has tiles. Host ints only, so a captured graph keeps its grid."""
+    """How many programs share one (sequence, KV head): enough to fill every program slot of the GPU
+    at once (slots: decode_programs_per_sm(num_stages) times the SMs), one where the batch alone
+    fills it, which then needs no reduce kernel. (Half the slots, the rule before, left 33-48
+    sequences at one split and ~11 us a layer slower than with two: benchmarks/NOTES.md, entry 32.)
+    Never more than the longest context has tiles. Host ints only, so a captured graph keeps its
+    grid."""
     tiles = triton.cdiv(max_seq_len, tile_n)
-    if num_seqs in DECODE_SPLITS_BY_BATCH:
-        return max(1, min(DECODE_SPLITS_BY_BATCH[num_seqs], tiles))
     programs = num_seqs * num_kv_heads
     slots = decode_programs_per_sm(num_stages) * num_sms
     return max(1, min(triton.cdiv(slots, programs), tiles, 64))
@@ -458,13 +440,11 @@ def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int,
     """Floats of split partials that the engine's decode launches need at most, over every batch
     of 1 to max_num_seqs sequences whose contexts are at most max_seq_len tokens. The runner holds
     one workspace of this size for every layer and step: no allocation on the decode path, and none
-    in the CUDA graphs' pool, where split tables that favour small batches made a 16- or 32-row
-    graph's partials (1-1.5 MiB) the pool's largest allocation, which the pool's sizing, taken
-    from the largest batch, did not see."""
+    in the CUDA graphs' pool, whose sizing, taken from the largest batch, would not see a smaller
+    batch with more splits holding larger partials (benchmarks/NOTES.md, entry 39)."""
     most = 0
     for num_seqs in range(1, max_num_seqs + 1):
-        splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(device),
-                                   decode_num_stages(num_seqs))
+        splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(device), DECODE_STAGES)
         if splits > 1:
             most = max(most, _partials_layout(num_seqs * num_heads * splits, head_dim)[1])
     return most
@@ -481,7 +461,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
     a sweep over the benchmark's schedule on the H200 (tile 64, 3 stages, 4 warps: 3.55 s of
     decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
-    entry 22), with the stage and split counts of decode_num_stages and decode_num_splits.
+    entry 22), with DECODE_STAGES and decode_num_splits's split count.
     workspace: fp32 for the splits' partial results (decode_workspace_numel), allocated here if
     not given."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
@@ -493,7 +473,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"decode attention takes at most 65,535 sequences a launch (CUDA's grid z), got {num_seqs}")
     queries_per_kv = num_heads // num_kv_heads
     if num_stages is None:
-        num_stages = decode_num_stages(num_seqs)
+        num_stages = DECODE_STAGES
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device), num_stages)
     if num_splits > 1:

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 from mini_engine.kernels.paged_attention import (  # noqa: E402
-    DECODE_STAGES, DECODE_STAGES_BY_BATCH, decode_num_stages, paged_attention, paged_attention_ref,
+    DECODE_PROGRAMS_PER_SM, DECODE_STAGES, paged_attention, paged_attention_ref,
     paged_decode_attention, paged_prefill_attention, prefill_block_q, prefill_work)
 
 HEAD_DIM = 32
@@ -59,19 +59,14 @@ def test_decode_splits_match_reference(device, num_splits, tile_n, row_blocks_li
     check(out, *batch)
 
 
-@pytest.mark.parametrize("num_stages", sorted({DECODE_STAGES, *DECODE_STAGES_BY_BATCH.values()}))
+@pytest.mark.parametrize("num_stages", sorted(DECODE_PROGRAMS_PER_SM))
 def test_decode_stage_counts_match_reference(device, num_stages):
-    """Every stage count the engine launches (on the GPU each compiles its own pipeline)."""
+    """The engine's stage count and the others the sweeps launch (on the GPU each compiles its own
+    pipeline)."""
+    assert DECODE_STAGES in DECODE_PROGRAMS_PER_SM
     batch = make_batch([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS, 4, 2, 16, device)
     out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(DECODE_SEQ_LENS), num_stages=num_stages)
     check(out, *batch)
-
-
-def test_decode_stages_keyed_by_captured_sizes():
-    """The stage table is keyed by CUDA-graph batch sizes: a key no graph has would never apply."""
-    from mini_engine.runner.cuda_graph import graph_batch_sizes
-    assert set(DECODE_STAGES_BY_BATCH) <= set(graph_batch_sizes(256))
-    assert decode_num_stages(63) == DECODE_STAGES and decode_num_stages(64) == DECODE_STAGES_BY_BATCH[64]
 
 
 def test_decode_row_blocks():
@@ -181,11 +176,10 @@ def test_head_dim_padded(device, head_dim, max_query_len):
 
 
 def test_decode_split_count():
-    """Outside the split table: enough programs to fill every slot where the batch is small (three
-    a SM at 3 stages, as many as fit at other counts); one split once the batch alone fills them;
-    never more than the longest context has tiles."""
-    from mini_engine.kernels.paged_attention import DECODE_SPLITS_BY_BATCH, decode_num_splits
-    assert not {1, 4, 15, 31, 48, 50, 256} & set(DECODE_SPLITS_BY_BATCH)
+    """Enough programs to fill every slot where the batch is small (three a SM at 3 stages, as many
+    as fit at other counts); one split once the batch alone fills them; never more than the
+    longest context has tiles."""
+    from mini_engine.kernels.paged_attention import decode_num_splits
     assert decode_num_splits(1, 8, 2048, 128, 132, 3) == 16          # capped by the 16 tiles of 2,048 tokens
     assert decode_num_splits(1, 8, 2048, 64, 132, 3) == 32
     assert decode_num_splits(15, 8, 2048, 64, 132, 3) == 4           # 120 programs x 4 fill 396 slots
@@ -199,35 +193,12 @@ def test_decode_split_count():
     assert decode_num_splits(15, 8, 2048, 64, 132, 5) == 4           # outside the table: as 3 stages
 
 
-def test_decode_split_table():
-    """The split table is keyed by CUDA-graph batch sizes, each measured with its stage count (so
-    both tables hold it); its count applies whatever the stages, capped by the longest context's
-    tiles."""
-    from mini_engine.kernels.paged_attention import DECODE_SPLITS_BY_BATCH, decode_num_splits
-    from mini_engine.runner.cuda_graph import graph_batch_sizes
-    assert set(DECODE_SPLITS_BY_BATCH) <= set(DECODE_STAGES_BY_BATCH) & set(graph_batch_sizes(256))
-    assert decode_num_splits(16, 8, 2048, 64, 132, 2) == DECODE_SPLITS_BY_BATCH[16] == 8
-    assert decode_num_splits(32, 8, 2048, 64, 132, 3) == DECODE_SPLITS_BY_BATCH[32] == 6
-    assert decode_num_splits(16, 8, 100, 64, 132, 2) == 2             # 100 tokens: two tiles
-
-
-def test_decode_split_count_with_the_stage_table():
-    """The batch sizes that take another stage count and have no split count of their own keep the
-    split count that 3 stages gave them when the table was measured (one: the batch alone fills the
-    GPU), so the table's timings hold."""
-    from mini_engine.kernels.paged_attention import DECODE_SPLITS_BY_BATCH, decode_num_splits
-    for num_seqs, stages in DECODE_STAGES_BY_BATCH.items():
-        if num_seqs not in DECODE_SPLITS_BY_BATCH:
-            assert (decode_num_splits(num_seqs, 8, 2048, 64, 132, stages)
-                    == decode_num_splits(num_seqs, 8, 2048, 64, 132, 3) == 1)
-
-
 def test_decode_splits_in_a_given_workspace(device):
     """The splits' partial results in a caller's workspace (the runner's one scratch for every
     layer), sized by decode_workspace_numel for any batch up to its maximum; a workspace too
     small for the launch is a clear error, not a write past its end."""
     from mini_engine.kernels.paged_attention import (
-        _num_sms, _split_partials, decode_num_splits, decode_num_stages, decode_workspace_numel)
+        _num_sms, _split_partials, decode_num_splits, decode_workspace_numel)
     max_len = max(DECODE_SEQ_LENS)
     numel = decode_workspace_numel(len(DECODE_SEQ_LENS), 4, 2, HEAD_DIM, max_len, torch.device(device))
     for num_seqs in (1, 2, len(DECODE_SEQ_LENS)):
@@ -236,14 +207,14 @@ def test_decode_splits_in_a_given_workspace(device):
         workspace = torch.full((numel,), float("nan"), device=device)
         out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max_len, workspace=workspace)
         check(out, *batch)
-        splits = decode_num_splits(num_seqs, 2, max_len, 64, _num_sms(batch[0].device), decode_num_stages(num_seqs))
+        splits = decode_num_splits(num_seqs, 2, max_len, 64, _num_sms(batch[0].device), DECODE_STAGES)
         assert workspace.isnan().all().item() == (splits == 1)       # written where the launch splits
     # One sequence, one KV head of two query heads, three splits: 6 partial rows, so the maxima and
     # sums start at the next multiple of 4 rows, not right after the accumulators.
     batch = make_batch([1], [130], 2, 1, 16, device)
     workspace = torch.full((decode_workspace_numel(1, 2, 1, HEAD_DIM, 130, torch.device(device)),), float("nan"),
                            device=device)
-    assert decode_num_splits(1, 1, 130, 64, _num_sms(batch[0].device), decode_num_stages(1)) == 3
+    assert decode_num_splits(1, 1, 130, 64, _num_sms(batch[0].device), DECODE_STAGES) == 3
     check(paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=130, workspace=workspace), *batch)
     views = _split_partials(workspace, 1, 2, 3, HEAD_DIM, workspace.device)
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in views)
