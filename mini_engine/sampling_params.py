@@ -1,10 +1,15 @@
 """Per-request sampling parameters, validated when they are made."""
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): dividing the logits by
+# one overflows them to inf, and the softmax of those is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0      # 0 means greedy (argmax)
+    temperature: float = 1.0      # 0 (or below GREEDY_TEMPERATURE) means greedy (argmax)
     top_k: int = -1               # -1 or 0: no top-k restriction
     top_p: float = 1.0            # 1.0: no nucleus restriction
     max_tokens: int = 16
@@ -15,8 +20,10 @@ class SamplingParams:
     logprobs: int | None = None   # return the sampled token's log-probability and this many top ones
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if not isinstance(self.top_k, int) or (self.top_k < -1):
             raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:

@@ -16,11 +16,36 @@ from mini_engine.config import EngineConfig
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(seed=-1), "seed"), (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(stop=[""]), "stop"),
-    (dict(stop=["ok", 3]), "stop"),
+    (dict(stop=["ok", 3]), "stop"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(tiny_checkpoint):
+    """Logits divided by 1e-39 overflow to inf, whose softmax is NaN: below GREEDY_TEMPERATURE a
+    request samples greedily (vLLM's rule), and just above it, it still samples."""
+    assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-4).greedy
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    outputs = {t: [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=t, max_tokens=8, ignore_eos=True, seed=1), use_tqdm=False)]
+        for t in (0.0, 1e-39, 1e-45)}
+    assert outputs[1e-39] == outputs[1e-45] == outputs[0.0]
+
+
+def test_more_logprobs_than_the_vocabulary_is_rejected_and_others_carry_on(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64))
+    vocab = engine.config.model_config.vocab_size
+    good = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                        logprobs=vocab))
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, logprobs=vocab + 1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert good.num_output_tokens == 4 and engine.num_free_blocks == 64
 
 
 def test_stop_strings_without_a_tokenizer_are_rejected(tiny_checkpoint):

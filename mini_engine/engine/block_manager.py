@@ -114,9 +114,15 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = self.blocks[block_id].hash
-        self.prefix_cache_queried_tokens += seq.num_tokens
-        self.prefix_cache_hit_tokens += len(hits) * bs
         return hits
+
+    def count_prefix_lookup(self, seq: Sequence, cached_prefix: list[int]) -> None:
+        """The hit-rate counters, for a lookup whose sequence was admitted: a request that waits for
+        blocks is looked up again every step, and counting each attempt would make the rate
+        depend on the queue."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queried_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += len(cached_prefix) * self.block_size
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
         """Give seq the cached prefix blocks and enough new blocks to hold num_new_tokens more
@@ -159,8 +165,10 @@ class BlockManager:
         return block.block_id
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Hash every block of seq that the first num_tokens tokens fill. Safe to call before the
-        step computes them: nobody else is scheduled against the cache until the step is done."""
+        """Hash every block of seq that the first num_tokens tokens fill, before the step computes
+        them. A sequence admitted later in the same step may then take these blocks as its cached
+        prefix; it reads them correctly because every layer writes the step's K and V into the
+        cache before its attention reads any (and later steps run after this one on the device)."""
         bs = self.block_size
         if seq.token_ids[-1] == PENDING_TOKEN:
             num_tokens = min(num_tokens, seq.num_tokens - 1)     # hashed once the token is known

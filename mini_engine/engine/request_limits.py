@@ -30,6 +30,9 @@ class RequestLimits:
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} asks for more tokens than the vocabulary's "
+                             f"{self.vocab_size}")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")

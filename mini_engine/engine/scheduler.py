@@ -73,6 +73,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_computed, budget)
             if not bm.allocate_slots(seq, n, cached):
                 break
+            bm.count_prefix_lookup(seq, cached)
             self.waiting.popleft()
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING

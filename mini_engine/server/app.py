@@ -109,10 +109,16 @@ class OpenAIServer:
             raise ProtocolError(str(e), 503) from None
 
     def remaining_tokens(self, prompt_token_ids: list[int]) -> int:
-        left = self.config.max_model_len - len(prompt_token_ids)
+        """A chat request's default max_tokens: as many as max_model_len and the KV pool leave after
+        the prompt (a pool smaller than one max_model_len sequence would otherwise refuse every
+        request that gave no max_tokens). A sequence holds one slot fewer than its tokens."""
+        limits = self.async_engine.limits
+        room = min(limits.max_model_len, limits.num_blocks * limits.block_size + 1)
+        left = room - len(prompt_token_ids)
         if left < 1:
             raise ProtocolError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
-                                f"within max_model_len={self.config.max_model_len}", param="messages")
+                                f"within max_model_len={limits.max_model_len} and a KV pool of "
+                                f"{limits.num_blocks * limits.block_size} tokens", param="messages")
         return left
 
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:

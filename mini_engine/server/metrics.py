@@ -29,8 +29,8 @@ class ServerMetrics:
         self.kv_blocks_used = gauge("kv_cache_blocks_used", "KV cache blocks held by requests.")
         self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use.")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens served by the prefix cache, "
-                                     "over prompt tokens looked up, since start.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Tokens served by the prefix cache over tokens "
+                                     "looked up, at each admission (a preempted request's included), since start.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = gauge("num_preemptions", "Preemptions since start.")

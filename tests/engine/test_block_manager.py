@@ -14,6 +14,7 @@ def admit(bm: BlockManager, s: Sequence):
     cached = bm.find_cached_prefix(s)
     n = s.num_tokens - len(cached) * bm.block_size
     assert bm.allocate_slots(s, n, cached)
+    bm.count_prefix_lookup(s, cached)
     s.num_computed_tokens = s.num_tokens
     return cached
 
@@ -157,6 +158,7 @@ def test_free_queue_holds_exactly_the_unreferenced_blocks():
             s = seq(rng.choice(prefixes) + [rng.randrange(5) for _ in range(rng.randrange(1, 5))], f"s{step}")
             cached = bm.find_cached_prefix(s)
             if bm.allocate_slots(s, s.num_tokens - len(cached) * bm.block_size, cached):
+                bm.count_prefix_lookup(s, cached)
                 s.num_computed_tokens = s.num_tokens
                 live.append(s)
         queued = [b.block_id for b in bm.free_blocks]
@@ -168,3 +170,23 @@ def test_free_queue_holds_exactly_the_unreferenced_blocks():
     for s in live:
         bm.free(s)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_hit_rate_counts_a_waiting_request_once(tiny_checkpoint):
+    """A request that waits for blocks is looked up again every step; the counters count the
+    lookup that admits it, so tokens looked up are the two prompts', however long the wait."""
+    from mini_engine.config import EngineConfig
+    from mini_engine.engine.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=10, block_size=4,
+                                    async_scheduling=False))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = engine.add_request(list(range(10, 30)), params)       # 5 blocks, growing to 7
+    engine.step()
+    second = engine.add_request(list(range(40, 60)), params)      # needs 5: waits for the first
+    steps_waited = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps_waited += second.num_computed_tokens == 0
+    assert steps_waited >= 3 and engine.num_preemptions == 0
+    assert engine.block_manager.prefix_cache_queried_tokens == 20 + 20
+    assert first.num_output_tokens == second.num_output_tokens == 8 and engine.num_free_blocks == 10

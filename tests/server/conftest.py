@@ -108,11 +108,12 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def launched_server(model: str, log_dir):
-    """`python -m mini_engine.serve` on a free loopback port, healthy, stopped on exit."""
+def launched_server(model: str, log_dir, num_kv_blocks: int = NUM_KV_BLOCKS):
+    """`python -m mini_engine.serve` on a free loopback port, healthy, stopped on exit. Blocks of 16
+    slots on any device, so that the pool holds what the tests reckon."""
     port = free_port()
     cmd = [sys.executable, "-m", "mini_engine.serve", "--model", model, "--served-model-name", MODEL_NAME,
-           "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_KV_BLOCKS),
+           "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(num_kv_blocks), "--block-size", "16",
            "--max-num-seqs", "128", "--log-level", "warning"]
     log_path = log_dir / "server.log"
     log = open(log_path, "w")      # a file, not a pipe: nobody reads a pipe while tests run

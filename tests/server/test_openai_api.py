@@ -6,7 +6,7 @@ import pytest
 
 from mini_engine import LLM, SamplingParams
 from mini_engine.server.chat_template import ChatTemplate
-from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS
+from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, launched_server
 
 PROMPTS = ["Hello world", "Größe 你好 😀", [5, 17, 300, 42, 7]]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Straße? 你好 🚀"}]
@@ -82,6 +82,18 @@ def test_chat_default_max_tokens_fills_the_context(served, client):
                                        extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.total_tokens == 512
+
+
+def test_chat_default_max_tokens_fits_a_pool_smaller_than_the_context(tiny_model, tmp_path):
+    """16 blocks of 16 slots hold 257 tokens (the last is never computed), less than max_model_len
+    512: the default fills the pool instead of asking for more than it could ever hold."""
+    with launched_server(tiny_model, tmp_path, num_kv_blocks=16) as server:
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["total_tokens"] == 16 * 16 + 1
+        assert server.wait_idle()["mini_engine:kv_cache_blocks_used"] == 0
 
 
 def test_stop_strings(served, client, llm):
