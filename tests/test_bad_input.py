@@ -26,7 +26,8 @@ def test_bad_sampling_params(kwargs, match):
 
 def test_a_temperature_too_small_to_divide_by_samples_greedily(tiny_checkpoint):
     """Logits divided by 1e-39 overflow to inf, whose softmax is NaN: below GREEDY_TEMPERATURE a
-    request samples greedily (vLLM's rule), and just above it, it still samples."""
+    request samples greedily (vLLM's rule) and gets the greedy tokens; just above it, it is not
+    marked greedy."""
     assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-4).greedy
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]

@@ -133,6 +133,10 @@ def test_every_triton_kernel(tiny_checkpoint, monkeypatch, max_num_seqs):
     Triton takes only through its interpreter, and the interpreter is on only where there is no
     GPU (conftest.py): on a GPU the same path is benchmarks/gpu_correctness.py's job.
 
+    One request samples (temperature 0.8, seeded), so that every step takes the Triton sampler,
+    greedy rows included (an all-greedy batch is a plain argmax): the greedy rows must still equal
+    transformers', and the sampled one its own run alone.
+
     With max_num_seqs=2 every step of more than 2 tokens is padded to 64 (ModelRunner.
     padded_token_count): tokens that belong to no sequence and write no KV."""
     pytest.importorskip("triton")
@@ -147,10 +151,23 @@ def test_every_triton_kernel(tiny_checkpoint, monkeypatch, max_num_seqs):
     padded = []
     pad = model_runner.padded_token_count
     monkeypatch.setattr(model_runner, "padded_token_count", lambda n, s: padded.append(pad(n, s) - n) or pad(n, s))
+    from mini_engine.kernels import sampling
+    sample_calls = []
+    sample = sampling.sample
+    monkeypatch.setattr(sampling, "sample", lambda *a, **k: sample_calls.append(1) or sample(*a, **k))
     prompts = mixed_prompts()[:5]
-    got, engine = generate(tiny_checkpoint, prompts, num_kv_blocks=256, max_num_batched_tokens=16,
-                           max_num_seqs=max_num_seqs, kernels=",".join(KERNEL_NAMES))
-    assert engine.runner.kernels == frozenset(KERNEL_NAMES)
+    sampled_prompt = mixed_prompts(seed=1, lengths=(6,))[0]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, max_num_batched_tokens=16,
+              max_num_seqs=max_num_seqs, kernels=",".join(KERNEL_NAMES))
+    outputs = llm.generate(prompts + [sampled_prompt], [greedy] * len(prompts) + [seeded], use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert llm.engine.runner.kernels == frozenset(KERNEL_NAMES)
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks, "KV blocks leaked"
     assert skinny_calls, "no projection took the skinny kernel"
+    assert sample_calls, "no step took the Triton sampler"
     assert any(padded) == (max_num_seqs == 2), padded
-    assert got == expected(tiny_checkpoint, prompts)
+    assert got[:-1] == expected(tiny_checkpoint, prompts)
+    alone = llm.generate([sampled_prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert got[-1] == alone and got[-1] != expected(tiny_checkpoint, [sampled_prompt])[0]

@@ -1,3 +1,5 @@
+import torch
+
 from mini_engine import LLM, SamplingParams
 
 
@@ -48,6 +50,14 @@ def test_logprobs_of_greedy_tokens(tiny_checkpoint):
     for token, lp in zip(out.token_ids, out.logprobs):
         assert len(lp.top) == 3 and lp.top[0] == (token, lp.logprob) and lp.logprob <= 0
         assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    # The values are log-softmax of the raw logits: transformers' own, over the same tokens.
+    from tests.hf_reference import hf_logits
+    prompt = [5, 17, 33]
+    expected = hf_logits(tiny_checkpoint, prompt + out.token_ids).log_softmax(-1)[len(prompt) - 1:-1]
+    for j, lp in enumerate(out.logprobs):
+        top_values, top_ids = expected[j].topk(3)
+        assert [t for t, _ in lp.top] == top_ids.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in lp.top]), top_values, atol=1e-4)
     plain = llm.generate([5, 17, 33], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert plain.logprobs is None and plain.token_ids == out.token_ids

@@ -315,6 +315,16 @@ def test_default_chunking_at_qwen3_vocabulary(device):
     seeds = torch.tensor([5, 123456789, 1, 2, 3], device=device)
     tokens = sample(logits, temperatures, seeds)
     assert tokens[0] == logits[0].argmax()
-    assert torch.isfinite(logits[1, tokens[1]])
     assert set(tokens[2:].tolist()) <= set(live)
     assert sample(logits[1:2], temperatures[1:2], seeds[1:2]) == tokens[1]
+
+
+def test_distribution_at_qwen3_vocabulary(device):
+    """The distribution over all 38 default chunks of a 151,936-column row: live columns in the
+    first chunk, on either side of a boundary, beyond chunk 16 (BLOCK_CHUNKS' smallest size) and in
+    the last, partial one, most of the mass past column 65,536."""
+    vocab_size = 151936
+    live = [5, 4095, 4096, 40000, 65535, 65536, 70000, 100000, 131072, 150000, vocab_size - 1]
+    row = torch.full((vocab_size,), NEG_INF)
+    row[live] = torch.tensor([-1.0, -0.5, 0.0, -1.0, 0.0, 1.0, 0.5, 1.0, 0.0, 0.5, 1.5])
+    assert_softmax_distribution(draw(row.to(device), 1.0, 300, sampling.SAMPLE_CHUNK_SIZE), row, 1.0)
