@@ -33,9 +33,13 @@ class ModelConfig:
                 f"config.json: unsupported architecture (model_type={model_type!r}, "
                 f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM only")
         scaling = raw.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ValueError(f"config.json: rope_scaling {scaling!r} is not an object")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"config.json: rope_scaling {scaling!r} is not supported")
         params = raw.get("rope_parameters") or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"config.json: rope_parameters {params!r} is not an object")
         if params.get("rope_type", "default") != "default":
             raise ValueError(f"config.json: rope_parameters {params!r} are not supported")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -53,14 +57,20 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = raw["num_attention_heads"]
+        # transformers' Qwen3Config: a field left out takes its default (head_dim 128, 32 KV heads);
+        # one given as null falls back to hidden_size / heads and to one KV head a query head.
+        num_kv_heads = raw.get("num_key_value_heads", 32) or num_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=num_heads,
-            num_key_value_heads=raw.get("num_key_value_heads", num_heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=raw.get("head_dim", 128) or raw["hidden_size"] // num_heads,
             rms_norm_eps=raw["rms_norm_eps"],
             rope_theta=float(rope_theta),
             max_position_embeddings=raw["max_position_embeddings"],
@@ -89,7 +99,7 @@ class ModelConfig:
 class EngineConfig:
     model: str
     device: str | None = None          # None: CUDA when available, else CPU
-    dtype: str | None = None           # None: bfloat16 on CUDA, float32 on CPU
+    dtype: str | None = None           # None: bfloat16 on CUDA, float32 on CPU; a name or a torch.dtype
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     max_model_len: int | None = None   # None: the checkpoint's max_position_embeddings
@@ -123,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.cpu_kv_blocks < 1:
+            raise ValueError(f"cpu_kv_blocks must be >= 1, got {self.cpu_kv_blocks}")
         if self.model_config is None:
             self.model_config = ModelConfig.from_pretrained(self.model)
         limit = self.model_config.max_position_embeddings

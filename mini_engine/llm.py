@@ -2,6 +2,7 @@
 import time
 from collections.abc import Iterator
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from mini_engine.config import EngineConfig
@@ -23,7 +24,9 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            prompts = [prompts]                   # one prompt's token ids
+        elif isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -24,4 +24,6 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int]) -> list[
         if tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token ids")
         return tokenizer.encode(prompt, add_special_tokens=False).ids
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError("a prompt is text (str) or token ids, not bytes")
     return list(prompt)

@@ -19,6 +19,8 @@ def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def hf_greedy(path: str, token_ids: list[int], max_new_tokens: int) -> list[int]:
-    out = hf_model(path).generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor([token_ids])
+    # With pad_token_id and no mask, generate would mask out every prompt token equal to the pad id.
+    out = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(token_ids):].tolist()

@@ -154,12 +154,99 @@ def test_malformed_checkpoints(tiny_checkpoint, tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         LLM(str(tmp_path / "nowhere"), device="cpu")
 
+    for name, change, match in [("rope_str", {"rope_scaling": "linear"}, "rope_scaling"),
+                                ("kv_heads", {"num_key_value_heads": 3}, "num_key_value_heads")]:
+        bad = copy_checkpoint(tiny_checkpoint, tmp_path / name)
+        (bad / "config.json").write_text(json.dumps(config | change))
+        with pytest.raises(ValueError, match=match):
+            LLM(str(bad), device="cpu", num_kv_blocks=8)
+
+
+def test_a_tied_checkpoints_lm_head_must_be_the_embedding(tiny_checkpoint, tmp_path):
+    """tie_word_embeddings: lm_head is the embedding. A checkpoint may carry the tied copy too; a
+    different matrix there is a contradiction, which transformers would resolve otherwise."""
+    tensors = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    same = copy_checkpoint(tiny_checkpoint, tmp_path / "same")
+    save_file(tensors | {"lm_head.weight": embed.clone()}, same / "model.safetensors")
+    LLM(str(same), device="cpu", num_kv_blocks=8)
+    other = copy_checkpoint(tiny_checkpoint, tmp_path / "other")
+    save_file(tensors | {"lm_head.weight": embed + 1}, other / "model.safetensors")
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        LLM(str(other), device="cpu", num_kv_blocks=8)
+
+
+def test_a_sharded_checkpoint_loads_each_tensor_from_the_shard_its_index_names(tiny_checkpoint, tmp_path):
+    """A stale shard's copy of a tensor (here a zeroed final norm) is not the one the index names:
+    it must not override it. A tensor the index places in a shard that lacks it is an error."""
+    tensors = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
+    names = sorted(tensors)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_checkpoint, sharded, ignore=shutil.ignore_patterns("model.safetensors"))
+    # The stale copy sits in the shard read last, where a loader that reads whole files keeps it.
+    weight_map = {k: "ab"[i % 2] + ".safetensors" for i, k in enumerate(names)} | {"model.norm.weight": "a.safetensors"}
+    shards = {f: {k: tensors[k] for k in names if weight_map[k] == f} for f in ("a.safetensors", "b.safetensors")}
+    shards["b.safetensors"]["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
+    for f, shard in shards.items():
+        save_file(shard, sharded / f)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    prompts, params = [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=8).generate(prompts, params, use_tqdm=False)
+    got = LLM(str(sharded), device="cpu", num_kv_blocks=8).generate(prompts, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    moved = {"model.embed_tokens.weight": "ab"[weight_map["model.embed_tokens.weight"] == "a.safetensors"]
+             + ".safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map | moved}))
+    with pytest.raises(ValueError, match="does not hold"):
+        LLM(str(sharded), device="cpu", num_kv_blocks=8)
+
+
+def test_config_fields_left_out_take_transformers_defaults():
+    """Qwen3Config's defaults: head_dim 128 and 32 KV heads when left out; given as null,
+    hidden_size / heads and one KV head a query head."""
+    from mini_engine.config import ModelConfig
+    from mini_engine.model.random_checkpoint import QWEN3_0_6B
+    raw = {k: v for k, v in QWEN3_0_6B.items() if k not in ("head_dim", "num_key_value_heads")}
+    with pytest.raises(ValueError, match="num_key_value_heads=32"):        # 16 query heads
+        ModelConfig.from_dict(raw)
+    config = ModelConfig.from_dict(raw | {"num_attention_heads": 32})
+    assert (config.head_dim, config.num_key_value_heads) == (128, 32)
+    config = ModelConfig.from_dict(raw | {"head_dim": None, "num_key_value_heads": None})
+    assert (config.head_dim, config.num_key_value_heads) == (1024 // 16, 16)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen3Config(**(raw | {"num_attention_heads": 32}))
+    assert (hf.head_dim, hf.num_key_value_heads) == (128, 32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", torch.float16, "torch.bfloat16", "half"])
+def test_dtype_by_name_or_torch_dtype(tiny_checkpoint, dtype):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=8, dtype=dtype)
+    assert llm.engine.runner.dtype in (torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8", "fp32", torch.int32])
+def test_bad_dtype_is_a_clear_error(tiny_checkpoint, dtype):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(tiny_checkpoint, device="cpu", num_kv_blocks=8, dtype=dtype)
+
+
+def test_one_prompt_as_numpy_ids(tiny_checkpoint):
+    import numpy as np
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = llm.generate([5, 6, 7, 8], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in (np.arange(5, 9), list(np.arange(5, 9))):
+        out = llm.generate(prompt, params, use_tqdm=False)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="bytes"):
+        llm.generate([b"\x05\x06"], params, use_tqdm=False)
+
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
     (dict(max_num_seqs=65536), "max_num_seqs must be <= 65535"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(max_model_len=10**6), "max_model_len"),
+    (dict(max_model_len=10**6), "max_model_len"), (dict(cpu_kv_blocks=0), "cpu_kv_blocks"),
 ])
 def test_bad_engine_config(tiny_checkpoint, kwargs, match):
     with pytest.raises(ValueError, match=match):

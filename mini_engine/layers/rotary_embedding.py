@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write_ref, rope_cos_sin_cache
+from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write_ref
 
 
 class QKNormRopeKVWrite(nn.Module):
@@ -10,14 +10,14 @@ class QKNormRopeKVWrite(nn.Module):
     Returns q as [T, Hq, D]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 max_position: int, rope_theta: float, use_triton: bool = False):
+                 cos_sin_cache: torch.Tensor, use_triton: bool = False):
+        """cos_sin_cache: rope_cos_sin_cache's table, one tensor that every layer shares (one a
+        layer took 28 x 21 MB of Qwen3-0.6B's GPU memory, out of the KV pool)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
         self.q_norm_weight = nn.Parameter(torch.ones(head_dim))
         self.k_norm_weight = nn.Parameter(torch.ones(head_dim))
-        # fp32 whatever the model's dtype: positions up to 40k need the precision before the cast.
-        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(head_dim, max_position, rope_theta),
-                             persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         self.impl = qk_norm_rope_kv_write_ref
         if use_triton:
             from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write

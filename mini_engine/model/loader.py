@@ -7,16 +7,20 @@ from safetensors import safe_open
 from torch import nn
 
 
-def checkpoint_files(path: str) -> list[str]:
+def checkpoint_files(path: str) -> dict[str, list[str] | None]:
+    """Each safetensors file of the checkpoint, with the tensors to take from it: those its index's
+    weight_map names (a stale shard may hold others), or None, all of them, without an index."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map'")
-        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        files: dict[str, list[str] | None] = {}
+        for tensor, name in sorted(weight_map.items()):
+            files.setdefault(os.path.join(path, name), []).append(tensor)
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = [os.path.join(path, "model.safetensors")]
+        files = {os.path.join(path, "model.safetensors"): None}
     else:
         raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
     for file in files:
@@ -30,15 +34,21 @@ def load_model(model: nn.Module, path: str) -> None:
     tied = model.config.tie_word_embeddings
     loaded: set[tuple[str, int]] = set()
     needed = {(name, shard) for name in params for shard in range(num_shards(model, name))}
-    for file in checkpoint_files(path):
+    tied_copy = None
+    for file, names in checkpoint_files(path).items():
         try:
             handle = safe_open(file, framework="pt")
         except Exception as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
         with handle as f:
-            for ckpt_name in f.keys():
+            if names is None:
+                names = list(f.keys())
+            elif missing := sorted(set(names) - set(f.keys())):
+                raise ValueError(f"{file}: the index places {missing[:4]} here, but the file does not hold them")
+            for ckpt_name in names:
                 if tied and ckpt_name == "lm_head.weight":
-                    continue                      # some exporters write the tied copy too
+                    tied_copy = f.get_tensor(ckpt_name)    # some exporters write the tied copy too
+                    continue
                 name, shard = translate(model, ckpt_name)
                 param = params.get(name)
                 if param is None:
@@ -62,6 +72,9 @@ def load_model(model: nn.Module, path: str) -> None:
     if missing:
         names = [untranslate(model, name, shard) for name, shard in missing]
         raise ValueError(f"{path}: checkpoint is missing tensors {names[:8]}" + (" ..." if len(names) > 8 else ""))
+    if tied_copy is not None and not torch.equal(tied_copy.to(model.embed_tokens.weight), model.embed_tokens.weight):
+        raise ValueError(f"{path}: config.json ties lm_head to the embedding (tie_word_embeddings), but the "
+                         "checkpoint's lm_head.weight differs from model.embed_tokens.weight")
     model.fold_norm_weights()
 
 

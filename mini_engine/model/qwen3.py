@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from mini_engine.config import ModelConfig
+from mini_engine.kernels.rotary_kv import rope_cos_sin_cache
 from mini_engine.layers.activation import SiluAndMul
 from mini_engine.layers.attention import Attention, AttentionMetadata
 from mini_engine.layers.layernorm import RMSNorm
@@ -11,7 +12,7 @@ from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: frozenset[str]):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor):
         super().__init__()
         h, d = config.num_attention_heads, config.head_dim
         hkv = config.num_key_value_heads
@@ -20,8 +21,8 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = NormedPackedLinear(config.hidden_size, [h * d, hkv * d, hkv * d], config.attention_bias,
                                            config.rms_norm_eps, skinny)
         self.o_proj = Linear(h * d, config.hidden_size, config.attention_bias, skinny)
-        self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, config.max_position_embeddings,
-                                              config.rope_theta, use_triton="rope_kv" in kernels)
+        self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, cos_sin_cache,
+                                              use_triton="rope_kv" in kernels)
         self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -53,9 +54,9 @@ class Qwen3DecoderLayer(nn.Module):
     so a layer is 7 launches: qkv, qk-norm/rope/kv-write, attention, o_proj(+h), gate_up, SwiGLU,
     down(+h)."""
 
-    def __init__(self, config: ModelConfig, kernels: frozenset[str]):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, kernels)
+        self.self_attn = Qwen3Attention(config, kernels, cos_sin_cache)
         self.mlp = Qwen3MLP(config, kernels)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -78,7 +79,10 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels) for _ in range(config.num_hidden_layers))
+        # fp32 whatever the model's dtype: positions up to 40k need the precision before the cast.
+        cos_sin_cache = rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cos_sin_cache)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "rms_norm" in kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

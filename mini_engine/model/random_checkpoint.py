@@ -7,6 +7,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from mini_engine.config import ModelConfig
+
 # Qwen3-0.6B's config.json, as published.
 QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -19,9 +21,9 @@ QWEN3_0_6B = {
 
 
 def qwen3_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    d = config.get("head_dim") or h // config["num_attention_heads"]
-    hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    shape = ModelConfig.from_dict(config)            # head_dim and KV heads as transformers reads them
+    h, i, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    d, hq, hkv = shape.head_dim, shape.num_attention_heads, shape.num_key_value_heads
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (v, h)

@@ -50,14 +50,20 @@ def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[lis
     return sample_rows, token_rows
 
 
+# The dtypes the model may run in, by name (torch's aliases included).
+MODEL_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16, "float64": torch.float64, "double": torch.float64}
+
+
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = config.resolved_device()
     if config.dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
-        dtype = getattr(torch, config.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype {config.dtype!r} is not a torch floating-point dtype")
+        name = str(config.dtype).removeprefix("torch.")          # a torch.dtype, or its name
+        dtype = MODEL_DTYPES.get(name)
+        if dtype is None:
+            raise ValueError(f"dtype {config.dtype!r} is not one of {sorted(MODEL_DTYPES)}")
     return device, dtype
 
 

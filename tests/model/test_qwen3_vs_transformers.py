@@ -92,3 +92,11 @@ def test_sharded_checkpoint_loads_the_same_weights(tiny_checkpoint, tmp_path):
     os.remove(tmp_path / "model-00002-of-00002.safetensors")
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
         ModelRunner(EngineConfig(str(tmp_path), device="cpu", num_kv_blocks=8))
+
+
+def test_every_layer_shares_one_rotary_table(tiny_checkpoint):
+    """One cos/sin table for the model, not one a layer (28 x 21 MB of Qwen3-0.6B's GPU memory)."""
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8))
+    tables = {layer.self_attn.qk_norm_rope.cos_sin_cache.data_ptr() for layer in runner.model.layers}
+    assert len(runner.model.layers) > 1 and len(tables) == 1
+    assert len([name for name, _ in runner.model.named_buffers() if "cos_sin_cache" in name]) == 1
