@@ -174,7 +174,9 @@ def main():
     # A graph replay against the same padded batch run eagerly through the same kernels: bitwise
     # equal logits, and the padding rows (slot -1) leave the KV cache untouched.
     if dev == "cuda":
-        llm = LLM(path, gpu_memory_utilization=0.5, max_num_seqs=64)
+        # A pool of its own size: the check clones it and compares the two, 2.5x the pool in all,
+        # which a pool sized by gpu_memory_utilization=0.5 can exceed (it did at f331417).
+        llm = LLM(path, num_kv_blocks=1024, max_num_seqs=64)
         runner = llm.engine.runner
         from mini_engine.runner.batch import BatchRow
         rows, next_block = [], 0
