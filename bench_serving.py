@@ -154,7 +154,7 @@ def server_metric(base_url: str, name: str) -> float | None:
 
 
 def kv_blocks_used_when_idle(base_url: str, timeout: float = 10) -> float | None:
-    """The engine thread updates its gauges just after it hands out the last tokens: poll a moment."""
+    """The engine process sends its gauges just after the last tokens: poll a moment."""
     deadline = time.monotonic() + timeout
     while (used := server_metric(base_url, "kv_cache_blocks_used")) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -14,7 +14,7 @@ from mini_engine.config import EngineConfig
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(top_k=-2), "top_k"), (dict(top_k=2**63), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(seed=-1), "seed"), (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(stop=[""]), "stop"),
     (dict(stop=["ok", 3]), "stop"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),

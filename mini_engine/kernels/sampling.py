@@ -48,7 +48,8 @@ def apply_top_k_top_p_ref(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_p is not None:
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
         mass_before = probs.cumsum(-1) - probs
-        remove |= mass_before >= top_p[:, None]     # the top token always survives: its mass_before is 0
+        remove |= mass_before >= top_p[:, None]
+        remove[:, 0] = False        # the top token always survives, even a top_p that rounds to 0
     mask = torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
     return logits.masked_fill(mask, float("-inf"))
 

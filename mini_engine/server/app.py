@@ -6,8 +6,10 @@ JSON before it reaches the engine, so one bad request never disturbs the others.
 goes away gets its request aborted, which frees its KV blocks before the engine's next step.
 """
 import asyncio
+import itertools
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
@@ -35,6 +37,13 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 def error_response(message: str, status_code: int = 400, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status_code, param, code), status_code=status_code)
+
+
+def end_offset(logprobs: dict | None, offset: int) -> int:
+    """The text offset after a delta's tokens (completion_logprobs), or offset without them."""
+    if not logprobs or not logprobs["tokens"]:
+        return offset
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def sse(data: dict | str) -> str:
@@ -80,10 +89,13 @@ class OpenAIServer:
         param = req.unsupported()
         if param is not None:
             raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)
+        if req.stream_options is not None and not req.stream:
+            raise ProtocolError("stream_options is only allowed with stream=true", param="stream_options")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
-            return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, max_tokens=max_tokens,
+            return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_k=req.top_k,
+                                  top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
                                   ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids, stop=req.stop_list,
                                   seed=req.seed, logprobs=logprobs)
         except ValueError as e:     # the message starts with the parameter's name
@@ -132,7 +144,14 @@ class OpenAIServer:
                     raise ProtocolError("only text content parts are supported", param="messages")
                 message["content"] = "".join(part.text or "" for part in m.content)
             messages.append(message)
-        text = self.chat_template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        kwargs = req.chat_template_kwargs or {}
+        if reserved := {"messages", "add_generation_prompt"} & kwargs.keys():
+            raise ProtocolError(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own",
+                                param="chat_template_kwargs")
+        try:
+            text = self.chat_template.render(messages, req.add_generation_prompt, **kwargs)
+        except (ValueError, TypeError) as e:     # the template failed on these messages
+            raise ProtocolError(f"the chat template cannot render these messages: {e}", param="messages") from None
         return self.tokenize(text)
 
     # ---- from the engine's deltas to OpenAI's responses ----
@@ -142,13 +161,18 @@ class OpenAIServer:
         return tok.decode([token_id], skip_special_tokens=False) if tok else f"token_id:{token_id}"
 
     def completion_logprobs(self, delta: RequestDelta, text_offset: int) -> dict | None:
+        """text_offset: where the delta's first token starts. Each token's offset counts the
+        characters of the token strings before it, as vLLM counts them: the text a stop string
+        holds back, or deltas merged under load, do not move them."""
         if delta.logprobs is None:
             return None
+        tokens = [self.token_text(t) for t in delta.token_ids]
         return {
-            "tokens": [self.token_text(t) for t in delta.token_ids],
+            "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in delta.logprobs],
             "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in delta.logprobs],
-            "text_offset": [text_offset] * len(delta.token_ids),
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=text_offset))
+                           if tokens else [],
         }
 
     def choice(self, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None,
@@ -158,11 +182,11 @@ class OpenAIServer:
         key, message = ("delta", {"content": text}) if chunk else ("message", {"role": "assistant", "content": text})
         return {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
 
-    async def stream_events(self, stream: RequestStream, request_id: str, chat: bool,
+    async def stream_events(self, stream: RequestStream, request_id: str, created: int, chat: bool,
                             include_usage: bool) -> AsyncIterator[str]:
         if chat:
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield sse(completion_body(request_id, self.model_name, [first], None, chunk=True, chat=True))
+            yield sse(completion_body(request_id, created, self.model_name, [first], None, chunk=True, chat=True))
         offset, last = 0, None
         async for delta in stream:
             last = delta
@@ -171,35 +195,38 @@ class OpenAIServer:
                 break
             if not delta.token_ids and delta.finish_reason is None:
                 continue
-            choice = self.choice(delta.text, delta.finish_reason, chat, self.completion_logprobs(delta, offset), True)
-            offset += len(delta.text)
-            yield sse(completion_body(request_id, self.model_name, [choice], None, chunk=True, chat=chat))
+            logprobs = self.completion_logprobs(delta, offset)
+            offset = end_offset(logprobs, offset)
+            choice = self.choice(delta.text, delta.finish_reason, chat, logprobs, True)
+            yield sse(completion_body(request_id, created, self.model_name, [choice], None, chunk=True, chat=chat))
         if include_usage and last is not None:
             u = usage(last.num_prompt_tokens, last.num_output_tokens)
-            yield sse(completion_body(request_id, self.model_name, [], u, chunk=True, chat=chat))
+            yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
         yield sse("[DONE]")
 
-    async def collect(self, stream: RequestStream, request_id: str, chat: bool) -> JSONResponse:
-        texts, logprobs, last = [], None, None
+    async def collect(self, stream: RequestStream, request_id: str, created: int, chat: bool) -> JSONResponse:
+        texts, logprobs, offset, last = [], None, 0, None
         async for delta in stream:
             last = delta
             if delta.logprobs is not None:
-                lp = self.completion_logprobs(delta, sum(map(len, texts)))
+                lp = self.completion_logprobs(delta, offset)
+                offset = end_offset(lp, offset)
                 logprobs = lp if logprobs is None else {k: logprobs[k] + lp[k] for k in lp}
             texts.append(delta.text)
         if last.finish_reason == "error":
             return error_response(last.error or "the request failed", 500)
         choice = self.choice("".join(texts), last.finish_reason, chat, logprobs)
         u = usage(last.num_prompt_tokens, last.num_output_tokens)
-        return JSONResponse(completion_body(request_id, self.model_name, [choice], u, chat=chat))
+        return JSONResponse(completion_body(request_id, created, self.model_name, [choice], u, chat=chat))
 
     async def respond(self, raw: Request, stream: RequestStream, request_id: str, chat: bool,
                       streaming: bool, include_usage: bool) -> Response:
         abort = lambda: None if stream.finished else self.async_engine.abort(request_id)   # noqa: E731
+        created = int(time.time())
         if streaming:
-            return AbortOnCloseResponse(self.stream_events(stream, request_id, chat, include_usage), abort)
+            return AbortOnCloseResponse(self.stream_events(stream, request_id, created, chat, include_usage), abort)
         # Not streaming: nothing is written until the end, so watch for the client leaving.
-        collector = asyncio.ensure_future(self.collect(stream, request_id, chat))
+        collector = asyncio.ensure_future(self.collect(stream, request_id, created, chat))
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -11,7 +11,7 @@ Messages (tuples, cheap to pickle), the API process to the engine:
     ("add", request_id, prompt_token_ids, params), ("abort", request_id), ("shutdown",)
 and the engine to the API process:
     ("ready", RequestLimits) or ("failed", traceback text), once, at start-up;
-    ("step", deltas, EngineStats) after every step, and after commands that changed something,
+    ("step", deltas, EngineStats) after every step, and after every batch of commands it applies,
 where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error).
 Detokenization and stop strings run here, beside the scheduler, so that a request that hits a
 stop string is aborted, and its blocks freed, before the next step.

@@ -31,7 +31,7 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use.")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Tokens served by the prefix cache over tokens "
                                      "looked up, at each admission (a preempted request's included), since start.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests the server accepted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = gauge("num_preemptions", "Preemptions since start.")
         finished = Counter("mini_engine:request_success", "Finished requests, by finish reason.",

@@ -1,8 +1,8 @@
 """OpenAI's request and response shapes (the subset we serve), as pydantic models.
 
-Requests forbid unknown fields, and the parameters OpenAI defines but we do not implement are
-accepted only at their neutral value: a client that asks for something we cannot do gets a 400,
-never a silently different answer.
+Requests forbid unknown fields, and the parameters below that OpenAI defines but we do not
+implement are accepted only at their neutral value: a client that asks for something we cannot do
+gets a 400, never a silently different answer.
 """
 import time
 import uuid
@@ -33,7 +33,9 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = True      # OpenAI's default is False; we always end with usage unless told not to
+    # As OpenAI: a stream ends with a usage chunk (its choices empty) only when asked, since
+    # clients that read chunk.choices[0] of every chunk fail on it.
+    include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
@@ -42,14 +44,14 @@ class SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = 1.0     # null: the default, as OpenAI allows
+    top_p: float | None = 1.0
     top_k: int = -1                     # extension (vLLM's): -1 or 0 is off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)  # extension
     ignore_eos: bool = False            # extension
-    n: int = 1
+    n: int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None             # accepted and ignored, as OpenAI's own
@@ -58,10 +60,13 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None       # {"type": "text"} only
 
     def unsupported(self) -> str | None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             return "n"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty" if self.presence_penalty else "frequency_penalty"
         if self.logit_bias:
@@ -76,7 +81,7 @@ class SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is None or self.stream_options.include_usage
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(SamplingRequest):
@@ -112,10 +117,16 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True          # extension
     chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. {"enable_thinking": false}
+    tools: list[dict[str, Any]] | None = None   # none, or an empty list
+    tool_choice: str | None = None              # "none" (or "auto" with no tools)
 
     def unsupported(self) -> str | None:
         if self.logprobs or self.top_logprobs:
             return "logprobs"
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
         return super().unsupported()
 
 
@@ -130,10 +141,11 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
                  total_tokens=num_prompt_tokens + num_output_tokens).model_dump()
 
 
-def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict | None,
+def completion_body(request_id: str, created: int, model: str, choices: list[dict], usage_: dict | None,
                     chunk: bool = False, chat: bool = False) -> dict:
+    """created: the request's arrival, in Unix seconds, the same in every chunk of a stream."""
     obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-    body = {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_
     return body

@@ -59,3 +59,11 @@ def test_seed_reproduces_a_sample_whatever_the_batch():
     assert again[0] == first[2]
     draws = {Sampler()(logits[:1], tensors([1.0], row_seeds=[s])).item() for s in range(20)}
     assert len(draws) > 1            # different seeds do draw differently
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
+    """1e-46 is 0 in fp32: every token's mass before it is >= 0, so only the rule that the top
+    token always survives keeps the row from being all -inf (which samples token 0)."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
+    masked = apply_top_k_top_p_ref(logits, None, torch.tensor([1e-46], dtype=torch.float32))
+    assert masked[0].isfinite().tolist() == [False, True, False, False]

@@ -14,7 +14,8 @@ def test_64_concurrent_streams_complete_with_their_token_counts(served):
         max_tokens = 4 + i % 29
         stream = await client.completions.create(
             model=MODEL_NAME, prompt=[(7 * i + j) % 400 for j in range(3 + i % 40)], max_tokens=max_tokens,
-            temperature=0 if i % 2 else 0.9, stream=True, extra_body={"ignore_eos": True})
+            temperature=0 if i % 2 else 0.9, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
         token_chunks, text, reason, usage = 0, "", None, None
         async for chunk in stream:
             if chunk.choices:

@@ -29,7 +29,8 @@ def reference(llm, prompt, **params):
 
 
 def stream_completion(client, **kwargs):
-    chunks = list(client.completions.create(model=MODEL_NAME, stream=True, **kwargs))
+    chunks = list(client.completions.create(model=MODEL_NAME, stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
@@ -65,8 +66,9 @@ def test_completion_streamed_equals_unstreamed_equals_llm(served, client, llm, p
 def test_chat_streamed_equals_unstreamed_equals_llm(served, client, llm, tiny_model):
     params = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
     full = client.chat.completions.create(**params)
-    chunks = list(client.chat.completions.create(stream=True, **params))
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **params))
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.created for c in chunks}) == 1 and len({c.id for c in chunks}) == 1
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     prompt = ChatTemplate.from_pretrained(tiny_model).render(MESSAGES)
     ref_text, _, _ = reference(llm, prompt, temperature=0, max_tokens=30, ignore_eos=True)
@@ -162,3 +164,48 @@ def test_top_k_top_p_accepted(served, client):
     r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, temperature=0.8, top_p=0.9,
                                   extra_body={"top_k": 5, "ignore_eos": True})
     assert r.usage.completion_tokens == 5
+
+
+def test_streams_end_with_usage_only_when_asked(served, client):
+    """As OpenAI: without stream_options.include_usage every chunk has a choice, so a client that
+    reads chunk.choices[0] of each one works."""
+    params = dict(model=MODEL_NAME, prompt="Hello", max_tokens=5, temperature=0, stream=True)
+    chunks = list(client.completions.create(**params))
+    assert all(c.choices and c.usage is None for c in chunks)
+    asked = list(client.completions.create(stream_options={"include_usage": True}, **params))
+    assert not asked[-1].choices and asked[-1].usage.completion_tokens == 5
+
+
+def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3, "response_format": {"type": "text"},
+            "tools": [], "tool_choice": "none"}
+    r = httpx.post(served.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_null_sampling_fields_take_their_defaults(served):
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": None, "top_p": None, "n": None,
+            "seed": 3}
+    r = httpx.post(served.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    same = httpx.post(served.base_url + "/v1/completions", timeout=60,
+                      json=body | {"temperature": 1.0, "top_p": 1.0, "n": 1})
+    assert r.json()["choices"][0]["text"] == same.json()["choices"][0]["text"]
+
+
+def test_text_offsets_count_each_tokens_characters(served, client):
+    """A stop string holds text back while it might still match: the offsets must not follow it."""
+    params = dict(model=MODEL_NAME, prompt="Hello", max_tokens=12, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    for extra in ({}, {"stop": "never appears ~~~"}):
+        for stream in (False, True):
+            if stream:
+                chunks = list(client.completions.create(stream=True, **params, **extra))
+                tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+                offsets = [o for c in chunks if c.choices and c.choices[0].logprobs
+                           for o in c.choices[0].logprobs.text_offset]
+            else:
+                lp = client.completions.create(**params, **extra).choices[0].logprobs
+                tokens, offsets = lp.tokens, lp.text_offset
+            assert len(tokens) == 12
+            assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(12)], (extra, stream)

@@ -28,6 +28,7 @@ BAD_COMPLETIONS = {
     "negative temperature": (OK | {"temperature": -1}, 400, "temperature"),
     "top_p zero": (OK | {"top_p": 0}, 400, "top_p"),
     "bad top_k": (OK | {"top_k": -5}, 400, "top_k"),
+    "top_k past int64": (OK | {"top_k": 2 ** 63}, 400, "top_k"),
     "negative seed": (OK | {"seed": -3}, 400, "seed"),
     "negative stop token": (OK | {"stop_token_ids": [-1]}, 400, "stop_token_ids"),
     "empty prompt": (OK | {"prompt": ""}, 400, "empty"),
@@ -45,6 +46,12 @@ BAD_CHAT = {
     "chat n > 1": (CHAT_OK | {"n": 3}, 400, "n=3"),
     "chat unknown model": (CHAT_OK | {"model": "nope"}, 404, "does not exist"),
     "bad stream_options": (CHAT_OK | {"stream": True, "stream_options": {"bogus": 1}}, 400, "bogus"),
+    "a message the template cannot render": (CHAT_OK | {"messages": [{"role": "user"}]}, 400, "chat template"),
+    "tools": (CHAT_OK | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    "json response_format": (CHAT_OK | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    "stream_options without stream": (CHAT_OK | {"stream_options": {"include_usage": True}}, 400, "stream=true"),
+    "template kwargs that set a request field": (CHAT_OK | {"chat_template_kwargs": {"add_generation_prompt": False}},
+                                                 400, "chat_template_kwargs"),
 }
 
 
@@ -90,6 +97,7 @@ def test_bad_requests_do_not_disturb_running_ones(served):
     def good():
         with openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
             chunks = list(c.completions.create(model=MODEL_NAME, prompt="Steady", max_tokens=150, stream=True,
+                                               stream_options={"include_usage": True},
                                                extra_body={"ignore_eos": True}))
             results.append(chunks[-1].usage.completion_tokens)
 
