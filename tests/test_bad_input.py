@@ -329,3 +329,27 @@ def test_generate_adds_requests_as_the_scheduler_can_take_them(tiny_checkpoint):
     assert held[0] == (3, 0)
     assert all(requests - running <= 3 for requests, running in held)
     assert max(requests for requests, _ in held) < 40 // 2
+
+
+def test_a_step_that_fails_leaves_no_prefix_cache_behind(tiny_checkpoint):
+    """Blocks are hashed into the prefix cache when their step is scheduled. A step that fails
+    before its forward pass wrote no K and V into them: a later request with the same prompt must
+    not take them as its cached prefix (it did, and generated other tokens)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(10, 50))
+    want = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, block_size=4).generate(
+        [prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, block_size=4)
+    launch, calls = llm.engine.runner.launch, []
+
+    def failing_once(rows):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the step fails before its forward pass")
+        return launch(rows)
+    llm.engine.runner.launch = failing_once
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([prompt], params, use_tqdm=False)
+    assert llm.engine.num_free_blocks == 64 and not llm.engine.block_manager.cached_blocks
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert llm.engine.prefix_cache_hit_tokens == 0

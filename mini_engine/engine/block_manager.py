@@ -182,6 +182,13 @@ class BlockManager:
                 block.hash, block.key = h, key
                 self.cached_blocks[h] = block.block_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block. After a step that failed, the blocks it hashed when it was
+        scheduled may never have received their K and V, and a later prefix hit would read them."""
+        for block in self.blocks:
+            block.hash = block.key = None
+        self.cached_blocks.clear()
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so that a sequence's prefix outlives its suffix in the LRU order.
         for block_id in reversed(seq.block_table):

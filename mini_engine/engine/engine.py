@@ -116,12 +116,16 @@ class LLMEngine:
         for its own tokens before returning."""
         batch = self.scheduler.schedule()
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
-        launched = self.launch(batch) if not batch.is_empty else None
-        previous, self.in_flight = self.in_flight, launched
-        outputs = self.resolve(previous) if previous else []
-        if not self.config.async_scheduling and launched is not None:
-            self.in_flight = None
-            outputs += self.resolve(launched)
+        try:
+            launched = self.launch(batch) if not batch.is_empty else None
+            previous, self.in_flight = self.in_flight, launched
+            outputs = self.resolve(previous) if previous else []
+            if not self.config.async_scheduling and launched is not None:
+                self.in_flight = None
+                outputs += self.resolve(launched)
+        except BaseException:
+            self.block_manager.reset_prefix_cache()     # what the failed step hashed may hold no KV
+            raise
         return outputs
 
     def wait_in_flight(self) -> list[StepOutput]:
