@@ -14,6 +14,9 @@ import time
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and (argv[0].startswith("-") or not os.path.isdir(os.path.join(argv[0], "mini_engine"))):
+        print(__doc__)
+        return 0 if argv[0] in ("-h", "--help") else 2
     tree = os.path.abspath(argv[0]) if argv else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, tree)
     from mini_engine.engine.block_manager import BlockManager

@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-step-ms", type=float, default=1.5)
     ap.add_argument("--profile-step", type=int)
     opts, argv = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)                              # its own options; bench.py's help follows
     # Before bench imports the engine: its kernels take the compile function when they are built.
     triton.compiler.compile = triton.compiler.compiler.compile = _logged(triton.compiler.compiler.compile)
     gc.callbacks.append(_log_gc)
