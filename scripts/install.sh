@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what mini_engine needs, skipping what is already importable (the GPU machine has its own
 # CUDA torch and no network). Usage: install.sh [engine|test]; test adds the test suite's needs.
-# torch is pinned to the CPU build: an unpinned torch pulls a multi-GB CUDA build.
+# torch is pinned: an unpinned torch pulls a multi-GB CUDA build. On this project's CPU machines the
+# pin resolves to a CPU wheel kept on the machine (pip's find-links); see the README for elsewhere.
 set -euo pipefail
 specs=(triton safetensors tokenizers tqdm numpy)
 if [[ "${1:-engine}" == test ]]; then
