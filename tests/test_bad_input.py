@@ -353,3 +353,14 @@ def test_a_step_that_fails_leaves_no_prefix_cache_behind(tiny_checkpoint):
     assert llm.engine.num_free_blocks == 64 and not llm.engine.block_manager.cached_blocks
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
     assert llm.engine.prefix_cache_hit_tokens == 0
+
+
+@pytest.mark.parametrize("max_model_len, num_blocks", [(512, 16), (100, 16), (257, 16)])
+def test_the_longest_sequence_validate_allows_is_max_sequence_tokens(max_model_len, num_blocks):
+    from mini_engine.engine.request_limits import RequestLimits
+    limits = RequestLimits(vocab_size=256, max_model_len=max_model_len, block_size=16, num_blocks=num_blocks,
+                           has_tokenizer=False)
+    longest = limits.max_sequence_tokens()
+    limits.validate([5] * 10, SamplingParams(max_tokens=longest - 10))
+    with pytest.raises(ValueError, match="max_model_len|KV blocks"):
+        limits.validate([5] * 10, SamplingParams(max_tokens=longest - 9))

@@ -15,6 +15,11 @@ class RequestLimits:
     num_blocks: int             # the KV pool's size, known once the engine has measured memory
     has_tokenizer: bool
 
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence (prompt and output) that max_model_len and the KV pool allow. Its
+        last sampled token is never computed, so it holds one slot fewer than its tokens."""
+        return min(self.max_model_len, self.num_blocks * self.block_size + 1)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError (TypeError for params that are not SamplingParams) for a request that
         could never run."""
@@ -36,8 +41,7 @@ class RequestLimits:
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")
-        # The last sampled token is never computed, so the sequence holds at most this many slots.
         blocks = -(-(n + params.max_tokens - 1) // self.block_size)
-        if blocks > self.num_blocks:
+        if blocks > self.num_blocks:          # i.e. n + max_tokens > max_sequence_tokens(), by the pool
             raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.num_blocks}; "
                              "it could never run")

@@ -123,10 +123,9 @@ class OpenAIServer:
     def remaining_tokens(self, prompt_token_ids: list[int]) -> int:
         """A chat request's default max_tokens: as many as max_model_len and the KV pool leave after
         the prompt (a pool smaller than one max_model_len sequence would otherwise refuse every
-        request that gave no max_tokens). A sequence holds one slot fewer than its tokens."""
+        request that gave no max_tokens)."""
         limits = self.async_engine.limits
-        room = min(limits.max_model_len, limits.num_blocks * limits.block_size + 1)
-        left = room - len(prompt_token_ids)
+        left = limits.max_sequence_tokens() - len(prompt_token_ids)
         if left < 1:
             raise ProtocolError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
                                 f"within max_model_len={limits.max_model_len} and a KV pool of "
