@@ -141,7 +141,9 @@ class OpenAIServer:
             if isinstance(m.content, list):
                 if any(part.type != "text" for part in m.content):
                     raise ProtocolError("only text content parts are supported", param="messages")
-                message["content"] = "".join(part.text or "" for part in m.content)
+                # As vLLM for a template that takes string content (entrypoints/chat_utils.py): the
+                # parts' texts on lines of their own, a part without text left out.
+                message["content"] = "\n".join(part.text for part in m.content if part.text is not None)
             messages.append(message)
         kwargs = req.chat_template_kwargs or {}
         if reserved := {"messages", "add_generation_prompt"} & kwargs.keys():
