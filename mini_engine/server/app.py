@@ -31,7 +31,9 @@ from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+# OpenAI's default for /v1/completions, and vLLM's for an explicit null too (its CompletionRequest
+# validator normalize_null_max_tokens): chat's default, the rest of the context, does not apply here.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 def error_response(message: str, status_code: int = 400, param: str | None = None,

@@ -22,3 +22,13 @@ def test_text_parts_of_a_message_join_with_newlines(served):
     joined = chat("Hello\nworld")
     assert parts["usage"] == joined["usage"]
     assert parts["choices"][0]["message"] == joined["choices"][0]["message"]
+
+
+def test_completion_max_tokens_absent_or_null_is_16(served):
+    """vllm/entrypoints/openai/completion/protocol.py: max_tokens defaults to 16, and its
+    normalize_null_max_tokens validator makes an explicit null the same 16 (vLLM #45491; before it,
+    vLLM answered a null with a 500). Not max_model_len minus the prompt, as chat's default is."""
+    for body in ({}, {"max_tokens": None}):
+        out = post(served, "/v1/completions", {"prompt": "Hello", "ignore_eos": True} | body)
+        assert out["usage"]["completion_tokens"] == 16, body
+        assert out["choices"][0]["finish_reason"] == "length"
