@@ -33,7 +33,8 @@ class ServerMetrics:
                                      "looked up, at each admission (a preempted request's included), since start.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests the server accepted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.num_preemptions = gauge("num_preemptions", "Preemptions since start.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions since start.")
+        self.preemptions_counted = 0
         finished = Counter("mini_engine:request_success", "Finished requests, by finish reason.",
                            ["model_name", "finished_reason"], registry=r)
         self.finished = lambda reason: finished.labels(model_name=model_name, finished_reason=reason).inc()
@@ -50,7 +51,10 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         queried = stats.prefix_cache_queried_tokens
         self.prefix_hit_rate.set(stats.prefix_cache_hit_tokens / queried if queried else 0.0)
-        self.num_preemptions.set(stats.num_preemptions)
+        # The engine reports its total since start. A counter, as vLLM's, for rate() and increase():
+        # it goes up by the preemptions it has not counted yet.
+        self.num_preemptions.inc(stats.num_preemptions - self.preemptions_counted)
+        self.preemptions_counted = stats.num_preemptions
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,10 @@
 """Behaviour a vLLM user relies on, checked against what vLLM's OpenAI server does (the vLLM source
 each test follows is named in it)."""
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
+from mini_engine.server.engine_process import EngineStats
+from mini_engine.server.metrics import ServerMetrics
 from tests.server.conftest import MODEL_NAME
 
 
@@ -32,3 +35,21 @@ def test_completion_max_tokens_absent_or_null_is_16(served):
         out = post(served, "/v1/completions", {"prompt": "Hello", "ignore_eos": True} | body)
         assert out["usage"]["completion_tokens"] == 16, body
         assert out["choices"][0]["finish_reason"] == "length"
+
+
+def stats(num_preemptions: int) -> EngineStats:
+    return EngineStats(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=8,
+                       prefix_cache_hit_tokens=0, prefix_cache_queried_tokens=0, num_preemptions=num_preemptions)
+
+
+def test_preemptions_are_a_counter_named_like_vllms():
+    """vllm/v1/metrics/loggers.py: Counter "vllm:num_preemptions", which Prometheus exposes as
+    vllm:num_preemptions_total, so that rate() and dashboards written for vLLM work on it."""
+    metrics = ServerMetrics(MODEL_NAME)
+    for running_total in (0, 2, 2, 5):      # what the engine reports after each step
+        metrics.update_engine_state(stats(running_total))
+    family = next(f for f in text_string_to_metric_families(metrics.render().decode())
+                  if f.name == "mini_engine:num_preemptions")
+    assert family.type == "counter"
+    assert [(s.name, s.value) for s in family.samples if s.name.endswith("_total")] == \
+        [("mini_engine:num_preemptions_total", 5.0)]
