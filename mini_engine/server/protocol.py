@@ -44,8 +44,9 @@ class SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = 1.0     # null: the default, as OpenAI allows
-    top_p: float | None = 1.0
+    # Absent or null (OpenAI allows both): SamplingParams' default, which the server leaves to it.
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int = -1                     # extension (vLLM's): -1 or 0 is off
     seed: int | None = None
     stop: str | list[str] | None = None
