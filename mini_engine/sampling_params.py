@@ -14,8 +14,8 @@ class SamplingParams:
     top_p: float = 1.0            # 1.0: no nucleus restriction
     max_tokens: int = 16
     ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: str | list[str] = field(default_factory=list)   # strings that end the output (not included)
+    stop_token_ids: list[int] | None = field(default_factory=list)   # None: none
+    stop: str | list[str] | None = field(default_factory=list)   # strings that end the output (not included)
     seed: int | None = None       # reproducible sampling for this request alone
     logprobs: int | None = None   # return the sampled token's log-probability and this many top ones
 
@@ -32,10 +32,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
@@ -45,3 +45,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _as_list(value, name: str) -> list:
+    """None means none, as in vLLM, whose default it is. Copied before the caller checks the items,
+    so that checking does not use up a generator."""
+    if value is None:
+        return []
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list or None, got {value!r}") from None
