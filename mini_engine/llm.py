@@ -13,6 +13,16 @@ from mini_engine.outputs import CompletionOutput, RequestOutput
 from mini_engine.sampling_params import SamplingParams
 
 
+def unwrap_prompt(prompt):
+    """vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, as what they hold. Other
+    keys (multi_modal_data, ...) ask for what this engine does not do, so they are refused."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if prompt.keys() in ({"prompt"}, {"prompt_token_ids"}):
+        return next(iter(prompt.values()))
+    raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
+
+
 class LLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
@@ -21,12 +31,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+    def generate(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = [prompts]                   # one prompt's token ids
-        elif isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        elif isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -91,7 +101,7 @@ class LLM:
                 return False
             i, (prompt, params) = request
             try:
-                ids = engine.tokenize(prompt)
+                ids = engine.tokenize(unwrap_prompt(prompt))
                 engine.validate(ids, params)
             except (ValueError, TypeError) as e:
                 for seq in seqs:
@@ -124,6 +134,7 @@ class LLM:
     def to_output(self, seq, prompt, stopper: IncrementalDetokenizer | None) -> RequestOutput:
         # The text ends before the stop string; the token ids keep the token that completed it.
         text = stopper.text if stopper is not None else self.engine.detokenize(seq.output_token_ids)
+        prompt = unwrap_prompt(prompt)
         return RequestOutput(
             request_id=seq.request_id,
             prompt=prompt if isinstance(prompt, str) else None,

@@ -22,3 +22,32 @@ def test_stop_token_ids_from_a_generator_are_kept():
 def test_a_stop_that_is_not_a_list_is_a_value_error_naming_it(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from mini_engine import LLM
+    from tests.server.conftest import write_tiny_model
+    return LLM(write_tiny_model(str(tmp_path_factory.mktemp("tiny-offline-api"))), device="cpu", num_kv_blocks=64)
+
+
+def test_vllm_prompt_dicts_are_taken(llm):
+    """vLLM's TextPrompt and TokensPrompt ({"prompt": text}, {"prompt_token_ids": ids}): one alone
+    raised KeyError: 0, and in a list the dict's keys were taken as token ids."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = llm.engine.tokenize("Größe")
+    plain = llm.generate(["Hello", ids], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    def completions(outputs):
+        return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
+    assert completions(dicts) == completions(plain)
+    assert [(o.prompt, o.prompt_token_ids) for o in dicts] == [("Hello", plain[0].prompt_token_ids), (None, ids)]
+    alone = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in alone] == [plain[1].outputs[0].token_ids]
+
+
+def test_a_prompt_dict_with_other_keys_is_refused(llm):
+    with pytest.raises(ValueError, match="prompt 1: .*prompt_token_ids"):
+        llm.generate(["Hello", {"prompt": "Hi", "multi_modal_data": {}}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    assert llm.engine.num_free_blocks == 64 and not llm.engine.has_unfinished_requests()
