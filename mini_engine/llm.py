@@ -135,12 +135,13 @@ class LLM:
         # The text ends before the stop string; the token ids keep the token that completed it.
         text = stopper.text if stopper is not None else self.engine.detokenize(seq.output_token_ids)
         prompt = unwrap_prompt(prompt)
+        logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None
         return RequestOutput(
             request_id=seq.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason,
-                                      seq.logprobs if seq.sampling_params.logprobs is not None else None)],
+            outputs=[CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, logprobs,
+                                      None if logprobs is None else sum(lp.logprob for lp in logprobs))],
             finished=True,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,

@@ -8,6 +8,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None       # "stop", "length", "abort", or None while running
     logprobs: list | None = None    # a SampleLogprobs per token, where SamplingParams.logprobs asked
+    cumulative_logprob: float | None = None    # the sum of those logprobs, where asked (as vLLM)
 
 
 @dataclass

@@ -51,3 +51,13 @@ def test_a_prompt_dict_with_other_keys_is_refused(llm):
         llm.generate(["Hello", {"prompt": "Hi", "multi_modal_data": {}}], SamplingParams(max_tokens=2),
                      use_tqdm=False)
     assert llm.engine.num_free_blocks == 64 and not llm.engine.has_unfinished_requests()
+
+
+def test_cumulative_logprob_is_the_sum_of_the_token_logprobs(llm):
+    """vLLM's CompletionOutput.cumulative_logprob: the sum where logprobs were asked, else None
+    (it was missing: AttributeError)."""
+    asked, not_asked = (llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                             logprobs=lp), use_tqdm=False)[0].outputs[0]
+                        for lp in (0, None))
+    assert asked.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in asked.logprobs))
+    assert asked.cumulative_logprob < 0 and not_asked.cumulative_logprob is None
