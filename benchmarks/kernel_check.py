@@ -16,8 +16,8 @@ import time
 import torch
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 1024, 16, 8, 128, 3072, 151936
-BLOCK_SIZE, EPS, DTYPE = 16, 1e-6, torch.bfloat16
-MAX_MODEL_LEN = 40960          # what the decode path gets as max_seq_len under CUDA graphs
+BLOCK_SIZE, EPS, DTYPE = 64, 1e-6, torch.bfloat16   # EngineConfig's block size on CUDA
+MAX_MODEL_LEN = 40960          # what the decode path gets as max_seq_len under CUDA graphs (the default max_model_len)
 
 
 def parse_args(argv=None):
