@@ -49,3 +49,22 @@ def test_no_match_leaves_the_output_whole(llm):
     free = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0]
     out = llm.generate(PROMPTS[0], greedy(stop=["never appears \u2603"]), use_tqdm=False)[0].outputs[0]
     assert (out.text, out.token_ids, out.finish_reason) == (free.text, free.token_ids, "length")
+
+
+def test_a_stop_string_across_tokens_completed_by_the_last_token(llm):
+    """The stop string spans two tokens and the second is the request's last (max_tokens): it is
+    still in the held-back tail when the request ends by length, and must be cut there, with
+    finish reason "stop"."""
+    free = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0].outputs[0]
+    pieces = [llm.tokenizer.decode(free.token_ids[:k]) for k in range(len(free.token_ids) + 1)]
+
+    def spans(j: int) -> bool:     # tokens j-1 and j end and start with printable ASCII
+        a, b = pieces[j], pieces[j + 1]
+        return 0 < len(a) < len(b) and b.startswith(a) and (a[-1] + b[len(a)]).isprintable() \
+            and (a[-1] + b[len(a)]).isascii() and (a[-1] + b[len(a)]) not in b[:len(a)]
+    j = next(j for j in range(1, len(free.token_ids)) if spans(j))
+    stop = pieces[j][-1] + pieces[j + 1][len(pieces[j])]
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=j + 1, ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.token_ids) == (pieces[j][:-1], "stop", free.token_ids[:j + 1])
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
