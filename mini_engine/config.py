@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from mini_engine.sampling_params import SamplingParams
+
 
 @dataclass(slots=True)
 class ModelConfig:
@@ -86,13 +88,27 @@ class ModelConfig:
             raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
         with open(config_file) as f:
             config = cls.from_dict(json.load(f))
-        generation_file = os.path.join(path, "generation_config.json")
-        if os.path.isfile(generation_file):
-            with open(generation_file) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                config.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = read_generation_config(path).get("eos_token_id")
+        if eos is not None:
+            config.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
         return config
+
+
+# The fields of a generation_config.json that set a request's defaults, as vLLM reads them (it also
+# reads repetition_penalty, min_p and max_new_tokens, which this engine has no parameters for).
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+
+
+def read_generation_config(folder: str) -> dict:
+    """A checkpoint folder's generation_config.json, or {} where it has none."""
+    generation_file = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(generation_file):
+        return {}
+    with open(generation_file) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{generation_file}: not a JSON object")
+    return raw
 
 
 @dataclass(slots=True)
@@ -119,7 +135,13 @@ class EngineConfig:
     # waits for its own tokens first.
     async_scheduling: bool = True
     seed: int = 0
+    # Where a request's unset sampling parameters come from, as vLLM's --generation-config: "auto",
+    # the checkpoint's generation_config.json (Qwen3's asks for temperature 0.6, top_p 0.95, top_k
+    # 20); "none", SamplingParams' own defaults; or a folder with a generation_config.json.
+    generation_config: str = "auto"
     model_config: ModelConfig | None = field(default=None, repr=False)
+    # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
+    sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         if self.block_size is None:
@@ -142,6 +164,26 @@ class EngineConfig:
             self.max_model_len = limit
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
+        self.sampling_defaults = self.read_sampling_defaults()
+
+    def read_sampling_defaults(self) -> dict:
+        if self.generation_config == "none":
+            return {}
+        folder = self.model if self.generation_config == "auto" else self.generation_config
+        if not os.path.isdir(folder):
+            raise ValueError(f"generation_config must be 'auto', 'none' or a folder, got {self.generation_config!r}")
+        raw = read_generation_config(folder)
+        defaults = {name: raw[name] for name in GENERATION_SAMPLING_FIELDS if raw.get(name) is not None}
+        try:
+            SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(f"{folder}/generation_config.json: {e}") from None
+        return defaults
+
+    def default_sampling_params(self, **given) -> SamplingParams:
+        """SamplingParams with what `given` sets, and the rest from generation_config where it
+        sets it (vLLM's LLM.get_default_sampling_params, and what its server does for each request)."""
+        return SamplingParams(**(self.sampling_defaults | given))
 
     def resolved_device(self) -> torch.device:
         """The device named, or CUDA when one is available, else the CPU."""
@@ -149,7 +191,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")

@@ -31,6 +31,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() samples with when given no SamplingParams: the checkpoint's
+        generation_config.json temperature, top_k and top_p where it sets them (EngineConfig's
+        generation_config), SamplingParams' own defaults for the rest."""
+        return self.engine.config.default_sampling_params()
+
     def generate(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -39,7 +45,7 @@ class LLM:
         elif isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

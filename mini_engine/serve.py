@@ -20,11 +20,14 @@ def option_type(annotation) -> type:
     return annotation
 
 
+def engine_option_fields() -> list:
+    """EngineConfig's fields that a command line sets: not the model, nor what the config derives."""
+    return [f for f in fields(EngineConfig) if f.init and f.name not in SKIPPED_FIELDS]
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (EngineConfig)")
-    for f in fields(EngineConfig):
-        if f.name in SKIPPED_FIELDS:
-            continue
+    for f in engine_option_fields():
         default = None if f.default is MISSING else f.default
         flag = "--" + f.name.replace("_", "-")
         kind = option_type(f.type)
@@ -56,13 +59,18 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or default_checkpoint()
     name = args.served_model_name or args.model or "qwen3-0.6b-random"
-    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in SKIPPED_FIELDS}
+    options = {f.name: getattr(args, f.name) for f in engine_option_fields()}
     config = EngineConfig.from_kwargs(model, **options)
     app = build_app(config, name)
     limits = app.state.server.async_engine.limits
     logging.getLogger("mini_engine.server").info(
         "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
         limits.block_size, limits.max_model_len)
+    if config.sampling_defaults:
+        logging.getLogger("mini_engine.server").info(
+            "requests that leave them unset sample with %s, from %s's generation_config.json "
+            "(--generation-config none: temperature 1, top_p 1, no top_k)", config.sampling_defaults,
+            model if config.generation_config == "auto" else config.generation_config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

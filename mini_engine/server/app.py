@@ -95,12 +95,14 @@ class OpenAIServer:
             raise ProtocolError("stream_options is only allowed with stream=true", param="stream_options")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        # Only what the client set, so that SamplingParams alone owns the defaults.
-        set_by_client = {name: value for name in ("temperature", "top_p") if (value := getattr(req, name)) is not None}
+        # Only what the client set: the defaults belong to the config (the checkpoint's
+        # generation_config.json) and to SamplingParams.
+        set_by_client = {name: value for name in ("temperature", "top_p", "top_k")
+                         if (value := getattr(req, name)) is not None}
         try:
-            return SamplingParams(top_k=req.top_k, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                  stop_token_ids=req.stop_token_ids, stop=req.stop_list, seed=req.seed,
-                                  logprobs=logprobs, **set_by_client)
+            return self.config.default_sampling_params(
+                max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+                stop=req.stop_list, seed=req.seed, logprobs=logprobs, **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 

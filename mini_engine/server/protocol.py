@@ -44,10 +44,11 @@ class SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    # Absent or null (OpenAI allows both): SamplingParams' default, which the server leaves to it.
+    # Absent or null (OpenAI allows both): the checkpoint's generation_config.json default, else
+    # SamplingParams' (EngineConfig.default_sampling_params), which the server leaves to them.
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int = -1                     # extension (vLLM's): -1 or 0 is off
+    top_k: int | None = None            # extension (vLLM's): -1 or 0 is off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)  # extension

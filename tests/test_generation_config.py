@@ -1,0 +1,90 @@
+"""A checkpoint's generation_config.json sets the sampling parameters a request leaves unset, as
+vLLM's --generation-config auto (its default) does: Qwen3's asks for temperature 0.6, top_p 0.95,
+top_k 20, where SamplingParams alone would sample at temperature 1 from the whole vocabulary."""
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from mini_engine.config import EngineConfig
+from mini_engine.sampling_params import SamplingParams
+from mini_engine.server.app import OpenAIServer
+from mini_engine.server.protocol import CompletionRequest
+
+QWEN3_GENERATION_CONFIG = {"bos_token_id": 1, "do_sample": True, "eos_token_id": [2, 3], "pad_token_id": 1,
+                           "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
+
+
+def with_generation_config(tiny_checkpoint: str, folder, generation_config: dict) -> str:
+    path = str(folder)
+    shutil.copytree(tiny_checkpoint, path, dirs_exist_ok=True)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation_config, f)
+    return path
+
+
+def test_auto_takes_the_checkpoints_sampling_fields(tiny_checkpoint, tmp_path):
+    path = with_generation_config(tiny_checkpoint, tmp_path, QWEN3_GENERATION_CONFIG)
+    config = EngineConfig(path, device="cpu", num_kv_blocks=8)
+    assert config.sampling_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert config.model_config.eos_token_ids == (2, 3)
+    params = config.default_sampling_params(max_tokens=5)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.6, 20, 0.95, 5)
+    # What the caller gives wins over the checkpoint's.
+    params = config.default_sampling_params(temperature=0.0, top_k=-1)
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, -1, 0.95)
+
+
+def test_none_and_a_folder(tiny_checkpoint, tmp_path):
+    path = with_generation_config(tiny_checkpoint, tmp_path / "model", QWEN3_GENERATION_CONFIG)
+    config = EngineConfig(path, device="cpu", num_kv_blocks=8, generation_config="none")
+    assert config.sampling_defaults == {}
+    assert config.default_sampling_params() == SamplingParams()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    config = EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, generation_config=str(other))
+    assert config.sampling_defaults == {"temperature": 0.3}
+    # A checkpoint without the file: SamplingParams' own defaults.
+    assert EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8).sampling_defaults == {}
+
+
+def test_bad_generation_config_is_a_clear_error(tiny_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="generation_config must be 'auto', 'none' or a folder"):
+        EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, generation_config="vllm")
+    path = with_generation_config(tiny_checkpoint, tmp_path, {"top_p": 1.5})
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p must be in \(0, 1\]"):
+        EngineConfig(path, device="cpu", num_kv_blocks=8)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
+        EngineConfig(path, device="cpu", num_kv_blocks=8)
+
+
+def test_server_fills_only_what_the_request_leaves_unset(tiny_checkpoint, tmp_path):
+    path = with_generation_config(tiny_checkpoint, tmp_path, QWEN3_GENERATION_CONFIG)
+    server = SimpleNamespace(config=EngineConfig(path, device="cpu", num_kv_blocks=8))
+
+    def params(**fields):
+        return OpenAIServer.sampling_params(server, CompletionRequest(model="m", prompt="x", **fields), 7, None)
+
+    assert (params().temperature, params().top_k, params().top_p) == (0.6, 20, 0.95)
+    # null is unset, as OpenAI reads it.
+    assert (params(temperature=None, top_k=None).temperature, params(top_k=None).top_k) == (0.6, 20)
+    p = params(temperature=0.0, top_k=-1, top_p=1.0)
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.0, -1, 1.0, 7)
+
+
+def test_generate_without_params_samples_as_the_generation_config_says(tiny_checkpoint, tmp_path):
+    from mini_engine import LLM
+    greedy = with_generation_config(tiny_checkpoint, tmp_path / "greedy", {"temperature": 0.0})
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    llm = LLM(greedy, device="cpu", num_kv_blocks=16)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0), use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)] == expected
+    # The same checkpoint read with generation_config="none" samples at temperature 1.
+    llm = LLM(greedy, device="cpu", num_kv_blocks=16, generation_config="none")
+    assert llm.get_default_sampling_params() == SamplingParams()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)] != expected
