@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -94,6 +95,17 @@ def test_request_larger_than_the_pool_is_rejected(tiny_checkpoint):
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(list(range(3, 20)), SamplingParams(max_tokens=4))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_measured_pool_smaller_than_max_model_len_warns_at_start(tiny_checkpoint):
+    """The tiny checkpoint's max_model_len is 512: 4 CPU blocks of 16 tokens hold 64 of them."""
+    with pytest.warns(UserWarning, match="fewer than one max_model_len=512 sequence"):
+        LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", cpu_kv_blocks=4))
+    # A pool as large as one sequence, or one the caller sized: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", cpu_kv_blocks=32))
+        LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=4))
 
 
 def test_generate_validates_everything_before_running(tiny_checkpoint):

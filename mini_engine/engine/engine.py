@@ -2,6 +2,7 @@
 import atexit
 import gc
 import itertools
+import warnings
 from dataclasses import dataclass
 
 from mini_engine.config import EngineConfig
@@ -48,6 +49,12 @@ class LLMEngine:
                                    config.max_model_len)
         self.limits = RequestLimits(config.model_config.vocab_size, config.max_model_len, config.block_size,
                                     self.block_manager.num_blocks, self.tokenizer is not None)
+        if config.num_kv_blocks is None and self.limits.max_sequence_tokens() < config.max_model_len:
+            # vLLM refuses to start here; requests that fit the pool still run, so this one warns,
+            # and each request the pool can never hold is refused with its own error.
+            warnings.warn(f"the KV pool holds {self.block_manager.num_blocks} blocks of {config.block_size} tokens, "
+                          f"fewer than one max_model_len={config.max_model_len} sequence: longer requests will "
+                          "be refused. Raise gpu_memory_utilization (cpu_kv_blocks on CPU) or lower max_model_len")
         self.in_flight: InFlightStep | None = None
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
