@@ -169,8 +169,11 @@ class EngineConfig:
     def read_sampling_defaults(self) -> dict:
         if self.generation_config == "none":
             return {}
-        folder = self.model if self.generation_config == "auto" else self.generation_config
-        if not os.path.isdir(folder):
+        if self.generation_config == "auto":
+            folder = self.model
+        elif os.path.isdir(self.generation_config):
+            folder = self.generation_config
+        else:
             raise ValueError(f"generation_config must be 'auto', 'none' or a folder, got {self.generation_config!r}")
         raw = read_generation_config(folder)
         defaults = {name: raw[name] for name in GENERATION_SAMPLING_FIELDS if raw.get(name) is not None}

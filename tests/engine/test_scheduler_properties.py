@@ -35,7 +35,7 @@ class FakeRunner:
 
 
 def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_scheduling=True):
-    config = EngineConfig("unused", device="cpu", block_size=block_size, max_num_seqs=max_num_seqs,
+    config = EngineConfig("unused", device="cpu", block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=budget, max_model_len=256, enable_prefix_caching=prefix_caching,
                           async_scheduling=async_scheduling, model_config=MODEL)
     engine = LLMEngine.__new__(LLMEngine)
