@@ -15,10 +15,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
     def is_empty(self) -> bool:
         return not self.seqs
 
