@@ -86,7 +86,7 @@ class StepInputBuffers:
 
     @staticmethod
     def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
-              num_samples: int, num_work_items: int = 0) -> list[int]:
+              num_samples: int, num_work_items: int) -> list[int]:
         """Each field's length, in STEP_FIELDS' order. num_sample_slots: the seeds' and temperatures'
         length (a graph's batch size, or the step's sampling rows); num_samples: logits_indices'."""
         t, r, n = num_tokens, num_rows, num_sample_slots
@@ -102,11 +102,6 @@ class StepInputBuffers:
             end = start + size * dtype.itemsize
         return out + [end]
 
-    def views(self, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int = 0,
-              num_samples: int = 0) -> StepTensors:
-        sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples)
-        return self._views(sizes, self.offsets(sizes), num_rows, table_width)
-
     def _views(self, sizes: list[int], offsets: list[int], num_rows: int, table_width: int) -> StepTensors:
         tensors = [self.data[o:o + n * dtype.itemsize].view(dtype)
                    for o, n, (_, dtype) in zip(offsets, sizes, STEP_FIELDS)]
@@ -115,7 +110,7 @@ class StepInputBuffers:
         return StepTensors(*tensors)
 
     def stage(self, parts: list, num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
-              num_samples: int, num_work_items: int = 0) -> StepTensors:
+              num_samples: int, num_work_items: int) -> StepTensors:
         """Packs the parts (in STEP_FIELDS' order, block tables as one [rows, width] array) at
         their offsets and copies the pack to the device."""
         sizes = self.sizes(num_tokens, num_rows, table_width, num_sample_slots, num_samples, num_work_items)
