@@ -199,14 +199,14 @@ class ModelRunner:
     def profile_num_kv_blocks(self) -> int:
         if self.device.type != "cuda":
             return self.config.cpu_kv_blocks
-        # Run the largest steps the config allows against a scratch pool, measure the peaks, and
-        # give the pool what gpu_memory_utilization leaves after weights and those peaks.
+        # Run the largest steps the config allows against a scratch pool (one max_model_len
+        # sequence's blocks, which every row shares), measure the peaks, and give the pool what
+        # gpu_memory_utilization leaves after weights and those peaks.
         torch.cuda.empty_cache()
-        blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
-        self.allocate_kv_cache(blocks_per_seq)
+        self.allocate_kv_cache(self.max_blocks)
         base = torch.cuda.memory_allocated(self.device)
         peaks = []
-        for rows in self.warmup_batches(list(range(blocks_per_seq))):
+        for rows in self.warmup_batches(list(range(self.max_blocks))):
             torch.cuda.reset_peak_memory_stats(self.device)
             self.execute(rows)
             torch.cuda.synchronize(self.device)
@@ -408,9 +408,9 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0 for p in params),
         )
 
-    def to_device(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
         if self.device.type == "cpu":
-            return host.to(dtype)
+            return host
         # Pinned, so the copy is a true asynchronous DMA that does not stall the host.
-        return host.to(dtype).pin_memory().to(self.device, non_blocking=True)
+        return host.pin_memory().to(self.device, non_blocking=True)
