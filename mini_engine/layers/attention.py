@@ -24,9 +24,9 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """Paged attention over k/v already written to the cache by QKNormRopeKVWrite."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_triton: bool = False):
+    def __init__(self, head_dim: int, use_triton: bool = False):
+        """The head counts come from q and the cache's shapes."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.use_triton = use_triton
         # Views into the runner's KV pool, [num_blocks, block_size, Hkv, D]; set by the runner.

@@ -23,7 +23,7 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(h * d, config.hidden_size, config.attention_bias, skinny)
         self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, cos_sin_cache,
                                               use_triton="rope_kv" in kernels)
-        self.attn = Attention(h, hkv, d, use_triton="attention" in kernels)
+        self.attn = Attention(d, use_triton="attention" in kernels)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """hidden + attention(input_layernorm(hidden)), written into hidden."""
