@@ -30,9 +30,9 @@ class Sequence:
     num_cached_tokens: int = 0          # of those, found in the prefix cache at the last admission
     block_table: list[int] = field(default_factory=list)
     # The same table as a fixed-width array padded with -1, kept in step by the block manager, so
-    # that a step's block tables are one np.stack and not a Python loop over every block.
+    # that a step copies each row's table as one array slice, not block by block from the list.
     block_table_array: np.ndarray | None = field(default=None, repr=False)
-    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, cached block
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None    # "stop", "length" or "abort"
     num_preemptions: int = 0

@@ -374,8 +374,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
 # How many block-table entries a decode program keeps in registers (one or four a thread at 4
 # warps): the smallest of these that holds every block a tile can reach. Two sizes, not one per
 # table width, so that an eager run, whose tables are as wide as the batch's longest sequence,
-# compiles at most two variants. A longer row (a max_model_len above 8,192 tokens at block size
-# 16) loads each tile's ids instead.
+# compiles at most two variants. A longer row (a max_model_len above 32,768 tokens at CUDA's
+# 64-token blocks, as Qwen3's default 40,960; above 8,192 at 16-token ones) loads each tile's ids
+# instead.
 ROW_BLOCKS_SIZES = (128, 512)
 
 

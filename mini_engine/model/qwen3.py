@@ -52,7 +52,7 @@ class Qwen3DecoderLayer(nn.Module):
     """transformers' layer computes h = h + attn(norm1(h)), then h = h + mlp(norm2(h)). Here each norm
     is folded into the projection after it and each residual add into the projection before it,
     so a layer is 7 launches: qkv, qk-norm/rope/kv-write, attention, o_proj(+h), gate_up, SwiGLU,
-    down(+h)."""
+    down(+h); at few rows also decode attention's split reduce and down_proj's split-K sum."""
 
     def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor):
         super().__init__()
