@@ -131,7 +131,7 @@ class BlockManager:
         bs = self.block_size
         total = seq.num_computed_tokens + len(cached_prefix) * bs + num_new_tokens
         num_before = len(seq.block_table)
-        needed = (total + bs - 1) // bs - num_before - len(cached_prefix)
+        needed = self.blocks_for(total) - num_before - len(cached_prefix)
         if needed <= 0 and not cached_prefix:
             # The common decode step: the token fits in the last block. Hash it if it fills it.
             if total // bs > len(seq.block_hashes):
