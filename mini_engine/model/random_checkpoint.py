@@ -68,5 +68,6 @@ def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         tmp = path + ".partial"
         write_random_checkpoint(tmp, QWEN3_0_6B, device=device)
-        os.replace(tmp, path) if not os.path.exists(path) else None
+        if not os.path.exists(path):        # else another process wrote it meanwhile
+            os.replace(tmp, path)
     return path
