@@ -266,7 +266,7 @@ def bench_decode(rep: Report, gen, copy_bw: float):
                  nbytes, copy_bw, kind="eager", num_seqs=num_seqs)
 
 
-def bench_elementwise(rep: Report, gen, copy_bw: float):
+def bench_elementwise(rep: Report, copy_bw: float):
     from mini_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
     from mini_engine.kernels.rms_norm import rms_norm, rms_norm_ref
     T, e = 16384, 2
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     print("performance (median of triton.testing.do_bench):")
     copy_bw = copy_bandwidth(rep)
     bench_decode(rep, gen, copy_bw)
-    bench_elementwise(rep, gen, copy_bw)
+    bench_elementwise(rep, copy_bw)
 
     failed = [c["name"] for c in rep.checks if not c["passed"]]
     print("\n" + "=" * 100)
