@@ -1,8 +1,8 @@
-"""The block manager's slowest single free() in a pool the size of the H200's (~70,000 blocks),
-sequences of 2,000 tokens admitted and freed in turn (256 live), as the benchmark does. A free
-list that rebuilds a table when it fills (the OrderedDict before entry 36) shows one free() of
-milliseconds among thousands of ~0.05 ms; that pause stalled the benchmark's step loop at step 925.
-CPU only.
+"""The block manager's slowest single free() in a pool the size of the H200's at entry 36 (~70,000
+blocks of 16 tokens; since entry 42 the same memory holds ~17,500 of 64), sequences of 2,000
+tokens admitted and freed in turn (256 live), as the benchmark does. A free list that rebuilds
+a table when it fills (the OrderedDict before entry 36) shows one free() of milliseconds among
+thousands of ~0.05 ms; that pause stalled the benchmark's step loop at step 925. CPU only.
 
     python benchmarks/block_pool_stalls.py [TREE]      # TREE: another checkout's root (default: this one)
 """
