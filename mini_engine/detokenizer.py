@@ -31,11 +31,14 @@ class IncrementalDetokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def update(self, new_token_ids: list[int], finished: bool) -> str:
+    def update(self, new_token_ids: list[int], finished: bool, stop_token: bool = False) -> str:
         """Adds tokens; returns the text that may now be sent. After a stop string matched,
-        self.stopped is set and later calls return nothing."""
+        self.stopped is set and later calls return nothing. stop_token: the request ended on a
+        stop token (stop_token_ids or EOS), whose text, as in vLLM, is not part of the output."""
         if self.stopped:
             return ""
+        if stop_token:
+            new_token_ids = new_token_ids[:-1]
         self.token_ids.extend(new_token_ids)
         if finished:
             full = self.decode(self.token_ids)

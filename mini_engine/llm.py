@@ -128,7 +128,7 @@ class LLM:
         stopper = stoppers.get(out.seq.request_id)
         if stopper is None or stopper.stopped:
             return False
-        stopper.update(out.new_token_ids, out.finished)
+        stopper.update(out.new_token_ids, out.finished, out.ended_on_stop_token)
         if not stopper.stopped:
             return False
         running = not out.finished
@@ -138,8 +138,13 @@ class LLM:
         return running
 
     def to_output(self, seq, prompt, stopper: IncrementalDetokenizer | None) -> RequestOutput:
-        # The text ends before the stop string; the token ids keep the token that completed it.
-        text = stopper.text if stopper is not None else self.engine.detokenize(seq.output_token_ids)
+        # The text ends before the stop string or stop token; the token ids keep the token that
+        # completed it. (Without a stopper, the engine's stop token is the only "stop".)
+        if stopper is not None:
+            text = stopper.text
+        else:
+            text_ids = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
+            text = self.engine.detokenize(text_ids)
         prompt = unwrap_prompt(prompt)
         logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None
         return RequestOutput(

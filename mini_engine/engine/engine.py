@@ -36,6 +36,11 @@ class StepOutput:
     finished: bool
     logprobs: list[SampleLogprobs] | None = None    # one per new token, where the request asked
 
+    @property
+    def ended_on_stop_token(self) -> bool:
+        """The last new token is a stop token (stop_token_ids or EOS): the engine's only "stop"."""
+        return self.finished and self.seq.finish_reason == "stop"
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):

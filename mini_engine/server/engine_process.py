@@ -118,7 +118,7 @@ class EngineLoop:
             if state is None:
                 continue
             state.num_output_tokens += len(out.new_token_ids)
-            text = state.detokenizer.update(out.new_token_ids, out.finished)
+            text = state.detokenizer.update(out.new_token_ids, out.finished, out.ended_on_stop_token)
             reason = out.seq.finish_reason if out.finished else None
             if state.detokenizer.stopped:
                 if not out.finished:

@@ -68,3 +68,17 @@ def test_a_stop_string_across_tokens_completed_by_the_last_token(llm):
                        use_tqdm=False)[0].outputs[0]
     assert (out.text, out.finish_reason, out.token_ids) == (pieces[j][:-1], "stop", free.token_ids[:j + 1])
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("stop", [[], ["never appears \u2603"]])
+def test_a_stop_tokens_text_is_left_out(llm, stop):
+    """As vLLM's: a request that ends on one of its stop_token_ids (or EOS) keeps the token in
+    token_ids but not its text, with or without stop strings to match."""
+    free = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0]
+    ids = free.token_ids
+    # A token that first appears past the start and adds text of its own.
+    k = next(k for k in range(3, len(ids)) if ids[k] not in ids[:k]
+             and len(llm.tokenizer.decode(ids[:k + 1])) > len(llm.tokenizer.decode(ids[:k])))
+    out = llm.generate(PROMPTS[0], greedy(stop_token_ids=[ids[k]], stop=stop), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ids[:k + 1], "stop")
+    assert out.text == llm.tokenizer.decode(ids[:k])

@@ -125,6 +125,7 @@ def test_stop_token_ids(served, client, llm):
     ref_text, stopped_ids, ref_reason = reference(llm, prompt, temperature=0, max_tokens=30, ignore_eos=True,
                                                   stop_token_ids=[stop_id])
     assert ref_reason == "stop" and stopped_ids == ref_ids[:ref_ids.index(stop_id) + 1]
+    assert ref_text == llm.tokenizer.decode(stopped_ids[:-1])      # the stop token's text left out
     text, reason, usage, _ = stream_completion(client, prompt=prompt, max_tokens=30, temperature=0,
                                                extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
     assert (text, reason, usage.completion_tokens) == (ref_text, "stop", len(stopped_ids))
