@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's bench samples at 0.6")
     engine = p.add_argument_group("engine options (passed through; vLLM/transformers take what they can)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                        help=f"nano-vllm's bench uses {MAX_MODEL_LEN}; the checkpoint's own is Qwen3's 40,960")
     engine.add_argument("--max-num-batched-tokens", type=int)
     engine.add_argument("--block-size", type=int)
     engine.add_argument("--gpu-memory-utilization", type=float)
@@ -73,9 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "
                    "table by batch size, write steps.jsonl and profile.png to DIR")
     engine.add_argument("--hf-attn", default="paged|sdpa", help="hf only: attn_implementation to load with")
-    args = p.parse_args(argv)
-    args.max_model_len = MAX_MODEL_LEN
-    return args
+    return p.parse_args(argv)
 
 
 def tiny_checkpoint(cache_dir: str | None) -> str:
