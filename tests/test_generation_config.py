@@ -4,14 +4,11 @@ top_k 20, where SamplingParams alone would sample at temperature 1 from the whol
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 
 from mini_engine.config import EngineConfig
 from mini_engine.sampling_params import SamplingParams
-from mini_engine.server.app import OpenAIServer
-from mini_engine.server.protocol import CompletionRequest
 
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 1, "do_sample": True, "eos_token_id": [2, 3], "pad_token_id": 1,
                            "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
@@ -60,20 +57,6 @@ def test_bad_generation_config_is_a_clear_error(tiny_checkpoint, tmp_path):
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
         EngineConfig(path, device="cpu", num_kv_blocks=8)
-
-
-def test_server_fills_only_what_the_request_leaves_unset(tiny_checkpoint, tmp_path):
-    path = with_generation_config(tiny_checkpoint, tmp_path, QWEN3_GENERATION_CONFIG)
-    server = SimpleNamespace(config=EngineConfig(path, device="cpu", num_kv_blocks=8))
-
-    def params(**fields):
-        return OpenAIServer.sampling_params(server, CompletionRequest(model="m", prompt="x", **fields), 7, None)
-
-    assert (params().temperature, params().top_k, params().top_p) == (0.6, 20, 0.95)
-    # null is unset, as OpenAI reads it.
-    assert (params(temperature=None, top_k=None).temperature, params(top_k=None).top_k) == (0.6, 20)
-    p = params(temperature=0.0, top_k=-1, top_p=1.0)
-    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.0, -1, 1.0, 7)
 
 
 def test_generate_without_params_samples_as_the_generation_config_says(tiny_checkpoint, tmp_path):

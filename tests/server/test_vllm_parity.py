@@ -1,11 +1,17 @@
 """Behaviour a vLLM user relies on, checked against what vLLM's OpenAI server does (the vLLM source
 each test follows is named in it)."""
+from types import SimpleNamespace
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from mini_engine.config import EngineConfig
+from mini_engine.server.app import OpenAIServer
 from mini_engine.server.engine_process import EngineStats
 from mini_engine.server.metrics import ServerMetrics
+from mini_engine.server.protocol import CompletionRequest
 from tests.server.conftest import MODEL_NAME
+from tests.test_generation_config import QWEN3_GENERATION_CONFIG, with_generation_config
 
 
 def post(served, path: str, body: dict) -> dict:
@@ -53,3 +59,19 @@ def test_preemptions_are_a_counter_named_like_vllms():
     assert family.type == "counter"
     assert [(s.name, s.value) for s in family.samples if s.name.endswith("_total")] == \
         [("mini_engine:num_preemptions_total", 5.0)]
+
+
+def test_server_fills_only_what_the_request_leaves_unset(tiny_checkpoint, tmp_path):
+    """vllm/entrypoints/openai (to_sampling_params with the model's diff_sampling_param): a field
+    the request leaves unset or null takes the checkpoint's generation_config.json value."""
+    path = with_generation_config(tiny_checkpoint, tmp_path, QWEN3_GENERATION_CONFIG)
+    server = SimpleNamespace(config=EngineConfig(path, device="cpu", num_kv_blocks=8))
+
+    def params(**fields):
+        return OpenAIServer.sampling_params(server, CompletionRequest(model="m", prompt="x", **fields), 7, None)
+
+    assert (params().temperature, params().top_k, params().top_p) == (0.6, 20, 0.95)
+    # null is unset, as OpenAI reads it.
+    assert (params(temperature=None, top_k=None).temperature, params(top_k=None).top_k) == (0.6, 20)
+    p = params(temperature=0.0, top_k=-1, top_p=1.0)
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.0, -1, 1.0, 7)
