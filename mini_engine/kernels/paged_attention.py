@@ -371,13 +371,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(triton.cdiv(slots, programs), tiles, 64))
 
 
-# How many block-table entries a decode program keeps in registers (one or four a thread at 4
-# warps): the smallest of these that holds every block a tile can reach. Two sizes, not one per
+# How many block-table entries a decode program keeps in registers (one, four or eight a thread at
+# 4 warps): the smallest of these that holds every block a tile can reach. A few sizes, not one per
 # table width, so that an eager run, whose tables are as wide as the batch's longest sequence,
-# compiles at most two variants. A longer row (a max_model_len above 32,768 tokens at CUDA's
-# 64-token blocks, as Qwen3's default 40,960; above 8,192 at 16-token ones) loads each tile's ids
-# instead.
-ROW_BLOCKS_SIZES = (128, 512)
+# compiles at most three variants. 1,024 covers Qwen3's default max_model_len, 40,960 tokens, at
+# CUDA's 64-token blocks: with per-tile id loads instead, the benchmark at that max_model_len took
+# 5.16 s against 4.73 s (benchmarks/NOTES.md, entry 45). A longer row (above 65,536 tokens at
+# 64-token blocks, 16,384 at 16-token ones) loads each tile's ids.
+ROW_BLOCKS_SIZES = (128, 512, 1024)
 
 
 def _row_blocks(table_width: int, block_size: int, tile_n: int) -> int:

@@ -71,16 +71,30 @@ def test_decode_stage_counts_match_reference(device, num_stages):
 
 def test_decode_row_blocks():
     """The row a decode program keeps covers every block a tile can reach (the row rounded up to
-    whole tiles), in one of two sizes so that tables of any width compile at most two variants; a
-    row longer than the largest falls back to per-tile loads (0)."""
+    whole tiles), in one of three sizes so that tables of any width compile at most three variants;
+    a row longer than the largest falls back to per-tile loads (0)."""
     from mini_engine.kernels.paged_attention import ROW_BLOCKS_SIZES, _row_blocks
-    assert ROW_BLOCKS_SIZES == (128, 512)
+    assert ROW_BLOCKS_SIZES == (128, 512, 1024)
     assert _row_blocks(128, 16, 64) == 128             # max_model_len 2,048 at block size 16
     assert _row_blocks(3, 16, 64) == 128
     assert _row_blocks(129, 16, 64) == 512             # 2,064 tokens: reaches block 131
     assert _row_blocks(512, 16, 64) == 512
-    assert _row_blocks(513, 16, 64) == 0
+    assert _row_blocks(513, 16, 64) == 1024
+    assert _row_blocks(640, 64, 64) == 1024            # Qwen3's default max_model_len, 40,960, on CUDA
+    assert _row_blocks(1024, 64, 64) == 1024
+    assert _row_blocks(1025, 64, 64) == 0
     assert _row_blocks(130, 1, 16) == 512              # block size 1: 144 entries with whole tiles
+
+
+def test_decode_with_a_1024_entry_row_matches_reference(device):
+    """A table wider than 512 entries (one-token blocks, so that a short context reaches it)
+    takes the 1,024-entry row; one wider than that, per-tile ids."""
+    from mini_engine.kernels.paged_attention import _row_blocks
+    for seq_lens in ([700, 37], [1100, 5]):
+        batch = make_batch([1, 1], seq_lens, 4, 2, 1, device)
+        assert _row_blocks(batch[3].shape[1], 1, 16) == (1024 if seq_lens[0] < 1024 else 0)
+        out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max(seq_lens), num_splits=3, tile_n=16)
+        check(out, *batch)
 
 
 def test_decode_with_graph_upper_bound(device):
