@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results.jsonl"))
     p.add_argument("--cache-dir", help="where the random checkpoints are kept (default ~/.cache/mini_engine)")
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's bench samples at 0.6")
+    p.add_argument("--top-k", type=int, default=-1, help="-1: off, as nano-vllm's bench (Qwen3 asks for 20)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0: off, as nano-vllm's bench (Qwen3 asks for 0.95)")
     engine = p.add_argument_group("engine options (passed through; vLLM/transformers take what they can)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
@@ -90,17 +92,18 @@ def tiny_checkpoint(cache_dir: str | None) -> str:
     return path
 
 
-def warm_up(llm, prompts: list[list[int]], temperature: float) -> None:
+def warm_up(llm, prompts: list[list[int]], temperature: float, top_k: int = -1, top_p: float = 1.0) -> None:
     """Runs a workload of the timed one's shape (other random tokens, so the prefix cache gains
     nothing): every kernel the timed run needs is compiled before the clock starts."""
     from mini_engine import SamplingParams
     from benchmarks.peers import WARMUP_PROMPTS, WARMUP_TOKENS
-    llm.generate(WARMUP_PROMPTS, SamplingParams(temperature=temperature, max_tokens=WARMUP_TOKENS), use_tqdm=False)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    llm.generate(WARMUP_PROMPTS, SamplingParams(max_tokens=WARMUP_TOKENS, **sampling), use_tqdm=False)
     rng = random.Random(1)
     lengths = [len(p) for p in prompts[:32]]
     # max_tokens 1..32: the batch shrinks through every small size, as the run's tail will.
     llm.generate([[rng.randint(0, 10000) for _ in range(n)] for n in lengths],
-                 [SamplingParams(temperature=temperature, max_tokens=i + 1, ignore_eos=True)
+                 [SamplingParams(max_tokens=i + 1, ignore_eos=True, **sampling)
                   for i in range(len(lengths))], use_tqdm=False)
 
 
@@ -113,8 +116,9 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
             kwargs[name] = getattr(opts, name)
     llm = LLM(model, **kwargs)
     engine = llm.engine
-    warm_up(llm, prompts, opts.temperature)
-    params = [SamplingParams(temperature=opts.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    warm_up(llm, prompts, opts.temperature, opts.top_k, opts.top_p)
+    params = [SamplingParams(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p, ignore_eos=True,
+                             max_tokens=m) for m in max_tokens]
     profiler = None
     if opts.profile:
         from benchmarks.step_profile import StepProfiler

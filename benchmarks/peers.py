@@ -27,7 +27,8 @@ def run_vllm(model: str, prompts, max_tokens, opts) -> dict:
     llm = LLM(model, **kwargs)
 
     def params(m, temperature):
-        return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, detokenize=has_tokenizer)
+        return SamplingParams(temperature=temperature, top_k=opts.top_k, top_p=opts.top_p, ignore_eos=True,
+                              max_tokens=m, detokenize=has_tokenizer)
     llm.generate([{"prompt_token_ids": p} for p in WARMUP_PROMPTS], params(WARMUP_TOKENS, opts.temperature),
                  use_tqdm=False)
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -68,7 +69,8 @@ def run_hf(model: str, prompts, max_tokens, opts) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=opts.hf_attn)
     hf_model = hf_model.to(device).eval()
-    sampling = dict(do_sample=True, temperature=opts.temperature, top_k=0, top_p=1.0) if opts.temperature > 0 \
+    sampling = dict(do_sample=True, temperature=opts.temperature, top_k=max(opts.top_k, 0), top_p=opts.top_p) \
+        if opts.temperature > 0 \
         else dict(do_sample=False)
     generation_config = GenerationConfig(max_new_tokens=max(max_tokens), eos_token_id=-1, pad_token_id=0, **sampling)
     cb_kwargs = dict(max_requests_per_batch=opts.max_num_seqs, allow_block_sharing=not opts.no_prefix_caching,

@@ -46,12 +46,40 @@ def apply_top_k_top_p_ref(logits: torch.Tensor, top_k: torch.Tensor | None,
         k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
         remove |= torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
     if top_p is not None:
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
-        mass_before = probs.cumsum(-1) - probs
-        remove |= mass_before >= top_p[:, None]
-        remove[:, 0] = False        # the top token always survives, even a top_p that rounds to 0
+        remove_outside_nucleus(sorted_logits, remove, top_p)
     mask = torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
     return logits.masked_fill(mask, float("-inf"))
+
+
+def remove_outside_nucleus(sorted_logits: torch.Tensor, remove: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Marks in `remove` (over logits sorted best first, what top-k removed already marked) every
+    logit outside its row's nucleus: those after the first whose probabilities reach top_p."""
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    remove |= mass_before >= top_p[:, None]
+    remove[:, 0] = False            # the top token always survives, even a top_p that rounds to 0
+
+
+# A top-k up to this many tokens is selected (torch.topk) rather than sorted out of the whole
+# vocabulary: Qwen3's generation_config.json asks every request for top_k 20 and top_p 0.95.
+TOP_K_SELECT_LIMIT = 1024
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      top_k_bound: int) -> torch.Tensor:
+    """apply_top_k_top_p_ref's result. Where every row keeps a top-k set (top_k_bound, its largest,
+    in [1, TOP_K_SELECT_LIMIT]), the sets are selected, not sorted out of the vocabulary, and the
+    nucleus taken within them: the reference's nucleus is that of the top-k-restricted
+    distribution too, whose tokens beyond the k best hold no probability."""
+    if top_k is None or not 1 <= top_k_bound <= TOP_K_SELECT_LIMIT:
+        return apply_top_k_top_p_ref(logits, top_k, top_p)
+    k = min(top_k_bound, logits.shape[-1])
+    values, indices = logits.topk(k, dim=-1)                   # best first
+    remove = torch.arange(k, device=logits.device)[None, :] >= top_k[:, None]
+    if top_p is not None:
+        remove_outside_nucleus(values, remove, top_p)
+    kept = values.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, indices, kept)
 
 
 def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mini_engine.kernels.sampling import apply_top_k_top_p_ref, exponential_noise_ref, sample_ref
+from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
 
 
 @dataclass
@@ -16,6 +16,7 @@ class SamplingTensors:
     seeds: torch.Tensor               # [B] int64: per-row random stream for this step
     row_seeds: list[int | None]       # host copy; None where the request gave no seed
     all_greedy: bool
+    top_k_bound: int = 0              # the largest top_k where every row sets one, else 0
 
 
 @dataclass(slots=True)
@@ -59,7 +60,8 @@ class Sampler(nn.Module):
         if params.top_k is not None or params.top_p is not None:
             # Temperature first, as vLLM does, so top-p's nucleus is that of the scaled distribution.
             t = params.temperatures
-            logits = apply_top_k_top_p_ref(logits / torch.where(t > 0, t, 1.0)[:, None], params.top_k, params.top_p)
+            logits = apply_top_k_top_p(logits / torch.where(t > 0, t, 1.0)[:, None], params.top_k, params.top_p,
+                                       params.top_k_bound)
             temperatures = torch.where(t > 0, 1.0, 0.0)
         else:
             temperatures = params.temperatures

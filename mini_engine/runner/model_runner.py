@@ -233,8 +233,10 @@ class ModelRunner:
 
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
-        max_model_len. Every row shares one block table: only memory use matters here."""
-        cfg, params = self.config, SamplingParams(temperature=1.0, max_tokens=1)
+        max_model_len. Every row shares one block table: only memory use matters here. Their rows
+        sample within a nucleus: the sampler's most memory-hungry path (a sort of every row's
+        logits in fp32), which also compiles its fp32 kernels before any request needs them."""
+        cfg, params = self.config, SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1)
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
         prefill = [BatchRow([0] * per_seq, 0, block_table, True, params) for _ in range(num_seqs)]
@@ -406,6 +408,7 @@ class ModelRunner:
             seeds=t.seeds[:len(rows)],
             row_seeds=[r.seed for r in rows],
             all_greedy=all(p.temperature == 0 for p in params),
+            top_k_bound=max(top_k) if all(top_k) else 0,
         )
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The PyTorch sampler (the CPU path and the reference for the Triton kernel)."""
 import torch
 
-from mini_engine.kernels.sampling import apply_top_k_top_p_ref
+import pytest
+
+from mini_engine.kernels.sampling import TOP_K_SELECT_LIMIT, apply_top_k_top_p, apply_top_k_top_p_ref
 from mini_engine.layers.sampler import Sampler, SamplingTensors
 
 
-def tensors(temps, top_k=None, top_p=None, row_seeds=None):
+def tensors(temps, top_k=None, top_p=None, row_seeds=None, top_k_bound=0):
     b = len(temps)
     row_seeds = row_seeds if row_seeds is not None else [None] * b
     return SamplingTensors(
@@ -13,7 +15,7 @@ def tensors(temps, top_k=None, top_p=None, row_seeds=None):
         top_k=torch.tensor(top_k) if top_k is not None else None,
         top_p=torch.tensor(top_p, dtype=torch.float32) if top_p is not None else None,
         seeds=torch.tensor([s or 0 for s in row_seeds]), row_seeds=row_seeds,
-        all_greedy=all(t == 0 for t in temps))
+        all_greedy=all(t == 0 for t in temps), top_k_bound=top_k_bound)
 
 
 def test_greedy_is_argmax():
@@ -67,3 +69,38 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
     logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
     masked = apply_top_k_top_p_ref(logits, None, torch.tensor([1e-46], dtype=torch.float32))
     assert masked[0].isfinite().tolist() == [False, True, False, False]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_selected_top_k_sets_equal_the_sorted_reference(seed):
+    """Rows that each keep a top-k set (1 to TOP_K_SELECT_LIMIT tokens, some with a nucleus inside
+    it, one with a top_p that rounds to 0) mask exactly what the sort over the vocabulary masks."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 12, 5000
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    top_k = torch.randint(1, TOP_K_SELECT_LIMIT + 1, (rows,), generator=gen)
+    top_k[:3] = torch.tensor([1, 20, TOP_K_SELECT_LIMIT])
+    top_p = torch.rand(rows, generator=gen) * 0.9 + 0.1
+    top_p[3:5] = 1.0
+    top_p[5] = 1e-46
+    bound = int(top_k.max())
+    for p in (top_p, None):
+        ref = apply_top_k_top_p_ref(logits, top_k, p)
+        assert torch.equal(apply_top_k_top_p(logits, top_k, p, bound), ref)
+        assert (ref.isfinite().sum(-1) <= top_k).all()
+    # A row keeps its whole vocabulary (bound 0), or a set beyond the limit: the sort, the same.
+    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p, 0), apply_top_k_top_p_ref(logits, top_k, top_p))
+    wide = torch.full((rows,), TOP_K_SELECT_LIMIT + 1)
+    assert torch.equal(apply_top_k_top_p(logits, wide, top_p, TOP_K_SELECT_LIMIT + 1),
+                       apply_top_k_top_p_ref(logits, wide, top_p))
+    # A top_k above the vocabulary keeps all of it.
+    small = logits[:, :300]
+    big_k = torch.full((rows,), 500)
+    assert torch.equal(apply_top_k_top_p(small, big_k, top_p, 500), apply_top_k_top_p_ref(small, big_k, top_p))
+
+
+def test_the_sampler_draws_the_same_with_selected_top_k_sets():
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(5))
+    args = dict(top_k=[20, 20, 5, 40, 1, 20], top_p=[0.95, 1.0, 0.5, 0.9, 0.95, 0.3], row_seeds=[1, 2, 3, 4, 5, 6])
+    selected = Sampler()(logits, tensors([0.6] * 6, top_k_bound=40, **args))
+    assert torch.equal(selected, Sampler()(logits, tensors([0.6] * 6, **args)))
