@@ -66,20 +66,24 @@ TOP_K_SELECT_LIMIT = 1024
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      top_k_bound: int) -> torch.Tensor:
-    """apply_top_k_top_p_ref's result. Where every row keeps a top-k set (top_k_bound, its largest,
-    in [1, TOP_K_SELECT_LIMIT]), the sets are selected, not sorted out of the vocabulary, and the
-    nucleus taken within them: the reference's nucleus is that of the top-k-restricted
-    distribution too, whose tokens beyond the k best hold no probability."""
+                      top_k_bound: int, temperatures: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p_ref(logits.float() / temperatures[:, None], ...): fp32 logits at their
+    temperatures (1 for a greedy row), -inf outside each row's sets. Where every row keeps a
+    top-k set (top_k_bound, its largest, in [1, TOP_K_SELECT_LIMIT]), the sets are selected from
+    the logits as they are (dividing by a positive temperature keeps their order), not sorted out
+    of the vocabulary, and only they are scaled; the nucleus is taken within them, as the
+    reference's is that of the top-k-restricted distribution too."""
+    divisor = torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     if top_k is None or not 1 <= top_k_bound <= TOP_K_SELECT_LIMIT:
-        return apply_top_k_top_p_ref(logits, top_k, top_p)
+        return apply_top_k_top_p_ref(logits.float() / divisor, top_k, top_p)
     k = min(top_k_bound, logits.shape[-1])
     values, indices = logits.topk(k, dim=-1)                   # best first
+    values = values.float() / divisor
     remove = torch.arange(k, device=logits.device)[None, :] >= top_k[:, None]
     if top_p is not None:
         remove_outside_nucleus(values, remove, top_p)
     kept = values.masked_fill(remove, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(-1, indices, kept)
+    return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, indices, kept)
 
 
 def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -54,17 +54,15 @@ class Sampler(nn.Module):
             # in any float dtype (bf16 -> fp32 is exact and keeps the order).
             from mini_engine.kernels.sampling import sample
             return logits.argmax(-1) if params.all_greedy else sample(logits, params.temperatures, params.seeds)
-        logits = logits.float()
         if params.all_greedy:
             return logits.argmax(-1)
         if params.top_k is not None or params.top_p is not None:
             # Temperature first, as vLLM does, so top-p's nucleus is that of the scaled distribution.
             t = params.temperatures
-            logits = apply_top_k_top_p(logits / torch.where(t > 0, t, 1.0)[:, None], params.top_k, params.top_p,
-                                       params.top_k_bound)
+            logits = apply_top_k_top_p(logits, params.top_k, params.top_p, params.top_k_bound, t)
             temperatures = torch.where(t > 0, 1.0, 0.0)
         else:
-            temperatures = params.temperatures
+            logits, temperatures = logits.float(), params.temperatures
         if self.use_triton:
             from mini_engine.kernels.sampling import sample
             return sample(logits, temperatures, params.seeds)

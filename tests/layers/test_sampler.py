@@ -74,7 +74,8 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
 @pytest.mark.parametrize("seed", range(4))
 def test_selected_top_k_sets_equal_the_sorted_reference(seed):
     """Rows that each keep a top-k set (1 to TOP_K_SELECT_LIMIT tokens, some with a nucleus inside
-    it, one with a top_p that rounds to 0) mask exactly what the sort over the vocabulary masks."""
+    it, one with a top_p that rounds to 0, one greedy) mask and scale exactly what the sort over
+    the vocabulary of the scaled logits does; so do bf16 logits (distinct values: no ties to break)."""
     gen = torch.Generator().manual_seed(seed)
     rows, vocab = 12, 5000
     logits = torch.randn(rows, vocab, generator=gen) * 3
@@ -83,20 +84,29 @@ def test_selected_top_k_sets_equal_the_sorted_reference(seed):
     top_p = torch.rand(rows, generator=gen) * 0.9 + 0.1
     top_p[3:5] = 1.0
     top_p[5] = 1e-46
+    temps = torch.rand(rows, generator=gen) + 0.3
+    temps[6] = 0.0
+
+    def ref(x, k, p):
+        return apply_top_k_top_p_ref(x.float() / torch.where(temps > 0, temps, 1.0)[:, None], k, p)
     bound = int(top_k.max())
     for p in (top_p, None):
-        ref = apply_top_k_top_p_ref(logits, top_k, p)
-        assert torch.equal(apply_top_k_top_p(logits, top_k, p, bound), ref)
-        assert (ref.isfinite().sum(-1) <= top_k).all()
+        expected = ref(logits, top_k, p)
+        assert torch.equal(apply_top_k_top_p(logits, top_k, p, bound, temps), expected)
+        assert (expected.isfinite().sum(-1) <= top_k).all()
+    bf16 = (torch.stack([torch.randperm(200, generator=gen) for _ in range(rows)]) - 100).to(torch.bfloat16)
+    k_small = top_k.clamp(max=150)
+    out = apply_top_k_top_p(bf16, k_small, top_p, int(k_small.max()), temps)
+    assert out.dtype == torch.float32 and torch.equal(out, ref(bf16, k_small, top_p))
     # A row keeps its whole vocabulary (bound 0), or a set beyond the limit: the sort, the same.
-    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p, 0), apply_top_k_top_p_ref(logits, top_k, top_p))
+    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p, 0, temps), ref(logits, top_k, top_p))
     wide = torch.full((rows,), TOP_K_SELECT_LIMIT + 1)
-    assert torch.equal(apply_top_k_top_p(logits, wide, top_p, TOP_K_SELECT_LIMIT + 1),
-                       apply_top_k_top_p_ref(logits, wide, top_p))
+    assert torch.equal(apply_top_k_top_p(logits, wide, top_p, TOP_K_SELECT_LIMIT + 1, temps),
+                       ref(logits, wide, top_p))
     # A top_k above the vocabulary keeps all of it.
     small = logits[:, :300]
     big_k = torch.full((rows,), 500)
-    assert torch.equal(apply_top_k_top_p(small, big_k, top_p, 500), apply_top_k_top_p_ref(small, big_k, top_p))
+    assert torch.equal(apply_top_k_top_p(small, big_k, top_p, 500, temps), ref(small, big_k, top_p))
 
 
 def test_the_sampler_draws_the_same_with_selected_top_k_sets():
