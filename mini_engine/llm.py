@@ -63,8 +63,8 @@ class LLM:
         try:
             # Requests are validated and added only as the scheduler can take them: before each
             # step, enough that the step is the one it would have been with every request waiting
-            # (FCFS admission stops at the token budget or at max_num_seqs; only prefix-cache hits,
-            # tokens that cost no budget, could have let it admit more). The first step launches
+            # (FCFS admission stops at the token budget or at max_num_seqs; a prompt's prefix-cache
+            # hits cost no budget, and add_requests counts them). The first step launches
             # after the host work of its own requests alone, and the rest is done after each
             # launch, while the device runs it: all at once, the host work of the benchmark's 256
             # prompts (~10-20 ms here, about twice that on the H200's host) kept the device waiting
@@ -72,11 +72,12 @@ class LLM:
             # and 41). A bad request aborts those already added and fails the call: it still costs
             # the others nothing, and leaves the engine as it found it.
             budget = engine.config.max_num_batched_tokens
-            pending = self.add_requests(requests, seqs, stoppers, budget)
+            shared: set[int] = set()        # block hashes of the prompts added: see add_requests
+            pending = self.add_requests(requests, seqs, stoppers, budget, shared)
             while pending or engine.has_unfinished_requests():
                 outputs = engine.step()
                 if pending:
-                    pending = self.add_requests(requests, seqs, stoppers, budget)
+                    pending = self.add_requests(requests, seqs, stoppers, budget, shared)
                 prefill_tokens += engine.last_step_prefill_tokens
                 decode_tokens += engine.last_step_decode_tokens
                 elapsed = time.perf_counter() - start
@@ -94,11 +95,14 @@ class LLM:
         return [self.to_output(seq, prompt, stoppers.get(seq.request_id)) for seq, prompt in zip(seqs, prompts)]
 
     def add_requests(self, requests: Iterator[tuple[int, tuple]], seqs: list[Sequence],
-                     stoppers: dict[str, IncrementalDetokenizer], max_tokens: int) -> bool:
+                     stoppers: dict[str, IncrementalDetokenizer], max_tokens: int, shared: set[int]) -> bool:
         """Validates and adds the next (index, (prompt, params)) of requests, into seqs (and
         stoppers, where params have stop strings), until the engine's waiting requests hold
-        max_tokens tokens to compute or as many requests as a step can run. A bad one raises,
-        naming its index. Returns whether requests are left."""
+        max_tokens tokens to compute or as many requests as a step can run. A prompt counts the
+        tokens past the prefix it shares with the cache or with a prompt added before it (whose
+        block hashes `shared` keeps): many prompts with one long prefix fill a step as they
+        would with all of them waiting. A bad one raises, naming its index. Returns whether
+        requests are left."""
         engine = self.engine
         num_waiting, tokens = engine.waiting_load()
         while tokens < max_tokens and num_waiting < engine.config.max_num_seqs:
@@ -118,7 +122,7 @@ class LLM:
             seqs.append(seq)
             if params.stop:
                 stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop)
-            tokens += len(ids)
+            tokens += engine.block_manager.prompt_cost(ids, shared)
             num_waiting += 1
         return True
 

@@ -322,6 +322,32 @@ def test_generate_schedules_as_if_every_request_were_added_first(tiny_checkpoint
     assert steps == expected and len(steps) > 3
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prompts_sharing_a_prefix_are_scheduled_as_if_every_request_were_added_first(tiny_checkpoint,
+                                                                                       prefix_caching):
+    """Thirty prompts share three 16-token blocks: once the first is admitted, the others cost the
+    budget two tokens each (their prefix is cached as the first is admitted, in the same step), so
+    generate must have more of them waiting than their whole prompts' tokens would allow, both
+    when it adds them (prompt_cost) and when it counts those still waiting (waiting_load)."""
+    kwargs = dict(device="cpu", max_model_len=96, max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=64,
+                  enable_prefix_caching=prefix_caching)
+    prompts = [list(range(5, 53)) + [60 + i, 100 + i] for i in range(30)]
+    params = [SamplingParams(temperature=0, max_tokens=1 + i % 3, ignore_eos=True) for i in range(30)]
+    llm = LLM(tiny_checkpoint, **kwargs)
+    steps = recorded_steps(llm.engine)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    engine = LLM(tiny_checkpoint, **kwargs).engine
+    expected = recorded_steps(engine)
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert steps == expected
+    assert [len(o.outputs[0].token_ids) for o in out] == [1 + i % 3 for i in range(30)]
+    if prefix_caching:
+        assert len(steps[0]) == 8          # the first step admits max_num_seqs
+
+
 def test_generate_adds_requests_as_the_scheduler_can_take_them(tiny_checkpoint):
     """Each step is scheduled with the requests it can admit waiting, not all of them: the host
     work of the rest waits until a launch is on the device. Here 40 prompts of 6 tokens and a

@@ -116,6 +116,21 @@ class BlockManager:
             parent = self.blocks[block_id].hash
         return hits
 
+    def prompt_cost(self, token_ids: list[int], shared: set[int]) -> int:
+        """The tokens a new prompt will take from a step's budget: those past the longest chain of
+        its full blocks that the cache holds or that `shared` holds, the hashes of the prompts
+        waiting ahead of it, whose blocks are cached as they are admitted (first come, first
+        served: before it, or in the same step). Adds its own hashes to shared."""
+        if not self.enable_prefix_caching:
+            return len(token_ids)
+        bs, parent, covered = self.block_size, None, 0
+        for i in range((len(token_ids) - 1) // bs):      # the last token is always computed
+            parent = hash(block_key(parent, token_ids[i * bs:(i + 1) * bs]))
+            if covered == i * bs and (parent in shared or parent in self.cached_blocks):
+                covered += bs
+            shared.add(parent)
+        return len(token_ids) - covered
+
     def count_prefix_lookup(self, seq: Sequence, cached_prefix: list[int]) -> None:
         """The hit-rate counters, for a lookup whose sequence was admitted: a request that waits for
         blocks is looked up again every step, and counting each attempt would make the rate

@@ -101,9 +101,12 @@ class LLMEngine:
         return seq
 
     def waiting_load(self) -> tuple[int, int]:
-        """The waiting requests, and the tokens they have left to compute."""
-        waiting = self.scheduler.waiting
-        return len(waiting), sum(seq.num_tokens - seq.num_computed_tokens for seq in waiting)
+        """The waiting requests, and the tokens they have left to compute: a request not yet
+        admitted computes none of the prefix the cache holds for it."""
+        waiting, bm = self.scheduler.waiting, self.block_manager
+        return len(waiting), sum(seq.num_tokens - max(seq.num_computed_tokens,
+                                                      len(bm.find_cached_prefix(seq)) * bm.block_size)
+                                 for seq in waiting)
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
