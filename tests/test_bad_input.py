@@ -305,20 +305,27 @@ def test_a_bad_prompt_found_after_the_first_launch_costs_the_others_nothing(tiny
     assert llm.engine.num_free_blocks == 64
 
 
-@pytest.mark.parametrize("budget", [16, 25, 1000])
-def test_generate_schedules_as_if_every_request_were_added_first(tiny_checkpoint, budget):
-    kwargs = dict(device="cpu", max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4, num_kv_blocks=64)
-    prompts = [list(range(3 + i, 10 + 2 * i)) for i in range(9)]
-    params = [SamplingParams(temperature=0, max_tokens=1 + i % 3, ignore_eos=True) for i in range(9)]
-    llm = LLM(tiny_checkpoint, **kwargs)
+def generate_and_add_first(checkpoint, kwargs, prompts, params) -> tuple[list, list, list]:
+    """The steps LLM.generate schedules, those of a second engine given every request before its
+    first step, and generate's outputs."""
+    llm = LLM(checkpoint, **kwargs)
     steps = recorded_steps(llm.engine)
-    llm.generate(prompts, params, use_tqdm=False)
-    engine = LLM(tiny_checkpoint, **kwargs).engine
+    out = llm.generate(prompts, params, use_tqdm=False)
+    engine = LLM(checkpoint, **kwargs).engine
     expected = recorded_steps(engine)
     for prompt, p in zip(prompts, params):
         engine.add_request(prompt, p)
     while engine.has_unfinished_requests():
         engine.step()
+    return steps, expected, out
+
+
+@pytest.mark.parametrize("budget", [16, 25, 1000])
+def test_generate_schedules_as_if_every_request_were_added_first(tiny_checkpoint, budget):
+    kwargs = dict(device="cpu", max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4, num_kv_blocks=64)
+    prompts = [list(range(3 + i, 10 + 2 * i)) for i in range(9)]
+    params = [SamplingParams(temperature=0, max_tokens=1 + i % 3, ignore_eos=True) for i in range(9)]
+    steps, expected, _ = generate_and_add_first(tiny_checkpoint, kwargs, prompts, params)
     assert steps == expected and len(steps) > 3
 
 
@@ -333,15 +340,7 @@ def test_prompts_sharing_a_prefix_are_scheduled_as_if_every_request_were_added_f
                   enable_prefix_caching=prefix_caching)
     prompts = [list(range(5, 53)) + [60 + i, 100 + i] for i in range(30)]
     params = [SamplingParams(temperature=0, max_tokens=1 + i % 3, ignore_eos=True) for i in range(30)]
-    llm = LLM(tiny_checkpoint, **kwargs)
-    steps = recorded_steps(llm.engine)
-    out = llm.generate(prompts, params, use_tqdm=False)
-    engine = LLM(tiny_checkpoint, **kwargs).engine
-    expected = recorded_steps(engine)
-    for prompt, p in zip(prompts, params):
-        engine.add_request(prompt, p)
-    while engine.has_unfinished_requests():
-        engine.step()
+    steps, expected, out = generate_and_add_first(tiny_checkpoint, kwargs, prompts, params)
     assert steps == expected
     assert [len(o.outputs[0].token_ids) for o in out] == [1 + i % 3 for i in range(30)]
     if prefix_caching:
