@@ -38,8 +38,9 @@ def exponential_noise_ref(num_rows: int, vocab_size: int, seeds: list[int | None
 def apply_top_k_top_p_ref(logits: torch.Tensor, top_k: torch.Tensor | None,
                           top_p: torch.Tensor | None) -> torch.Tensor:
     """Sets to -inf every logit outside each row's top-k and nucleus (top-p) sets.
-    top_k <= 0 and top_p >= 1 leave a row unrestricted."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    top_k <= 0 and top_p >= 1 leave a row unrestricted. Ties go to the lower token id (a stable
+    sort), so a row's sets do not depend on the rows beside it."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     vocab = logits.shape[-1]
     if top_k is not None:
@@ -66,24 +67,48 @@ TOP_K_SELECT_LIMIT = 1024
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      top_k_bound: int, temperatures: torch.Tensor) -> torch.Tensor:
+                      row_top_k: list[int], temperatures: torch.Tensor) -> torch.Tensor:
     """apply_top_k_top_p_ref(logits.float() / temperatures[:, None], ...): fp32 logits at their
-    temperatures (1 for a greedy row), -inf outside each row's sets. Where every row keeps a
-    top-k set (top_k_bound, its largest, in [1, TOP_K_SELECT_LIMIT]), the sets are selected from
-    the logits as they are (dividing by a positive temperature keeps their order), not sorted out
-    of the vocabulary, and only they are scaled; the nucleus is taken within them, as the
-    reference's is that of the top-k-restricted distribution too."""
+    temperatures (1 for a greedy row), -inf outside each row's sets. row_top_k: top_k on the host.
+
+    Rows are taken in groups of one top_k. A group whose top_k is at most TOP_K_SELECT_LIMIT has
+    its sets selected from the logits as they are (dividing by a positive temperature keeps
+    their order), not sorted out of the vocabulary, and only those are scaled; its nucleus is
+    taken within them, as the reference's is that of the top-k-restricted distribution too. By
+    group, not by batch, so that a row's sets, ties included, depend on its own logits and
+    parameters alone (a seeded request draws the same whatever shares its step)."""
     divisor = torch.where(temperatures > 0, temperatures, 1.0)[:, None]
-    if top_k is None or not 1 <= top_k_bound <= TOP_K_SELECT_LIMIT:
-        return apply_top_k_top_p_ref(logits.float() / divisor, top_k, top_p)
-    k = min(top_k_bound, logits.shape[-1])
-    values, indices = logits.topk(k, dim=-1)                   # best first
-    values = values.float() / divisor
-    remove = torch.arange(k, device=logits.device)[None, :] >= top_k[:, None]
-    if top_p is not None:
-        remove_outside_nucleus(values, remove, top_p)
-    kept = values.masked_fill(remove, float("-inf"))
-    return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, indices, kept)
+    if top_k is None:
+        return apply_top_k_top_p_ref(logits.float() / divisor, None, top_p)
+    groups: dict[int, list[int]] = {}
+    for row, k in enumerate(row_top_k):
+        groups.setdefault(k if 1 <= k <= TOP_K_SELECT_LIMIT else 0, []).append(row)
+
+    def restrict(k: int, where) -> torch.Tensor:
+        p = None if top_p is None else top_p[where]
+        if k == 0:
+            return apply_top_k_top_p_ref(logits[where].float() / divisor[where], top_k[where], p)
+        values, indices = logits[where].topk(min(k, logits.shape[-1]), dim=-1)
+        # Best first, ties in token-id order, as the reference's stable sort has them: the
+        # nucleus cuts a tie where the reference does.
+        indices, order = indices.sort(dim=-1)
+        values, order = values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+        indices = indices.gather(-1, order)
+        values = values.float() / divisor[where]
+        if p is not None:
+            remove = torch.zeros_like(values, dtype=torch.bool)
+            remove_outside_nucleus(values, remove, p)
+            values = values.masked_fill(remove, float("-inf"))
+        out = torch.full((values.shape[0], logits.shape[-1]), float("-inf"), device=logits.device)
+        return out.scatter_(-1, indices, values)
+
+    if len(groups) == 1:                       # the usual step: every row asks for the same top_k
+        return restrict(next(iter(groups)), slice(None))
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for k, rows in groups.items():
+        where = torch.tensor(rows, device=logits.device)
+        out[where] = restrict(k, where)
+    return out
 
 
 def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

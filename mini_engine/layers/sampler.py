@@ -16,7 +16,7 @@ class SamplingTensors:
     seeds: torch.Tensor               # [B] int64: per-row random stream for this step
     row_seeds: list[int | None]       # host copy; None where the request gave no seed
     all_greedy: bool
-    top_k_bound: int = 0              # the largest top_k where every row sets one, else 0
+    row_top_k: list[int] | None = None    # top_k's host copy (0: none), where top_k is given
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ class Sampler(nn.Module):
         if params.top_k is not None or params.top_p is not None:
             # Temperature first, as vLLM does, so top-p's nucleus is that of the scaled distribution.
             t = params.temperatures
-            logits = apply_top_k_top_p(logits, params.top_k, params.top_p, params.top_k_bound, t)
+            logits = apply_top_k_top_p(logits, params.top_k, params.top_p, params.row_top_k, t)
             temperatures = torch.where(t > 0, 1.0, 0.0)
         else:
             logits, temperatures = logits.float(), params.temperatures

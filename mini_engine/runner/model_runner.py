@@ -408,7 +408,7 @@ class ModelRunner:
             seeds=t.seeds[:len(rows)],
             row_seeds=[r.seed for r in rows],
             all_greedy=all(p.temperature == 0 for p in params),
-            top_k_bound=max(top_k) if all(top_k) else 0,
+            row_top_k=top_k,
         )
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,7 @@ from mini_engine.kernels.sampling import TOP_K_SELECT_LIMIT, apply_top_k_top_p, 
 from mini_engine.layers.sampler import Sampler, SamplingTensors
 
 
-def tensors(temps, top_k=None, top_p=None, row_seeds=None, top_k_bound=0):
+def tensors(temps, top_k=None, top_p=None, row_seeds=None):
     b = len(temps)
     row_seeds = row_seeds if row_seeds is not None else [None] * b
     return SamplingTensors(
@@ -15,7 +15,7 @@ def tensors(temps, top_k=None, top_p=None, row_seeds=None, top_k_bound=0):
         top_k=torch.tensor(top_k) if top_k is not None else None,
         top_p=torch.tensor(top_p, dtype=torch.float32) if top_p is not None else None,
         seeds=torch.tensor([s or 0 for s in row_seeds]), row_seeds=row_seeds,
-        all_greedy=all(t == 0 for t in temps), top_k_bound=top_k_bound)
+        all_greedy=all(t == 0 for t in temps), row_top_k=top_k)
 
 
 def test_greedy_is_argmax():
@@ -73,14 +73,16 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_selected_top_k_sets_equal_the_sorted_reference(seed):
-    """Rows that each keep a top-k set (1 to TOP_K_SELECT_LIMIT tokens, some with a nucleus inside
-    it, one with a top_p that rounds to 0, one greedy) mask and scale exactly what the sort over
-    the vocabulary of the scaled logits does; so do bf16 logits (distinct values: no ties to break)."""
+    """Rows that keep top-k sets of 1 to TOP_K_SELECT_LIMIT tokens (several groups of one top_k),
+    some with a nucleus inside, one with a top_p that rounds to 0, one greedy, and rows that keep
+    their whole vocabulary or a set beyond the limit (sorted): masked and scaled exactly as the
+    sort over the vocabulary of the scaled logits does; bf16 logits too (distinct values: ties
+    are the next test's)."""
     gen = torch.Generator().manual_seed(seed)
     rows, vocab = 12, 5000
     logits = torch.randn(rows, vocab, generator=gen) * 3
     top_k = torch.randint(1, TOP_K_SELECT_LIMIT + 1, (rows,), generator=gen)
-    top_k[:3] = torch.tensor([1, 20, TOP_K_SELECT_LIMIT])
+    top_k[:6] = torch.tensor([1, 20, TOP_K_SELECT_LIMIT, 20, 0, TOP_K_SELECT_LIMIT + 1])
     top_p = torch.rand(rows, generator=gen) * 0.9 + 0.1
     top_p[3:5] = 1.0
     top_p[5] = 1e-46
@@ -89,28 +91,46 @@ def test_selected_top_k_sets_equal_the_sorted_reference(seed):
 
     def ref(x, k, p):
         return apply_top_k_top_p_ref(x.float() / torch.where(temps > 0, temps, 1.0)[:, None], k, p)
-    bound = int(top_k.max())
-    for p in (top_p, None):
-        expected = ref(logits, top_k, p)
-        assert torch.equal(apply_top_k_top_p(logits, top_k, p, bound, temps), expected)
-        assert (expected.isfinite().sum(-1) <= top_k).all()
+    for k in (top_k, torch.full((rows,), 20), torch.zeros(rows, dtype=torch.long)):   # several groups, one
+        for p in (top_p, None):
+            expected = ref(logits, k, p)
+            assert torch.equal(apply_top_k_top_p(logits, k, p, k.tolist(), temps), expected)
+    assert (ref(logits, top_k, None).isfinite().sum(-1) == torch.where(top_k > 0, top_k, vocab)).all()
     bf16 = (torch.stack([torch.randperm(200, generator=gen) for _ in range(rows)]) - 100).to(torch.bfloat16)
     k_small = top_k.clamp(max=150)
-    out = apply_top_k_top_p(bf16, k_small, top_p, int(k_small.max()), temps)
+    out = apply_top_k_top_p(bf16, k_small, top_p, k_small.tolist(), temps)
     assert out.dtype == torch.float32 and torch.equal(out, ref(bf16, k_small, top_p))
-    # A row keeps its whole vocabulary (bound 0), or a set beyond the limit: the sort, the same.
-    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p, 0, temps), ref(logits, top_k, top_p))
-    wide = torch.full((rows,), TOP_K_SELECT_LIMIT + 1)
-    assert torch.equal(apply_top_k_top_p(logits, wide, top_p, TOP_K_SELECT_LIMIT + 1, temps),
-                       ref(logits, wide, top_p))
     # A top_k above the vocabulary keeps all of it.
     small = logits[:, :300]
     big_k = torch.full((rows,), 500)
-    assert torch.equal(apply_top_k_top_p(small, big_k, top_p, 500, temps), ref(small, big_k, top_p))
+    assert torch.equal(apply_top_k_top_p(small, big_k, top_p, big_k.tolist(), temps), ref(small, big_k, top_p))
 
 
-def test_the_sampler_draws_the_same_with_selected_top_k_sets():
+def test_a_rows_sets_do_not_depend_on_the_rows_beside_it():
+    """bf16 logits tie often: which of the tokens tied at the k-th place or at the nucleus' edge a
+    row keeps must not change with the other rows of its step (a seeded request then draws the
+    same whatever shares its step). Row 0 alone, and beside rows with no top_k, a wider top_k and
+    the same one."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randint(0, 6, (4, 3000), generator=gen) * 0.5).to(torch.bfloat16)
+    temps = torch.tensor([0.7, 1.0, 0.9, 0.5])
+    for k0 in (2, 20, 200):
+        for p in (None, torch.tensor([0.3, 0.9, 0.5, 1.0])):
+            ks = torch.tensor([k0, 0, 500, k0])
+            alone = apply_top_k_top_p(logits[:1], ks[:1], None if p is None else p[:1], [k0], temps[:1])
+            batch = apply_top_k_top_p(logits, ks, p, ks.tolist(), temps)
+            assert torch.equal(alone[0], batch[0])
+            if p is None:
+                assert torch.isfinite(alone[0]).sum() == k0
+
+
+def test_the_sampler_draws_from_the_reference_sets():
+    """The sampler's seeded draws with top-k/top-p equal the exponential race run over the
+    reference's masked logits with the same noise."""
+    from mini_engine.kernels.sampling import exponential_noise_ref, sample_ref
     logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(5))
-    args = dict(top_k=[20, 20, 5, 40, 1, 20], top_p=[0.95, 1.0, 0.5, 0.9, 0.95, 0.3], row_seeds=[1, 2, 3, 4, 5, 6])
-    selected = Sampler()(logits, tensors([0.6] * 6, top_k_bound=40, **args))
-    assert torch.equal(selected, Sampler()(logits, tensors([0.6] * 6, **args)))
+    top_k, top_p, seeds = [20, 20, 5, 40, 1, 0], [0.95, 1.0, 0.5, 0.9, 0.95, 0.3], [1, 2, 3, 4, 5, 6]
+    drawn = Sampler()(logits, tensors([0.6] * 6, top_k=top_k, top_p=top_p, row_seeds=seeds))
+    masked = apply_top_k_top_p_ref(logits / 0.6, torch.tensor(top_k), torch.tensor(top_p))
+    expected = sample_ref(masked, torch.ones(6), exponential_noise_ref(6, 3000, seeds, logits.device))
+    assert torch.equal(drawn, expected)
