@@ -1,6 +1,7 @@
 """LLM: the offline entry point, shaped like vLLM's."""
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -21,6 +22,15 @@ def unwrap_prompt(prompt):
     if prompt.keys() in ({"prompt"}, {"prompt_token_ids"}):
         return next(iter(prompt.values()))
     raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
+
+
+@dataclass
+class Admission:
+    """What LLM.generate knows of the prompts it has added: the block hashes of their prompts
+    (a later prompt that starts the same way hits those blocks once they are admitted) and what
+    each was estimated to cost a step's budget."""
+    shared_blocks: set[int] = field(default_factory=set)
+    prompt_costs: dict[str, int] = field(default_factory=dict)
 
 
 class LLM:
@@ -72,12 +82,12 @@ class LLM:
             # and 41). A bad request aborts those already added and fails the call: it still costs
             # the others nothing, and leaves the engine as it found it.
             budget = engine.config.max_num_batched_tokens
-            shared: set[int] = set()        # block hashes of the prompts added: see add_requests
-            pending = self.add_requests(requests, seqs, stoppers, budget, shared)
+            admission = Admission()
+            pending = self.add_requests(requests, seqs, stoppers, budget, admission)
             while pending or engine.has_unfinished_requests():
                 outputs = engine.step()
                 if pending:
-                    pending = self.add_requests(requests, seqs, stoppers, budget, shared)
+                    pending = self.add_requests(requests, seqs, stoppers, budget, admission)
                 prefill_tokens += engine.last_step_prefill_tokens
                 decode_tokens += engine.last_step_decode_tokens
                 elapsed = time.perf_counter() - start
@@ -95,16 +105,15 @@ class LLM:
         return [self.to_output(seq, prompt, stoppers.get(seq.request_id)) for seq, prompt in zip(seqs, prompts)]
 
     def add_requests(self, requests: Iterator[tuple[int, tuple]], seqs: list[Sequence],
-                     stoppers: dict[str, IncrementalDetokenizer], max_tokens: int, shared: set[int]) -> bool:
+                     stoppers: dict[str, IncrementalDetokenizer], max_tokens: int, admission: "Admission") -> bool:
         """Validates and adds the next (index, (prompt, params)) of requests, into seqs (and
         stoppers, where params have stop strings), until the engine's waiting requests hold
         max_tokens tokens to compute or as many requests as a step can run. A prompt counts the
-        tokens past the prefix it shares with the cache or with a prompt added before it (whose
-        block hashes `shared` keeps): many prompts with one long prefix fill a step as they
-        would with all of them waiting. A bad one raises, naming its index. Returns whether
-        requests are left."""
+        tokens past the prefix it shares with the cache or with a prompt added before it: many
+        prompts with one long prefix fill a step as they would with all of them waiting. A bad
+        one raises, naming its index. Returns whether requests are left."""
         engine = self.engine
-        num_waiting, tokens = engine.waiting_load()
+        num_waiting, tokens = engine.waiting_load(admission.prompt_costs)
         while tokens < max_tokens and num_waiting < engine.config.max_num_seqs:
             request = next(requests, None)
             if request is None:
@@ -122,7 +131,9 @@ class LLM:
             seqs.append(seq)
             if params.stop:
                 stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop)
-            tokens += engine.block_manager.prompt_cost(ids, shared)
+            cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks)
+            admission.prompt_costs[seq.request_id] = cost
+            tokens += cost
             num_waiting += 1
         return True
 

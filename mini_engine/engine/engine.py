@@ -100,13 +100,16 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def waiting_load(self) -> tuple[int, int]:
-        """The waiting requests, and the tokens they have left to compute: a request not yet
-        admitted computes none of the prefix the cache holds for it."""
-        waiting, bm = self.scheduler.waiting, self.block_manager
-        return len(waiting), sum(seq.num_tokens - max(seq.num_computed_tokens,
-                                                      len(bm.find_cached_prefix(seq)) * bm.block_size)
-                                 for seq in waiting)
+    def waiting_load(self, prompt_costs: dict[str, int]) -> tuple[int, int]:
+        """The waiting requests, and the tokens they have left to compute: a request never run
+        yet counts prompt_costs[its id] where that has it (its prompt less the prefix the cache
+        was to hold for it, BlockManager.prompt_cost), one preempted all it must recompute."""
+        waiting = self.scheduler.waiting
+        tokens = 0
+        for seq in waiting:
+            left = seq.num_tokens - seq.num_computed_tokens
+            tokens += prompt_costs.get(seq.request_id, left) if seq.num_preemptions == 0 else left
+        return len(waiting), tokens
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
