@@ -77,6 +77,16 @@ def block_key(parent_hash: int | None, token_ids: list[int]) -> tuple:
     return (parent_hash, tuple(token_ids))
 
 
+def chained_blocks(token_ids: list[int], block_size: int, start: int, stop: int,
+                   parent: int | None = None) -> Iterator[tuple[int, tuple, int]]:
+    """(i, key, hash) of the full blocks start..stop-1 of token_ids, each key holding the hash
+    before it (parent: block start-1's, None from the first block)."""
+    for i in range(start, stop):
+        key = block_key(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash(key)
+        yield i, key, parent
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  max_blocks_per_seq: int | None = None):
@@ -105,15 +115,12 @@ class BlockManager:
         served from the cache, so that the step computes it and has logits to sample from."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], None
-        bs = self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
-            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
-            block_id = self.cached_blocks.get(hash(key))
+        hits = []
+        for _, key, h in chained_blocks(seq.token_ids, self.block_size, 0, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached_blocks.get(h)
             if block_id is None or self.blocks[block_id].key != key:
                 break
             hits.append(block_id)
-            parent = self.blocks[block_id].hash
         return hits
 
     def prompt_cost(self, token_ids: list[int], shared: set[int]) -> int:
@@ -123,12 +130,11 @@ class BlockManager:
         served: before it, or in the same step). Adds its own hashes to shared."""
         if not self.enable_prefix_caching:
             return len(token_ids)
-        bs, parent, covered = self.block_size, None, 0
-        for i in range((len(token_ids) - 1) // bs):      # the last token is always computed
-            parent = hash(block_key(parent, token_ids[i * bs:(i + 1) * bs]))
-            if covered == i * bs and (parent in shared or parent in self.cached_blocks):
+        bs, covered = self.block_size, 0
+        for i, _, h in chained_blocks(token_ids, bs, 0, (len(token_ids) - 1) // bs):   # the last token is computed
+            if covered == i * bs and (h in shared or h in self.cached_blocks):
                 covered += bs
-            shared.add(parent)
+            shared.add(h)
         return len(token_ids) - covered
 
     def count_prefix_lookup(self, seq: Sequence, cached_prefix: list[int]) -> None:
@@ -187,10 +193,9 @@ class BlockManager:
         bs = self.block_size
         if seq.token_ids[-1] == PENDING_TOKEN:
             num_tokens = min(num_tokens, seq.num_tokens - 1)     # hashed once the token is known
-        for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else None
-            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash(key)
+        start = len(seq.block_hashes)
+        parent = seq.block_hashes[-1] if start else None
+        for i, key, h in chained_blocks(seq.token_ids, bs, start, num_tokens // bs, parent):
             seq.block_hashes.append(h)
             if self.enable_prefix_caching and h not in self.cached_blocks:
                 block = self.blocks[seq.block_table[i]]
