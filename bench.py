@@ -64,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's bench samples at 0.6")
     p.add_argument("--top-k", type=int, default=-1, help="-1: off, as nano-vllm's bench (Qwen3 asks for 20)")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off, as nano-vllm's bench (Qwen3 asks for 0.95)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off (not for --engine hf)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off (not for --engine hf)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
     engine = p.add_argument_group("engine options (passed through; vLLM/transformers take what they can)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
@@ -92,12 +96,12 @@ def tiny_checkpoint(cache_dir: str | None) -> str:
     return path
 
 
-def warm_up(llm, prompts: list[list[int]], temperature: float, top_k: int = -1, top_p: float = 1.0) -> None:
+def warm_up(llm, prompts: list[list[int]], sampling: dict) -> None:
     """Runs a workload of the timed one's shape (other random tokens, so the prefix cache gains
-    nothing): every kernel the timed run needs is compiled before the clock starts."""
+    nothing) with the timed run's sampling options: every kernel the timed run needs is compiled
+    before the clock starts."""
     from mini_engine import SamplingParams
     from benchmarks.peers import WARMUP_PROMPTS, WARMUP_TOKENS
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     llm.generate(WARMUP_PROMPTS, SamplingParams(max_tokens=WARMUP_TOKENS, **sampling), use_tqdm=False)
     rng = random.Random(1)
     lengths = [len(p) for p in prompts[:32]]
@@ -109,6 +113,7 @@ def warm_up(llm, prompts: list[list[int]], temperature: float, top_k: int = -1, 
 
 def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     from mini_engine import LLM, SamplingParams
+    from benchmarks.peers import sampling_options
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
@@ -116,9 +121,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
             kwargs[name] = getattr(opts, name)
     llm = LLM(model, **kwargs)
     engine = llm.engine
-    warm_up(llm, prompts, opts.temperature, opts.top_k, opts.top_p)
-    params = [SamplingParams(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p, ignore_eos=True,
-                             max_tokens=m) for m in max_tokens]
+    warm_up(llm, prompts, sampling_options(opts))
+    params = [SamplingParams(ignore_eos=True, max_tokens=m, **sampling_options(opts)) for m in max_tokens]
     profiler = None
     if opts.profile:
         from benchmarks.step_profile import StepProfiler

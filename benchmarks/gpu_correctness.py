@@ -14,6 +14,7 @@ The checkpoint has Qwen3-0.6B's shape with N(0, 0.06) weights: at the benchmark'
 model repeats one token, which would make token agreement meaningless.
 """
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -81,15 +82,28 @@ def main():
     free_gpu()
 
     @torch.inference_mode()
-    def margins(outputs, prompts_=prompts):
+    def margins(outputs, prompts_=prompts, penalties=None):
         """For each generated token: fp32 max logit minus the fp32 logit of the token chosen,
-        given the same prefix (0 where we chose the fp32 argmax)."""
+        given the same prefix (0 where we chose the fp32 argmax); with `penalties` (SamplingParams),
+        of the logits those penalties make of them, by the penalties' definitions."""
         out = []
         for p, gen in zip(prompts_, outputs):
             logits = hf32(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
+            if penalties is not None:
+                logits = torch.stack([penalised(row, p + gen[:j], len(p), penalties) for j, row in enumerate(logits)])
             chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
             out.append((logits.max(-1).values - chosen).tolist())
         return out
+
+    def penalised(logits, history, num_prompt, q):
+        """OpenAI's presence and frequency penalties over the output, transformers' repetition
+        penalty over prompt and output."""
+        counts = torch.bincount(torch.tensor(history[num_prompt:], dtype=torch.long, device=dev),
+                                minlength=logits.shape[0]).float()
+        seen = torch.bincount(torch.tensor(history, dtype=torch.long, device=dev), minlength=logits.shape[0]) > 0
+        repetition = torch.where(seen, q.repetition_penalty, 1.0)
+        logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+        return logits - q.frequency_penalty * counts - q.presence_penalty * (counts > 0).float()
 
     def run(label, prompts_, params, **kw):
         llm = LLM(path, gpu_memory_utilization=0.5, **({"max_num_seqs": 64} | kw))
@@ -131,8 +145,8 @@ def main():
         if max(rel) > limit:
             failures.append(f"{name}: relative logits error {max(rel):.3g} > {limit:.3g}")
 
-    def teacher_forced(name, outputs, prompts_=prompts):
-        m = sorted((x for row in margins(outputs, prompts_) for x in row), reverse=True)
+    def teacher_forced(name, outputs, prompts_=prompts, penalties=None):
+        m = sorted((x for row in margins(outputs, prompts_, penalties) for x in row), reverse=True)
         worst, tokens = m[0], len(m)
         off_argmax = sum(x > 0 for x in m)
         control = results.get(CONTROL)
@@ -245,6 +259,20 @@ def main():
             c, _, _ = run(f"graphs bs={n}, top_k=1", ps, top1, kernels="auto")
             compare(f"graphs, batch {n}: top_k=1 at T=1 vs greedy", c, a, 8)
             teacher_forced(f"graphs, batch {n}, top_k=1, teacher-forced vs fp32", c, ps)
+            # Penalties: the sampler counts each row's tokens, its newest read on the device from
+            # the graph's input tokens (the previous step's samples, which the host has not seen).
+            q = SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.4,
+                               ignore_eos=True)
+            pen = [dataclasses.replace(q, max_tokens=p.max_tokens) for p in params]
+            d, _, _ = run(f"graphs bs={n}, penalties", ps, pen, kernels="auto")
+            e, _, _ = run(f"no graphs bs={n}, penalties", ps, pen, kernels="auto", enforce_eager=True)
+            compare(f"graphs vs no graphs, batch {n}, penalties", d, e, 8)
+            results[f"graphs vs no graphs, batch {n}, penalties"]["identical"] = d == e
+            teacher_forced(f"graphs, batch {n}, penalties, teacher-forced vs fp32 penalised", d, ps, q)
+            changed = sum(x != y for x, y in zip(d, a))
+            results[f"graphs, batch {n}, penalties"] = dict(outputs_changed_by_penalties=changed, ok=changed > n // 2)
+            if changed <= n // 2:
+                failures.append(f"penalties changed only {changed} of {n} greedy outputs")
     # Preemption during decode: a pool too small for all 24 sequences at once (120 blocks of 16
     # tokens hold 17 of them at 7 blocks; each needs an eighth at its 13th token).
     ps = [[rng.randrange(vocab) for _ in range(100)] for _ in range(24)]

@@ -14,6 +14,14 @@ import torch
 WARMUP_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]    # compile/autotune/graphs before timing
 WARMUP_TOKENS = 4
 
+# bench.py's sampling options, named as mini_engine's and vLLM's SamplingParams name them.
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+
+
+def sampling_options(opts) -> dict:
+    return {name: getattr(opts, name) for name in SAMPLING_OPTIONS}
+
 
 def run_vllm(model: str, prompts, max_tokens, opts) -> dict:
     import vllm                                   # bench.py checked that it is installed
@@ -26,13 +34,11 @@ def run_vllm(model: str, prompts, max_tokens, opts) -> dict:
             kwargs[name] = getattr(opts, name)
     llm = LLM(model, **kwargs)
 
-    def params(m, temperature):
-        return SamplingParams(temperature=temperature, top_k=opts.top_k, top_p=opts.top_p, ignore_eos=True,
-                              max_tokens=m, detokenize=has_tokenizer)
-    llm.generate([{"prompt_token_ids": p} for p in WARMUP_PROMPTS], params(WARMUP_TOKENS, opts.temperature),
-                 use_tqdm=False)
+    def params(m):
+        return SamplingParams(ignore_eos=True, max_tokens=m, detokenize=has_tokenizer, **sampling_options(opts))
+    llm.generate([{"prompt_token_ids": p} for p in WARMUP_PROMPTS], params(WARMUP_TOKENS), use_tqdm=False)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    sampling = [params(m, opts.temperature) for m in max_tokens]
+    sampling = [params(m) for m in max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(inputs, sampling, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -69,9 +75,11 @@ def run_hf(model: str, prompts, max_tokens, opts) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=opts.hf_attn)
     hf_model = hf_model.to(device).eval()
-    sampling = dict(do_sample=True, temperature=opts.temperature, top_k=max(opts.top_k, 0), top_p=opts.top_p) \
-        if opts.temperature > 0 \
-        else dict(do_sample=False)
+    if opts.presence_penalty or opts.frequency_penalty:
+        raise SystemExit("bench.py --engine hf: transformers has no presence or frequency penalty")
+    sampling = dict(do_sample=True, temperature=opts.temperature, top_k=max(opts.top_k, 0), top_p=opts.top_p,
+                    min_p=opts.min_p or None) if opts.temperature > 0 else dict(do_sample=False)
+    sampling["repetition_penalty"] = opts.repetition_penalty
     generation_config = GenerationConfig(max_new_tokens=max(max_tokens), eos_token_id=-1, pad_token_id=0, **sampling)
     cb_kwargs = dict(max_requests_per_batch=opts.max_num_seqs, allow_block_sharing=not opts.no_prefix_caching,
                      auto_switch_to_flash=False)   # keep the attention we asked for: nothing to download

@@ -75,7 +75,7 @@ def main():
 
     prompts, max_tokens = bench.make_workload()
     llm = LLM(default_checkpoint(device="cuda"), max_model_len=bench.MAX_MODEL_LEN, max_num_seqs=256)
-    bench.warm_up(llm, prompts, 0.6)
+    bench.warm_up(llm, prompts, dict(temperature=0.6))
     engine, prof, count = llm.engine, profile(activities=[ProfilerActivity.CUDA]), [0]
     step = engine.step
 

@@ -198,7 +198,7 @@ def main():
     # No prefix cache: the second pass runs the same prompts and must do the same work.
     llm = LLM(default_checkpoint(device="cuda"), max_model_len=2048, enable_prefix_caching=False)
     engine = llm.engine
-    warm_up(llm, make_workload()[0], args.temperature)
+    warm_up(llm, make_workload()[0], dict(temperature=args.temperature))
 
     add_workload(llm, args.temperature)
     steps = timed_steps(engine, args.steps)

@@ -95,8 +95,8 @@ class ModelConfig:
 
 
 # The fields of a generation_config.json that set a request's defaults, as vLLM reads them (it also
-# reads repetition_penalty, min_p and max_new_tokens, which this engine has no parameters for).
-GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+# reads max_new_tokens, which this engine leaves alone: a request's max_tokens defaults to 16).
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "min_p")
 
 
 def read_generation_config(folder: str) -> dict:

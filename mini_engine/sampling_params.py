@@ -18,6 +18,14 @@ class SamplingParams:
     stop: str | list[str] | None = field(default_factory=list)   # strings that end the output (not included)
     seed: int | None = None       # reproducible sampling for this request alone
     logprobs: int | None = None   # return the sampled token's log-probability and this many top ones
+    # vLLM's (and OpenAI's) penalties, applied to the logits before temperature. presence and
+    # frequency subtract from the logit of each token the output holds, once and once a time it
+    # appears; repetition divides a positive logit (multiplies a negative one) of each token the
+    # prompt or the output holds (transformers' repetition_penalty).
+    presence_penalty: float = 0.0     # in [-2, 2]
+    frequency_penalty: float = 0.0    # in [-2, 2]
+    repetition_penalty: float = 1.0   # > 0; 1 is off
+    min_p: float = 0.0                # in [0, 1]: drop tokens less likely than min_p x the likeliest
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
@@ -41,10 +49,27 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Does a penalty change this request's logits (so the sampler needs its tokens so far)?"""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _as_list(value, name: str) -> list:

@@ -19,6 +19,10 @@ from mini_engine.config import EngineConfig
     (dict(seed=-1), "seed"), (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(stop=[""]), "stop"),
     (dict(stop=["ok", 3]), "stop"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),
+    (dict(presence_penalty=2.1), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(frequency_penalty="1"), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=True), "repetition_penalty"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.01), "min_p"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

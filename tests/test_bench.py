@@ -87,7 +87,9 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "of the floor" in proc.stdout and "CPU smoke" in proc.stdout
     # appends, reuses the checkpoint; --profile times every step through the runner's hooks
-    proc = run_bench(*args[:6], "--label", "second", "--profile", str(tmp_path / "profile"))
+    # and the penalties' path of the sampler runs under the bench's options too
+    proc = run_bench(*args[:6], "--label", "second", "--profile", str(tmp_path / "profile"),
+                     "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--min-p", "0.05")
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = (tmp_path / "profile" / "steps.jsonl").read_text().splitlines()
     assert len(steps) >= max(make_workload(4, **WORKLOADS["cpu-smoke"])[1])
@@ -119,7 +121,10 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert engine["block_size"] == 8 and engine["max_num_batched_tokens"] == 512
     assert engine["enforce_eager"] is True and engine["enable_prefix_caching"] is False
     assert engine["kernels_resolved"] == [] and engine["max_model_len"] == 2048
-    assert json.loads(lines[1])["label"] == "second"
+    second = json.loads(lines[1])
+    assert second["label"] == "second" and second["checks"] == {"exact_max_tokens": True, "kv_blocks_free": True}
+    assert (second["config"]["repetition_penalty"], second["config"]["presence_penalty"],
+            second["config"]["min_p"]) == (1.2, 0.5, 0.05)
 
 
 def test_help_and_missing_vllm():

@@ -71,3 +71,17 @@ def test_generate_without_params_samples_as_the_generation_config_says(tiny_chec
     llm = LLM(greedy, device="cpu", num_kv_blocks=16, generation_config="none")
     assert llm.get_default_sampling_params() == SamplingParams()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)] != expected
+
+
+def test_repetition_penalty_and_min_p_are_read_as_vllm_reads_them(tiny_checkpoint, tmp_path):
+    """vLLM's get_diff_sampling_param also takes repetition_penalty and min_p (Qwen2.5's
+    generation_config.json asks for repetition_penalty 1.05)."""
+    path = with_generation_config(tiny_checkpoint, tmp_path, {"repetition_penalty": 1.05, "min_p": 0.05,
+                                                              "temperature": 0.7})
+    config = EngineConfig(path, device="cpu", num_kv_blocks=8)
+    assert config.sampling_defaults == {"repetition_penalty": 1.05, "min_p": 0.05, "temperature": 0.7}
+    params = config.default_sampling_params(repetition_penalty=1.0)
+    assert (params.repetition_penalty, params.min_p, params.temperature) == (1.0, 0.05, 0.7)
+    bad = with_generation_config(tiny_checkpoint, tmp_path / "bad", {"repetition_penalty": 0})
+    with pytest.raises(ValueError, match="generation_config.json: repetition_penalty must be"):
+        EngineConfig(bad, device="cpu", num_kv_blocks=8)

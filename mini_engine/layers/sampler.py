@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
+from mini_engine.layers.penalties import PenaltyTensors, apply_min_p, apply_penalties
 
 
 @dataclass
@@ -17,6 +18,8 @@ class SamplingTensors:
     row_seeds: list[int | None]       # host copy; None where the request gave no seed
     all_greedy: bool
     row_top_k: list[int] | None = None    # top_k's host copy (0: none), where top_k is given
+    penalties: PenaltyTensors | None = None   # where a row has presence/frequency/repetition penalties
+    min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
 
 
 @dataclass(slots=True)
@@ -49,6 +52,12 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        # vLLM's order: penalties on the raw logits (greedy rows too), then min_p at the row's
+        # temperature, then top-k and top-p.
+        if params.penalties is not None:
+            logits = apply_penalties(logits, params.penalties)
+        if params.min_p is not None:
+            logits = apply_min_p(logits.float(), params.min_p, params.temperatures)
         if self.use_triton and params.top_k is None and params.top_p is None:
             # No fp32 copy of the logits: the kernel converts bf16 as it loads, and argmax is exact
             # in any float dtype (bf16 -> fp32 is exact and keeps the order).

@@ -19,6 +19,10 @@ class BatchRow:
     seed: int | None = None     # this step's seed for the row, where the request gave one
     block_table_array: np.ndarray | None = None   # block_table padded with -1, if the caller keeps one
     prev_token_index: int = -1  # >= 0: the input token is sample [this] of the previous launch
+    # For a sampling row with penalties: the sequence's tokens, prompt then output, up to this
+    # step's newest (which may stand for a token still in flight), read during the launch.
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_r
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
+from mini_engine.layers.penalties import penalty_tensors, to_device
 from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
@@ -234,13 +235,17 @@ class ModelRunner:
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
         max_model_len. Every row shares one block table: only memory use matters here. Their rows
-        sample within a nucleus: the sampler's most memory-hungry path (a sort of every row's
-        logits in fp32), which also compiles its fp32 kernels before any request needs them."""
-        cfg, params = self.config, SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1)
+        sample with penalties, min_p and within a nucleus: the sampler's most memory-hungry path
+        (the penalties' fp32 logits and counts, then a sort of every row's logits in fp32), which
+        also compiles its fp32 kernels before any request needs them."""
+        cfg = self.config
+        params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01)
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
-        prefill = [BatchRow([0] * per_seq, 0, block_table, True, params) for _ in range(num_seqs)]
-        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params) for _ in range(cfg.max_num_seqs)]
+        prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, history=[0] * per_seq)
+                   for _ in range(num_seqs)]
+        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params, history=[0])
+                  for _ in range(cfg.max_num_seqs)]
         return [prefill, decode]
 
     # ---- one step ----
@@ -279,7 +284,7 @@ class ModelRunner:
             logits = self.graph_runner.replay(graph_size, turn)[:len(rows)]
             if len(sample_rows) < len(rows):
                 logits = logits[t.logits_indices]
-            elif self.graph_runner.sample is not None and not self.restricts_support(sample_rows):
+            elif self.graph_runner.sample is not None and not self.samples_outside_graph(sample_rows):
                 tokens = samples[:len(rows)]         # sampled inside the graph
         else:
             if any(r.prev_token_index >= 0 for r in rows):
@@ -303,9 +308,11 @@ class ModelRunner:
         return handle
 
     @staticmethod
-    def restricts_support(rows: list[BatchRow]) -> bool:
-        """Does any row sample from a top-k or top-p set (which only the eager sampler applies)?"""
-        return any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
+    def samples_outside_graph(rows: list[BatchRow]) -> bool:
+        """Does any row ask for what only the eager sampler applies: top-k, top-p, min_p or a
+        penalty?"""
+        return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 or r.params.penalized
+                   for r in rows)
 
     def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
                        turn: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
@@ -401,6 +408,15 @@ class ModelRunner:
         params = [r.params for r in rows]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        penalised = [i for i, p in enumerate(params) if p.penalized]
+        penalties = None
+        if penalised:
+            # A sampling row's newest token is its last input token: filled on the device, by the
+            # time these kernels run, where the host only knows it is in flight.
+            penalties = penalty_tensors(penalised, [rows[i].history for i in penalised],
+                                        [rows[i].num_prompt_tokens for i in penalised], [params[i] for i in penalised],
+                                        t.input_ids[t.logits_indices], self.model_config.vocab_size)
         return SamplingTensors(
             temperatures=t.temperatures[:len(rows)],
             top_k=self.to_device(top_k, torch.int64) if any(top_k) else None,
@@ -409,11 +425,9 @@ class ModelRunner:
             row_seeds=[r.seed for r in rows],
             all_greedy=all(p.temperature == 0 for p in params),
             row_top_k=top_k,
+            penalties=penalties,
+            min_p=self.to_device(min_p, torch.float32) if any(min_p) else None,
         )
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return host
-        # Pinned, so the copy is a true asynchronous DMA that does not stall the host.
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=dtype), self.device)

@@ -35,6 +35,11 @@ logger = logging.getLogger("mini_engine.server")
 # validator normalize_null_max_tokens): chat's default, the rest of the context, does not apply here.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
+# The request fields that pass to SamplingParams when the client sets them (not null): the rest
+# come from the checkpoint's generation_config.json where it sets them, else SamplingParams'.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "min_p")
+
 
 def error_response(message: str, status_code: int = 400, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
@@ -97,8 +102,7 @@ class OpenAIServer:
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         # Only what the client set: the defaults belong to the config (the checkpoint's
         # generation_config.json) and to SamplingParams.
-        set_by_client = {name: value for name in ("temperature", "top_p", "top_k")
-                         if (value := getattr(req, name)) is not None}
+        set_by_client = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
         try:
             return self.config.default_sampling_params(
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,

@@ -61,6 +61,7 @@ class EngineLoop:
         self.states: dict[str, RequestState] = {}
 
     def run(self, commands: multiprocessing.Queue) -> None:
+        self.send([])       # the pool's size and state, for /metrics before any request
         while True:
             batch = []
             if not self.engine.has_unfinished_requests():

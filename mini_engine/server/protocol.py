@@ -49,6 +49,10 @@ class SamplingRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None            # extension (vLLM's): -1 or 0 is off
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None     # extension (vLLM's)
+    min_p: float | None = None                  # extension (vLLM's)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)  # extension
@@ -58,8 +62,6 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None             # accepted and ignored, as OpenAI's own
     # Accepted only at their neutral values (checked in unsupported()).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None       # {"type": "text"} only
@@ -69,8 +71,6 @@ class SamplingRequest(BaseModel):
             return "n"
         if self.response_format not in (None, {"type": "text"}):
             return "response_format"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
         if self.logit_bias:
             return "logit_bias"
         if self.best_of not in (None, 1):

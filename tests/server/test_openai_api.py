@@ -167,6 +167,22 @@ def test_top_k_top_p_accepted(served, client):
     assert r.usage.completion_tokens == 5
 
 
+def test_penalties_and_min_p_reach_the_engine(served, client, llm):
+    """OpenAI's presence and frequency penalties, vLLM's repetition_penalty and min_p: the same
+    tokens as LLM.generate with the same SamplingParams, and other tokens than without them."""
+    penalties = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3)
+    params = dict(prompt="Hello world", max_tokens=12, temperature=0)
+    r = client.completions.create(model=MODEL_NAME, presence_penalty=1.0, frequency_penalty=0.5,
+                                  extra_body={"repetition_penalty": 1.3, "ignore_eos": True}, **params)
+    text = r.choices[0].text
+    assert text == reference(llm, "Hello world", temperature=0, max_tokens=12, ignore_eos=True, **penalties)[0]
+    assert text != reference(llm, "Hello world", temperature=0, max_tokens=12, ignore_eos=True)[0]
+    sampled = dict(prompt="Hello world", max_tokens=12, temperature=1.0, seed=3)
+    r = client.completions.create(model=MODEL_NAME, extra_body={"min_p": 0.2, "ignore_eos": True}, **sampled)
+    assert r.choices[0].text == reference(llm, "Hello world", temperature=1.0, seed=3, max_tokens=12,
+                                          ignore_eos=True, min_p=0.2)[0]
+
+
 def test_streams_end_with_usage_only_when_asked(served, client):
     """As OpenAI: without stream_options.include_usage every chunk has a choice, so a client that
     reads chunk.choices[0] of each one works."""

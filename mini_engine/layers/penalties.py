@@ -1,0 +1,105 @@
+"""What a request asks of its logits besides temperature, top-k and top-p: vLLM's presence,
+frequency and repetition penalties, which depend on the tokens the sequence holds so far, and
+min_p. Plain PyTorch: only requests that ask for them take this path (the benchmark's do not).
+
+A step's rows reach the sampler as the host scheduled them, and with async scheduling the host
+does not yet know a decode row's newest token: the step still in flight samples it, and the
+device feeds it to this step as the row's input token. So the counts come in two parts: the
+tokens the host holds (all but the newest), and the newest, read on the device from the step's
+input tokens."""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PenaltyTensors:
+    """The penalised rows of one step's sampling rows, on the device."""
+    rows: torch.Tensor            # [P] int64: which sampling rows these are
+    presence: torch.Tensor        # [P, 1] fp32
+    frequency: torch.Tensor       # [P, 1] fp32
+    repetition: torch.Tensor      # [P, 1] fp32
+    output_counts: torch.Tensor   # [P, V] fp32: how many times each token is in the row's output
+    seen: torch.Tensor            # [P, V] bool: the token is in the row's prompt or output
+
+
+def output_counts_ref(histories: list[list[int]], num_prompt_tokens: list[int],
+                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output counts [P, V], seen [P, V]) of whole token histories, a Python loop a token: the
+    oracle of penalty_tensors' counts."""
+    counts = torch.zeros(len(histories), vocab_size)
+    seen = torch.zeros(len(histories), vocab_size, dtype=torch.bool)
+    for row, (history, n) in enumerate(zip(histories, num_prompt_tokens)):
+        for position, token in enumerate(history):
+            seen[row, token] = True
+            if position >= n:
+                counts[row, token] += 1
+    return counts, seen
+
+
+def penalty_tensors(rows: list[int], histories: list[list[int]], num_prompt_tokens: list[int],
+                    params: list, newest_tokens: torch.Tensor, vocab_size: int) -> PenaltyTensors:
+    """rows: the penalised sampling rows; histories: each one's prompt and output tokens, the
+    newest last (on the host, possibly a stand-in for a token still being sampled); params: their
+    SamplingParams; newest_tokens: [S] every sampling row's newest token, on the device."""
+    device = newest_tokens.device
+    known = [np.asarray(h[:-1], dtype=np.int64) for h in histories]
+    if any(len(k) and k.min() < 0 for k in known):
+        raise RuntimeError("a penalised row's history holds a token still in flight before its newest")
+    lengths = np.array([len(k) for k in known], dtype=np.int64)
+    flat_rows = np.repeat(np.arange(len(rows)), lengths)
+    flat_tokens = np.concatenate(known) if len(known) else np.zeros(0, dtype=np.int64)
+    # Is each known token an output token, and is the newest one?
+    is_output = np.concatenate([np.arange(len(k)) >= n for k, n in zip(known, num_prompt_tokens)])
+    newest_is_output = np.array([len(h) > n for h, n in zip(histories, num_prompt_tokens)], dtype=np.float32)
+    host = {
+        "flat_rows": torch.from_numpy(flat_rows), "flat_tokens": torch.from_numpy(flat_tokens),
+        "is_output": torch.from_numpy(is_output.astype(np.float32)),
+        "newest_is_output": torch.from_numpy(newest_is_output),
+        "values": torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
+                               dtype=torch.float32),
+        "rows": torch.tensor(rows, dtype=torch.int64),
+    }
+    d = {name: to_device(t, device) for name, t in host.items()}
+    newest = newest_tokens[d["rows"]]
+    index = torch.arange(len(rows), device=device)
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    counts.index_put_((d["flat_rows"], d["flat_tokens"]), d["is_output"], accumulate=True)
+    counts.index_put_((index, newest), d["newest_is_output"], accumulate=True)
+    seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    seen[d["flat_rows"], d["flat_tokens"]] = True
+    seen[index, newest] = True
+    presence, frequency, repetition = d["values"].unbind(-1)
+    return PenaltyTensors(d["rows"], presence[:, None], frequency[:, None], repetition[:, None], counts, seen)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+    """fp32 logits with the penalised rows' penalties applied (a new tensor: the raw logits
+    stay, for logprobs). vLLM's order and formula: repetition first, on the raw logit's sign."""
+    rows = logits[penalties.rows].float()
+    repetition = torch.where(penalties.seen, penalties.repetition, 1.0)
+    rows = torch.where(rows > 0, rows / repetition, rows * repetition)
+    rows -= penalties.frequency * penalties.output_counts
+    rows -= penalties.presence * (penalties.output_counts > 0)
+    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    out[penalties.rows] = rows
+    return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Sets to -inf each logit whose probability at the row's temperature is below min_p times
+    its row's largest: softmax(l / T)_i < min_p * max_j softmax(l / T)_j, i.e.
+    l_i < max_j l_j + T log(min_p). Greedy rows and rows with min_p 0 are left alone."""
+    active = (min_p > 0) & (temperatures > 0)
+    log_min_p = torch.where(active, min_p, 1.0).log()
+    threshold = logits.amax(-1) + torch.where(active, temperatures * log_min_p, -math.inf)
+    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host
+    # Pinned, so the copy is asynchronous and does not stall the host.
+    return host.pin_memory().to(device, non_blocking=True)

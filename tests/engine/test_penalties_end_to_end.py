@@ -1,0 +1,86 @@
+"""Penalised greedy outputs against an oracle that recomputes the whole sequence through
+transformers every token and applies the penalties by their definitions, whatever the scheduler
+does: with async scheduling a decode row's newest token is still on the device when its step is
+built, so these are the tests of how the engine counts it."""
+import functools
+
+import pytest
+
+from mini_engine import LLM, SamplingParams
+from tests.engine.test_greedy_vs_transformers import mixed_prompts, shared_prefix_prompts
+from tests.hf_reference import hf_greedy, hf_logits, hf_model
+from tests.penalty_definition import penalised_by_definition
+
+MAX_TOKENS = 10
+
+# One request in three has no penalty: it must stay plain greedy beside the others.
+PENALTIES = [dict(repetition_penalty=1.4), dict(presence_penalty=1.2, frequency_penalty=0.5), dict(),
+             dict(frequency_penalty=1.5, repetition_penalty=0.8), dict(presence_penalty=-0.7)]
+
+
+def params_for(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **PENALTIES[i % len(PENALTIES)])
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(path: str, prompt: tuple[int, ...], i: int) -> list[int]:
+    params, tokens = params_for(i), list(prompt)
+    for _ in range(MAX_TOKENS):
+        logits = penalised_by_definition(hf_logits(path, tokens)[-1], tokens, len(prompt), params)
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+def run(path: str, prompts, **engine_kwargs):
+    llm = LLM(path, device="cpu", **engine_kwargs)
+    outputs = llm.generate(prompts, [params_for(i) for i in range(len(prompts))], use_tqdm=False)
+    engine = llm.engine
+    assert engine.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outputs], engine
+
+
+def expected(path, prompts):
+    return [oracle(path, tuple(p), i) for i, p in enumerate(prompts)]
+
+
+def test_the_oracle_is_transformers_generate_for_repetition_and_plain_greedy(tiny_checkpoint):
+    """Where transformers has the processor (repetition_penalty) or none is needed, the oracle's
+    loop gives what transformers' own generate gives; and each penalty changes some outputs."""
+    torch = pytest.importorskip("torch")
+    prompts = mixed_prompts()
+    plain = [hf_greedy(tiny_checkpoint, p, MAX_TOKENS) for p in prompts]
+    for prompt, greedy in zip(prompts, plain):
+        ids = torch.tensor([prompt])
+        generated = hf_model(tiny_checkpoint).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+            repetition_penalty=PENALTIES[0]["repetition_penalty"], eos_token_id=None, pad_token_id=0)
+        assert oracle(tiny_checkpoint, tuple(prompt), 0) == generated[0, len(prompt):].tolist()
+        assert oracle(tiny_checkpoint, tuple(prompt), 2) == greedy
+    for i in (0, 1, 3, 4):
+        assert any(oracle(tiny_checkpoint, tuple(p), i) != g for p, g in zip(prompts, plain)), PENALTIES[i]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mixed_batch(tiny_checkpoint, async_scheduling):
+    prompts = mixed_prompts()
+    got, _ = run(tiny_checkpoint, prompts, num_kv_blocks=256, async_scheduling=async_scheduling)
+    assert got == expected(tiny_checkpoint, prompts)
+
+
+def test_chunked_prefill_and_preemption(tiny_checkpoint):
+    """Prompts in chunks of 7 tokens, and a pool too small for all: preempted sequences recompute
+    their output tokens as a prompt chunk, which must still count as output."""
+    prompts = mixed_prompts()
+    got, engine = run(tiny_checkpoint, prompts, num_kv_blocks=16, block_size=4, max_num_batched_tokens=7,
+                      enable_prefix_caching=False)
+    assert engine.num_preemptions > 0
+    assert got == expected(tiny_checkpoint, prompts)
+
+
+def test_prefix_cache_hits(tiny_checkpoint):
+    """A prompt whose prefix comes from the cache computes only its tail, yet its whole prompt
+    counts for the repetition penalty."""
+    prompts = shared_prefix_prompts()
+    got, engine = run(tiny_checkpoint, prompts, num_kv_blocks=256, block_size=4, max_num_batched_tokens=40)
+    assert engine.prefix_cache_hit_tokens > 0
+    assert got == expected(tiny_checkpoint, prompts)

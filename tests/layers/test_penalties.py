@@ -1,0 +1,115 @@
+"""Penalties and min_p (layers/penalties.py) against their definitions, written out a token at a time."""
+import math
+import random
+
+import pytest
+import torch
+
+from mini_engine.layers.penalties import apply_min_p, apply_penalties, output_counts_ref, penalty_tensors
+from mini_engine.layers.sampler import Sampler, SamplingTensors
+from mini_engine.sampling_params import SamplingParams
+from tests.penalty_definition import penalised_by_definition
+
+VOCAB = 50
+# On the GPU where there is one: there the host's arrays cross by pinned, asynchronous copies.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_rows(seed: int, num_rows: int = 5):
+    """Token histories (prompt then output; some with no output yet), their prompt lengths and
+    penalties, every value non-neutral somewhere."""
+    rng = random.Random(seed)
+    histories, num_prompt, params = [], [], []
+    for _ in range(num_rows):
+        n = rng.randrange(1, 8)
+        histories.append([rng.randrange(VOCAB) for _ in range(n + rng.randrange(0, 12))])
+        num_prompt.append(n)
+        params.append(SamplingParams(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
+                                     repetition_penalty=rng.uniform(0.5, 2.0)))
+    return histories, num_prompt, params
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_counts_equal_the_token_by_token_count(seed):
+    histories, num_prompt, params = random_rows(seed)
+    rows = list(range(len(histories)))
+    # The host may not know the newest token yet: a stand-in there, the real one on the device.
+    on_host = [h[:-1] + [-1] for h in histories]
+    newest = torch.tensor([h[-1] for h in histories], device=DEVICE)
+    pt = penalty_tensors(rows, on_host, num_prompt, params, newest, VOCAB)
+    counts, seen = output_counts_ref(histories, num_prompt, VOCAB)
+    assert torch.equal(pt.output_counts.cpu(), counts)
+    assert torch.equal(pt.seen.cpu(), seen)
+    assert counts.sum() > 0 and (seen & (counts == 0)).any(), "the rows test neither outputs nor prompts"
+
+
+def test_a_token_in_flight_before_the_newest_is_refused():
+    with pytest.raises(RuntimeError, match="in flight"):
+        penalty_tensors([0], [[3, -1, 4]], [1], [SamplingParams(presence_penalty=1.0)], torch.tensor([4]), VOCAB)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_penalties_equal_their_definitions(seed):
+    histories, num_prompt, params = random_rows(seed)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(histories) + 2, VOCAB, generator=gen).to(torch.bfloat16)
+    # Rows 1 and 3 of the batch have no penalties: they pass through (as fp32).
+    rows = [0, 2, 4, 5, 6]
+    step_newest = torch.tensor([0] * logits.shape[0])
+    step_newest[rows] = torch.tensor([h[-1] for h in histories])
+    pt = penalty_tensors(rows, histories, num_prompt, params, step_newest.to(DEVICE), VOCAB)
+    got = apply_penalties(logits.to(DEVICE), pt).cpu()
+    assert got.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    for i in (1, 3):
+        assert torch.equal(got[i], logits[i].float())
+    for row, history, n, p in zip(rows, histories, num_prompt, params):
+        want = penalised_by_definition(logits[row].float(), history, n, p)
+        torch.testing.assert_close(got[row], want, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(got[row], logits[row].float())
+
+
+def test_repetition_penalty_equals_transformers():
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, VOCAB, generator=gen)
+    histories = [[1, 4, 4, 9], [7], [0, 49, 3, 3, 12]]
+    params = [SamplingParams(repetition_penalty=r) for r in (1.3, 0.7, 2.0)]
+    pt = penalty_tensors([0, 1, 2], histories, [2, 1, 5], params, torch.tensor([h[-1] for h in histories]), VOCAB)
+    got = apply_penalties(logits, pt)
+    for i, (history, p) in enumerate(zip(histories, params)):
+        processor = transformers.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)
+        want = processor(torch.tensor([history]), logits[i:i + 1].clone())[0]
+        torch.testing.assert_close(got[i], want)
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_the_likeliest():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, VOCAB, generator=gen) * 3
+    min_p = torch.tensor([0.1, 0.0, 0.5, 0.3, 1.0])
+    temperatures = torch.tensor([1.0, 0.8, 0.0, 0.6, 2.0])
+    got = apply_min_p(logits, min_p, temperatures)
+    for row in range(5):
+        if min_p[row] == 0 or temperatures[row] == 0:           # off, and greedy: left alone
+            assert torch.equal(got[row], logits[row])
+            continue
+        probs = (logits[row].double() / temperatures[row].item()).softmax(-1)
+        keep = probs >= min_p[row].item() * probs.max()
+        assert torch.equal(torch.isfinite(got[row]), keep)
+        assert torch.equal(got[row][keep], logits[row][keep])
+        assert 0 < keep.sum() < VOCAB or min_p[row] == 1.0
+    assert torch.isfinite(got[4]).sum() == 1                     # min_p 1: the likeliest alone
+
+
+def test_sampler_applies_penalties_before_greedy_and_min_p_before_sampling():
+    """A greedy row takes the penalised argmax; a sampled row never draws a token min_p removed."""
+    logits = torch.zeros(2, VOCAB)
+    # At temperature 1 and min_p 0.1: 8 just above a tenth of 7's probability, 9 just below.
+    logits[:, 7], logits[:, 8], logits[:, 9] = 5.0, 5.0 - math.log(10) + 0.01, 5.0 - math.log(10) - 0.01
+    pt = penalty_tensors([0], [[1, 7, 7]], [1], [SamplingParams(frequency_penalty=2.0)], torch.tensor([7, 0]), VOCAB)
+    params = SamplingTensors(temperatures=torch.tensor([0.0, 1.0]), top_k=None, top_p=None,
+                             seeds=torch.tensor([0, 0]), row_seeds=[None, None], all_greedy=False,
+                             penalties=pt, min_p=torch.tensor([0.0, 0.1]))
+    sampler = Sampler()
+    draws = torch.stack([sampler(logits, params) for _ in range(200)])
+    assert (draws[:, 0] == 8).all()          # 7's logit 5 - 2 x 2.0 is below 8's 2.71
+    assert set(draws[:, 1].tolist()) <= {7, 8} and set(draws[:, 1].tolist()) == {7, 8}
