@@ -205,7 +205,7 @@ class LLMEngine:
             if row.token_ids[-1] == PENDING_TOKEN:        # sampled by the step still in flight
                 row.prev_token_index = seq.pending_sample_index
             if sample and p.penalized:
-                row.history, row.num_prompt_tokens = seq.token_ids, seq.num_prompt_tokens
+                row.history, row.num_prompt_tokens = seq.history_before_newest(), seq.num_prompt_tokens
             rows.append(row)
         return rows, order
 

@@ -22,13 +22,14 @@ class PenaltyTensors:
     frequency: torch.Tensor       # [P, 1] fp32
     repetition: torch.Tensor      # [P, 1] fp32
     output_counts: torch.Tensor   # [P, V] fp32: how many times each token is in the row's output
-    seen: torch.Tensor            # [P, V] bool: the token is in the row's prompt or output
+    seen: torch.Tensor            # [P, V] bool: the token is in the row's output, or its prompt
+                                  # where it has a repetition penalty (only that reads it)
 
 
 def output_counts_ref(histories: list[list[int]], num_prompt_tokens: list[int],
                       vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output counts [P, V], seen [P, V]) of whole token histories, a Python loop a token: the
-    oracle of penalty_tensors' counts."""
+    """(output counts [P, V], seen [P, V]) of whole token histories, newest included, a Python
+    loop a token: the oracle of penalty_tensors' counts."""
     counts = torch.zeros(len(histories), vocab_size)
     seen = torch.zeros(len(histories), vocab_size, dtype=torch.bool)
     for row, (history, n) in enumerate(zip(histories, num_prompt_tokens)):
@@ -39,40 +40,36 @@ def output_counts_ref(histories: list[list[int]], num_prompt_tokens: list[int],
     return counts, seen
 
 
-def penalty_tensors(rows: list[int], histories: list[list[int]], num_prompt_tokens: list[int],
+def penalty_tensors(rows: list[int], histories: list[np.ndarray], num_prompt_tokens: list[int],
                     params: list, newest_tokens: torch.Tensor, vocab_size: int) -> PenaltyTensors:
-    """rows: the penalised sampling rows; histories: each one's prompt and output tokens, the
-    newest last (on the host, possibly a stand-in for a token still being sampled); params: their
-    SamplingParams; newest_tokens: [S] every sampling row's newest token, on the device."""
+    """rows: the penalised sampling rows; histories: each one's tokens before its newest, prompt
+    then output (int64 arrays); params: their SamplingParams; newest_tokens: [S] every sampling
+    row's newest token, on the device. Only rows with a repetition penalty send their prompt."""
     device = newest_tokens.device
-    known = [np.asarray(h[:-1], dtype=np.int64) for h in histories]
-    if any(len(k) and k.min() < 0 for k in known):
-        raise RuntimeError("a penalised row's history holds a token still in flight before its newest")
-    lengths = np.array([len(k) for k in known], dtype=np.int64)
-    flat_rows = np.repeat(np.arange(len(rows)), lengths)
-    flat_tokens = np.concatenate(known) if len(known) else np.zeros(0, dtype=np.int64)
-    # Is each known token an output token, and is the newest one?
-    is_output = np.concatenate([np.arange(len(k)) >= n for k, n in zip(known, num_prompt_tokens)])
-    newest_is_output = np.array([len(h) > n for h, n in zip(histories, num_prompt_tokens)], dtype=np.float32)
-    host = {
-        "flat_rows": torch.from_numpy(flat_rows), "flat_tokens": torch.from_numpy(flat_tokens),
-        "is_output": torch.from_numpy(is_output.astype(np.float32)),
-        "newest_is_output": torch.from_numpy(newest_is_output),
-        "values": torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
-                               dtype=torch.float32),
-        "rows": torch.tensor(rows, dtype=torch.int64),
-    }
-    d = {name: to_device(t, device) for name, t in host.items()}
-    newest = newest_tokens[d["rows"]]
+    outputs = [h[n:] for h, n in zip(histories, num_prompt_tokens)]
+    prompts = [h[:n] if p.repetition_penalty != 1.0 else h[:0]
+               for h, n, p in zip(histories, num_prompt_tokens, params)]
+    newest_is_output = [len(h) >= n for h, n in zip(histories, num_prompt_tokens)]
+    # One copy for the integers: the rows, whether each newest token is an output's, then the
+    # (row, token) pairs of the outputs and of the prompts.
+    parts = [np.asarray(rows, dtype=np.int64), np.asarray(newest_is_output, dtype=np.int64)]
+    for arrays in (outputs, prompts):
+        parts += [np.repeat(np.arange(len(rows)), [len(a) for a in arrays]), np.concatenate(arrays)]
+    ints = to_device(torch.from_numpy(np.concatenate(parts)), device)
+    rows_d, newest_is_output_d, output_rows, output_tokens, prompt_rows, prompt_tokens = \
+        ints.split([len(part) for part in parts])
+    values = to_device(torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
+                                    dtype=torch.float32), device)
+    newest = newest_tokens[rows_d]
     index = torch.arange(len(rows), device=device)
     counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    counts.index_put_((d["flat_rows"], d["flat_tokens"]), d["is_output"], accumulate=True)
-    counts.index_put_((index, newest), d["newest_is_output"], accumulate=True)
-    seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    seen[d["flat_rows"], d["flat_tokens"]] = True
+    counts.index_put_((output_rows, output_tokens), torch.ones(len(output_tokens), device=device), accumulate=True)
+    counts.index_put_((index, newest), newest_is_output_d.float(), accumulate=True)
+    seen = counts > 0
+    seen[prompt_rows, prompt_tokens] = True
     seen[index, newest] = True
-    presence, frequency, repetition = d["values"].unbind(-1)
-    return PenaltyTensors(d["rows"], presence[:, None], frequency[:, None], repetition[:, None], counts, seen)
+    presence, frequency, repetition = values.unbind(-1)
+    return PenaltyTensors(rows_d, presence[:, None], frequency[:, None], repetition[:, None], counts, seen)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:

@@ -19,9 +19,9 @@ class BatchRow:
     seed: int | None = None     # this step's seed for the row, where the request gave one
     block_table_array: np.ndarray | None = None   # block_table padded with -1, if the caller keeps one
     prev_token_index: int = -1  # >= 0: the input token is sample [this] of the previous launch
-    # For a sampling row with penalties: the sequence's tokens, prompt then output, up to this
-    # step's newest (which may stand for a token still in flight), read during the launch.
-    history: list[int] | None = None
+    # For a sampling row with penalties: the sequence's tokens before this step's newest (which
+    # the host may not know yet), prompt then output, and how many are the prompt's.
+    history: np.ndarray | None = None
     num_prompt_tokens: int = 0
 
 

@@ -242,9 +242,9 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01)
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
-        prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, history=[0] * per_seq)
+        prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, history=np.zeros(per_seq - 1, dtype=np.int64))
                    for _ in range(num_seqs)]
-        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params, history=[0])
+        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params, history=np.zeros(0, dtype=np.int64))
                   for _ in range(cfg.max_num_seqs)]
         return [prefill, decode]
 

@@ -7,6 +7,7 @@ import functools
 import pytest
 
 from mini_engine import LLM, SamplingParams
+from mini_engine.engine.sequence import PENDING_TOKEN, Sequence
 from tests.engine.test_greedy_vs_transformers import mixed_prompts, shared_prefix_prompts
 from tests.hf_reference import hf_greedy, hf_logits, hf_model
 from tests.penalty_definition import penalised_by_definition
@@ -84,3 +85,21 @@ def test_prefix_cache_hits(tiny_checkpoint):
     got, engine = run(tiny_checkpoint, prompts, num_kv_blocks=256, block_size=4, max_num_batched_tokens=40)
     assert engine.prefix_cache_hit_tokens > 0
     assert got == expected(tiny_checkpoint, prompts)
+
+
+def test_history_before_newest_copies_only_what_was_added():
+    seq = Sequence("r", [5, 6, 7], SamplingParams(presence_penalty=1.0))
+    assert seq.history_before_newest().tolist() == [5, 6]
+    for token in range(100):                       # grows past its first 64 slots
+        seq.token_ids.append(token)
+        assert seq.history_before_newest().tolist() == seq.token_ids[:-1]
+    buffer = seq.history_buffer
+    seq.token_ids[3] = -5                          # already copied: not read again
+    assert seq.history_before_newest()[3] == 0 and seq.history_buffer is buffer
+    seq.token_ids.append(PENDING_TOKEN)            # the newest may be in flight
+    assert seq.history_before_newest()[-1] == 99
+    seq.token_ids.append(PENDING_TOKEN)            # a token before the newest may not
+    with pytest.raises(RuntimeError, match="in flight"):
+        seq.history_before_newest()
+    del seq.token_ids[-3:]                         # tokens dropped past a stop
+    assert seq.history_before_newest().tolist()[-2:] == [96, 97]

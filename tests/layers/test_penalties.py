@@ -2,6 +2,7 @@
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,19 +34,30 @@ def random_rows(seed: int, num_rows: int = 5):
 def test_counts_equal_the_token_by_token_count(seed):
     histories, num_prompt, params = random_rows(seed)
     rows = list(range(len(histories)))
-    # The host may not know the newest token yet: a stand-in there, the real one on the device.
-    on_host = [h[:-1] + [-1] for h in histories]
+    # The host may not know the newest token yet: it comes from the device.
     newest = torch.tensor([h[-1] for h in histories], device=DEVICE)
-    pt = penalty_tensors(rows, on_host, num_prompt, params, newest, VOCAB)
+    pt = penalty_tensors(rows, before_newest(histories), num_prompt, params, newest, VOCAB)
     counts, seen = output_counts_ref(histories, num_prompt, VOCAB)
     assert torch.equal(pt.output_counts.cpu(), counts)
     assert torch.equal(pt.seen.cpu(), seen)
     assert counts.sum() > 0 and (seen & (counts == 0)).any(), "the rows test neither outputs nor prompts"
 
 
-def test_a_token_in_flight_before_the_newest_is_refused():
-    with pytest.raises(RuntimeError, match="in flight"):
-        penalty_tensors([0], [[3, -1, 4]], [1], [SamplingParams(presence_penalty=1.0)], torch.tensor([4]), VOCAB)
+def before_newest(histories: list[list[int]]) -> list[np.ndarray]:
+    return [np.asarray(h[:-1], dtype=np.int64) for h in histories]
+
+
+def test_only_rows_with_a_repetition_penalty_see_their_prompt():
+    """Presence and frequency read the output alone; the prompt goes to the device only for the
+    repetition penalty, the one that reads it (and a last prompt token, the newest, counts as seen)."""
+    histories, num_prompt = [[3, 4, 9, 9], [3, 4, 9, 9], [3, 4]], [2, 2, 2]
+    params = [SamplingParams(presence_penalty=1.0), SamplingParams(repetition_penalty=1.2),
+              SamplingParams(repetition_penalty=1.2)]
+    pt = penalty_tensors([0, 1, 2], before_newest(histories), num_prompt, params, torch.tensor([9, 9, 4]), VOCAB)
+    assert pt.seen[0].nonzero().flatten().tolist() == [9]
+    assert pt.seen[1].nonzero().flatten().tolist() == [3, 4, 9]
+    assert pt.seen[2].nonzero().flatten().tolist() == [3, 4] and pt.output_counts[2].sum() == 0
+    assert pt.output_counts[0, 9] == pt.output_counts[1, 9] == 2
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -57,7 +69,7 @@ def test_penalties_equal_their_definitions(seed):
     rows = [0, 2, 4, 5, 6]
     step_newest = torch.tensor([0] * logits.shape[0])
     step_newest[rows] = torch.tensor([h[-1] for h in histories])
-    pt = penalty_tensors(rows, histories, num_prompt, params, step_newest.to(DEVICE), VOCAB)
+    pt = penalty_tensors(rows, before_newest(histories), num_prompt, params, step_newest.to(DEVICE), VOCAB)
     got = apply_penalties(logits.to(DEVICE), pt).cpu()
     assert got.dtype == torch.float32 and logits.dtype == torch.bfloat16
     for i in (1, 3):
@@ -74,7 +86,8 @@ def test_repetition_penalty_equals_transformers():
     logits = torch.randn(3, VOCAB, generator=gen)
     histories = [[1, 4, 4, 9], [7], [0, 49, 3, 3, 12]]
     params = [SamplingParams(repetition_penalty=r) for r in (1.3, 0.7, 2.0)]
-    pt = penalty_tensors([0, 1, 2], histories, [2, 1, 5], params, torch.tensor([h[-1] for h in histories]), VOCAB)
+    pt = penalty_tensors([0, 1, 2], before_newest(histories), [2, 1, 5], params,
+                         torch.tensor([h[-1] for h in histories]), VOCAB)
     got = apply_penalties(logits, pt)
     for i, (history, p) in enumerate(zip(histories, params)):
         processor = transformers.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)
@@ -105,7 +118,8 @@ def test_sampler_applies_penalties_before_greedy_and_min_p_before_sampling():
     logits = torch.zeros(2, VOCAB)
     # At temperature 1 and min_p 0.1: 8 just above a tenth of 7's probability, 9 just below.
     logits[:, 7], logits[:, 8], logits[:, 9] = 5.0, 5.0 - math.log(10) + 0.01, 5.0 - math.log(10) - 0.01
-    pt = penalty_tensors([0], [[1, 7, 7]], [1], [SamplingParams(frequency_penalty=2.0)], torch.tensor([7, 0]), VOCAB)
+    pt = penalty_tensors([0], before_newest([[1, 7, 7]]), [1], [SamplingParams(frequency_penalty=2.0)],
+                         torch.tensor([7, 0]), VOCAB)
     params = SamplingTensors(temperatures=torch.tensor([0.0, 1.0]), top_k=None, top_p=None,
                              seeds=torch.tensor([0, 0]), row_seeds=[None, None], all_greedy=False,
                              penalties=pt, min_p=torch.tensor([0.0, 0.1]))
