@@ -16,14 +16,23 @@ import torch
 
 @dataclass
 class PenaltyTensors:
-    """The penalised rows of one step's sampling rows, on the device."""
+    """The penalised rows of one step's sampling rows, on the device. A penalty changes only the
+    logits of tokens a row has seen, so it is applied to those alone: (row, token) pairs, one for
+    each time the token appears (so some twice or more), not over the whole vocabulary."""
     rows: torch.Tensor            # [P] int64: which sampling rows these are
-    presence: torch.Tensor        # [P, 1] fp32
-    frequency: torch.Tensor       # [P, 1] fp32
-    repetition: torch.Tensor      # [P, 1] fp32
+    presence: torch.Tensor        # [P] fp32
+    frequency: torch.Tensor       # [P] fp32
+    repetition: torch.Tensor      # [P] fp32
     output_counts: torch.Tensor   # [P, V] fp32: how many times each token is in the row's output
-    seen: torch.Tensor            # [P, V] bool: the token is in the row's output, or its prompt
-                                  # where it has a repetition penalty (only that reads it)
+    pair_rows: torch.Tensor       # [N] int64, an index into rows: the pairs (row, token) seen in
+    pair_tokens: torch.Tensor     # [N] int64  the output, and in the prompt where the row has a
+                                  # repetition penalty (the only one that reads the prompt)
+
+    def seen(self) -> torch.Tensor:
+        """[P, V] bool: the tokens each row has seen."""
+        seen = torch.zeros(self.output_counts.shape, dtype=torch.bool, device=self.output_counts.device)
+        seen[self.pair_rows, self.pair_tokens] = True
+        return seen
 
 
 def output_counts_ref(histories: list[list[int]], num_prompt_tokens: list[int],
@@ -65,23 +74,22 @@ def penalty_tensors(rows: list[int], histories: list[np.ndarray], num_prompt_tok
     counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
     counts.index_put_((output_rows, output_tokens), torch.ones(len(output_tokens), device=device), accumulate=True)
     counts.index_put_((index, newest), newest_is_output_d.float(), accumulate=True)
-    seen = counts > 0
-    seen[prompt_rows, prompt_tokens] = True
-    seen[index, newest] = True
     presence, frequency, repetition = values.unbind(-1)
-    return PenaltyTensors(rows_d, presence[:, None], frequency[:, None], repetition[:, None], counts, seen)
+    return PenaltyTensors(rows_d, presence, frequency, repetition, counts, torch.cat([output_rows, prompt_rows, index]),
+                          torch.cat([output_tokens, prompt_tokens, newest]))
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
     """fp32 logits with the penalised rows' penalties applied (a new tensor: the raw logits
-    stay, for logprobs). vLLM's order and formula: repetition first, on the raw logit's sign."""
-    rows = logits[penalties.rows].float()
-    repetition = torch.where(penalties.seen, penalties.repetition, 1.0)
-    rows = torch.where(rows > 0, rows / repetition, rows * repetition)
-    rows -= penalties.frequency * penalties.output_counts
-    rows -= penalties.presence * (penalties.output_counts > 0)
+    stay, for logprobs). vLLM's formula and order: the repetition penalty first, on the raw
+    logit's sign, then frequency x count, then presence. Each pair reads the logit as it was and
+    writes it penalised, so where a token appears twice both write the same value."""
     out = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    out[penalties.rows] = rows
+    p, rows, tokens = penalties, penalties.rows[penalties.pair_rows], penalties.pair_tokens
+    values, counts, repetition = out[rows, tokens], p.output_counts[p.pair_rows, tokens], p.repetition[p.pair_rows]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = values - p.frequency[p.pair_rows] * counts - p.presence[p.pair_rows] * (counts > 0)
+    out[rows, tokens] = values
     return out
 
 

@@ -39,7 +39,7 @@ def test_counts_equal_the_token_by_token_count(seed):
     pt = penalty_tensors(rows, before_newest(histories), num_prompt, params, newest, VOCAB)
     counts, seen = output_counts_ref(histories, num_prompt, VOCAB)
     assert torch.equal(pt.output_counts.cpu(), counts)
-    assert torch.equal(pt.seen.cpu(), seen)
+    assert torch.equal(pt.seen().cpu(), seen)
     assert counts.sum() > 0 and (seen & (counts == 0)).any(), "the rows test neither outputs nor prompts"
 
 
@@ -54,9 +54,9 @@ def test_only_rows_with_a_repetition_penalty_see_their_prompt():
     params = [SamplingParams(presence_penalty=1.0), SamplingParams(repetition_penalty=1.2),
               SamplingParams(repetition_penalty=1.2)]
     pt = penalty_tensors([0, 1, 2], before_newest(histories), num_prompt, params, torch.tensor([9, 9, 4]), VOCAB)
-    assert pt.seen[0].nonzero().flatten().tolist() == [9]
-    assert pt.seen[1].nonzero().flatten().tolist() == [3, 4, 9]
-    assert pt.seen[2].nonzero().flatten().tolist() == [3, 4] and pt.output_counts[2].sum() == 0
+    assert pt.seen()[0].nonzero().flatten().tolist() == [9]
+    assert pt.seen()[1].nonzero().flatten().tolist() == [3, 4, 9]
+    assert pt.seen()[2].nonzero().flatten().tolist() == [3, 4] and pt.output_counts[2].sum() == 0
     assert pt.output_counts[0, 9] == pt.output_counts[1, 9] == 2
 
 
