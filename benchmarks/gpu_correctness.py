@@ -261,9 +261,12 @@ def main():
             teacher_forced(f"graphs, batch {n}, top_k=1, teacher-forced vs fp32", c, ps)
             # Penalties: the sampler counts each row's tokens, its newest read on the device from
             # the graph's input tokens (the previous step's samples, which the host has not seen).
-            # Ones that favour the tokens seen: this model's greedy outputs at 152k tokens rarely
-            # repeat one, so penalties against repeats changed 1 of 13 outputs (f433836).
-            q = SamplingParams(temperature=0, repetition_penalty=0.5, presence_penalty=-1.5, frequency_penalty=-0.5,
+            # Presence and frequency favour the tokens seen: this model's greedy outputs at 152k
+            # tokens rarely repeat one, so penalties against repeats changed 1 of 13 outputs
+            # (f433836). A repetition penalty above 1: one below 1 multiplies a seen token's bf16
+            # error by up to 1 / penalty, beyond what the teacher-forced margin allows (2391cba's
+            # 0.5: worst margin 0.634 against the limit's 0.496, 2 x the control's).
+            q = SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=-1.5, frequency_penalty=-0.5,
                                ignore_eos=True)
             pen = [dataclasses.replace(q, max_tokens=p.max_tokens) for p in params]
             d, _, _ = run(f"graphs bs={n}, penalties", ps, pen, kernels="auto")

@@ -43,7 +43,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() samples with when given no SamplingParams: the checkpoint's
-        generation_config.json temperature, top_k and top_p where it sets them (EngineConfig's
+        generation_config.json temperature, top_k, top_p, repetition_penalty and min_p where it
+        sets them (EngineConfig's
         generation_config), SamplingParams' own defaults for the rest."""
         return self.engine.config.default_sampling_params()
 

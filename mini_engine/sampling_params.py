@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): dividing the logits by
 # one overflows them to inf, and the softmax of those is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -28,7 +30,7 @@ class SamplingParams:
     min_p: float = 0.0                # in [0, 1]: drop tokens less likely than min_p x the likeliest
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+        if not _is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
@@ -53,7 +55,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+        if not _is_number(self.repetition_penalty) or not 0.0 < _as_float32(self.repetition_penalty) < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -70,6 +72,16 @@ class SamplingParams:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_float32(value: int | float) -> float:
+    """The value as the device holds it: a number that rounds to 0 or overflows float32 there
+    (1e-46, 1e39, 10**400) reads as 0 or inf here, so that it is refused, not sampled with."""
+    try:
+        with np.errstate(over="ignore"):
+            return float(np.float32(value))
+    except OverflowError:
+        return math.inf
 
 
 def _as_list(value, name: str) -> list:

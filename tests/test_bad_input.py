@@ -23,6 +23,10 @@ from mini_engine.config import EngineConfig
     (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(frequency_penalty="1"), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(repetition_penalty=True), "repetition_penalty"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.01), "min_p"),
+    # 0 or inf once on the device, in float32: refused, not sampled with (as NaN, or every step failing)
+    (dict(repetition_penalty=1e-46), "repetition_penalty"), (dict(repetition_penalty=1e39), "repetition_penalty"),
+    (dict(repetition_penalty=10**400), "repetition_penalty"), (dict(temperature=1e39), "temperature"),
+    (dict(temperature=10**400), "temperature"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

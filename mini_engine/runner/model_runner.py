@@ -311,8 +311,8 @@ class ModelRunner:
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
         """Does any row ask for what only the eager sampler applies: top-k, top-p, min_p or a
         penalty?"""
-        return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 or r.params.penalized
-                   for r in rows)
+        return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalized
+                   or (r.params.min_p > 0 and r.params.temperature > 0) for r in rows)   # min_p: not for greedy
 
     def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
                        turn: int | None = None) -> tuple[StepTensors, AttentionMetadata]:

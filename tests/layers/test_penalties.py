@@ -127,3 +127,17 @@ def test_sampler_applies_penalties_before_greedy_and_min_p_before_sampling():
     draws = torch.stack([sampler(logits, params) for _ in range(200)])
     assert (draws[:, 0] == 8).all()          # 7's logit 5 - 2 x 2.0 is below 8's 2.71
     assert set(draws[:, 1].tolist()) <= {7, 8} and set(draws[:, 1].tolist()) == {7, 8}
+
+
+def test_only_what_the_graphs_sampler_cannot_apply_leaves_it():
+    """A decode graph samples with temperature alone; a step with a penalty, or min_p on a row that
+    samples, takes the eager sampler. min_p on a greedy row changes nothing (vLLM drops it)."""
+    from mini_engine.runner.batch import BatchRow
+    from mini_engine.runner.model_runner import ModelRunner
+
+    def leaves(**params):
+        plain = BatchRow([1], 0, [0], True, SamplingParams(temperature=0.7))
+        return ModelRunner.samples_outside_graph([plain, BatchRow([1], 0, [0], True, SamplingParams(**params))])
+    assert not leaves(temperature=0.0, min_p=0.2) and not leaves(temperature=1.0)
+    assert leaves(temperature=1.0, min_p=0.2) and leaves(temperature=0.0, repetition_penalty=1.1)
+    assert leaves(temperature=0.0, presence_penalty=-0.5) and leaves(temperature=1.0, top_k=5)
