@@ -31,6 +31,9 @@ class Admission:
     each was estimated to cost a step's budget."""
     shared_blocks: set[int] = field(default_factory=set)
     prompt_costs: dict[str, int] = field(default_factory=dict)
+    # The prompt added last: its token ids and request id, which its other completions share.
+    last_prompt_ids: list[int] = field(default_factory=list)
+    last_request_id: str = ""
 
 
 class LLM:
@@ -44,8 +47,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() samples with when given no SamplingParams: the checkpoint's
         generation_config.json temperature, top_k, top_p, repetition_penalty and min_p where it
-        sets them (EngineConfig's
-        generation_config), SamplingParams' own defaults for the rest."""
+        sets them (EngineConfig's generation_config), SamplingParams' own defaults for the rest."""
         return self.engine.config.default_sampling_params()
 
     def generate(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
@@ -63,12 +65,18 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
 
         engine = self.engine
-        requests = iter(enumerate(zip(prompts, sampling_params)))
+        # A sequence for each completion: n of a prompt whose SamplingParams ask for n.
+        num_completions = [p.n if isinstance(p, SamplingParams) else 1 for p in sampling_params]
+        requests = [(i, k, n, prompt, params.completion(k) if n > 1 else params)
+                    for i, (prompt, params, n) in enumerate(zip(prompts, sampling_params, num_completions))
+                    for k in range(n)]
         seqs: list[Sequence] = []
+        completion_of: dict[str, tuple[int, int]] = {}      # request id -> (prompt, completion)
         # Stop strings are matched on the text as it grows, so that a request that hits one is
         # aborted (its blocks freed) before the engine spends another step on it.
         stoppers: dict[str, IncrementalDetokenizer] = {}
-        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        requests = iter(requests)
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
         try:
@@ -84,11 +92,11 @@ class LLM:
             # the others nothing, and leaves the engine as it found it.
             budget = engine.config.max_num_batched_tokens
             admission = Admission()
-            pending = self.add_requests(requests, seqs, stoppers, budget, admission)
+            pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission)
             while pending or engine.has_unfinished_requests():
                 outputs = engine.step()
                 if pending:
-                    pending = self.add_requests(requests, seqs, stoppers, budget, admission)
+                    pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission)
                 prefill_tokens += engine.last_step_prefill_tokens
                 decode_tokens += engine.last_step_decode_tokens
                 elapsed = time.perf_counter() - start
@@ -103,14 +111,20 @@ class LLM:
             for seq in seqs:           # on an exception (e.g. KeyboardInterrupt) free what is left
                 if not seq.is_finished:
                     engine.abort_request(seq.request_id)
-        return [self.to_output(seq, prompt, stoppers.get(seq.request_id)) for seq, prompt in zip(seqs, prompts)]
+        groups: list[list[tuple[int, Sequence]]] = [[] for _ in prompts]
+        for seq in seqs:
+            i, k = completion_of[seq.request_id]
+            groups[i].append((k, seq))
+        return [self.to_output(prompt, group, stoppers) for prompt, group in zip(prompts, groups)]
 
-    def add_requests(self, requests: Iterator[tuple[int, tuple]], seqs: list[Sequence],
-                     stoppers: dict[str, IncrementalDetokenizer], max_tokens: int, admission: "Admission") -> bool:
-        """Validates and adds the next (index, (prompt, params)) of requests, into seqs (and
-        stoppers, where params have stop strings), until the engine's waiting requests hold
-        max_tokens tokens to compute or as many requests as a step can run. A prompt counts the
-        tokens past the prefix it shares with the cache or with a prompt added before it: many
+    def add_requests(self, requests: Iterator[tuple[int, int, int, object, SamplingParams]], seqs: list[Sequence],
+                     completion_of: dict[str, tuple[int, int]], stoppers: dict[str, IncrementalDetokenizer],
+                     max_tokens: int, admission: "Admission") -> bool:
+        """Validates and adds the next (prompt index, completion index, completions, prompt,
+        params) of requests, into seqs and completion_of (and stoppers, where params have stop strings),
+        until the engine's waiting requests hold max_tokens tokens to compute or as many requests
+        as a step can run. A prompt counts the tokens past the prefix it shares with the cache or
+        with a prompt added before it (a prompt's second completion, all but its last block): many
         prompts with one long prefix fill a step as they would with all of them waiting. A bad
         one raises, naming its index. Returns whether requests are left."""
         engine = self.engine
@@ -119,16 +133,23 @@ class LLM:
             request = next(requests, None)
             if request is None:
                 return False
-            i, (prompt, params) = request
+            i, k, n, prompt, params = request
             try:
-                ids = engine.tokenize(unwrap_prompt(prompt))
+                if k == 0:                       # a prompt's completions share its token ids
+                    admission.last_prompt_ids = engine.tokenize(unwrap_prompt(prompt))
+                ids = admission.last_prompt_ids
                 engine.validate(ids, params)
             except (ValueError, TypeError) as e:
                 for seq in seqs:
                     engine.abort_request(seq.request_id)
                 engine.wait_in_flight()          # a launched step, if any: its tokens are dropped
                 raise type(e)(f"prompt {i}: {e}") from None
-            seq = engine.add_request(ids, params, validated=True)
+            if k == 0:
+                admission.last_request_id = str(next(engine.request_counter))
+            # One completion takes its prompt's request id; several, vLLM's ids for its children.
+            request_id = admission.last_request_id if n == 1 else f"{k}_{admission.last_request_id}"
+            seq = engine.add_request(ids, params, request_id, validated=True)
+            completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if params.stop:
                 stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop)
@@ -153,7 +174,23 @@ class LLM:
         out.seq.finish_reason = "stop"
         return running
 
-    def to_output(self, seq, prompt, stopper: IncrementalDetokenizer | None) -> RequestOutput:
+    def to_output(self, prompt, completions: list[tuple[int, Sequence]],
+                  stoppers: dict[str, IncrementalDetokenizer]) -> RequestOutput:
+        """A prompt's output: its completions in index order (each one sequence)."""
+        completions = sorted(completions, key=lambda c: c[0])
+        first = completions[0][1]
+        prompt = unwrap_prompt(prompt)
+        return RequestOutput(
+            request_id=first.request_id if len(completions) == 1 else first.request_id.split("_", 1)[1],
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self.to_completion(k, seq, stoppers.get(seq.request_id)) for k, seq in completions],
+            finished=True,
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(seq.num_preemptions for _, seq in completions),
+        )
+
+    def to_completion(self, index: int, seq: Sequence, stopper: IncrementalDetokenizer | None) -> CompletionOutput:
         # The text ends before the stop string or stop token; the token ids keep the token that
         # completed it. (Without a stopper, the engine's stop token is the only "stop".)
         if stopper is not None:
@@ -161,15 +198,6 @@ class LLM:
         else:
             text_ids = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
             text = self.engine.detokenize(text_ids)
-        prompt = unwrap_prompt(prompt)
         logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, logprobs,
-                                      None if logprobs is None else sum(lp.logprob for lp in logprobs))],
-            finished=True,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions,
-        )
+        return CompletionOutput(index, text, seq.output_token_ids, seq.finish_reason, logprobs,
+                                None if logprobs is None else sum(lp.logprob for lp in logprobs))

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, validated when they are made."""
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # in [-2, 2]
     repetition_penalty: float = 1.0   # > 0; 1 is off
     min_p: float = 0.0                # in [0, 1]: drop tokens less likely than min_p x the likeliest
+    # Completions of the prompt to return (vLLM's parallel sampling): n sequences, whose prompt
+    # the prefix cache computes once; with a seed, completion i draws from seed + i.
+    n: int = 1
 
     def __post_init__(self):
         if not _is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
@@ -59,10 +63,17 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def completion(self, index: int) -> "SamplingParams":
+        """The parameters of completion `index` of n: one sequence, its own seed where there is
+        one (as vLLM's ParentRequest gives its children)."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def penalized(self) -> bool:

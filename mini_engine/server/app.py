@@ -73,6 +73,29 @@ class AbortOnCloseResponse(StreamingResponse):
             self.on_close()
 
 
+async def interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(index, delta) from every stream, as each comes, until all have finished."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    waiting = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(streams)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.get):
+                k = waiting.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield k, delta
+                waiting[asyncio.ensure_future(anext(streams[k]))] = k
+    finally:
+        for task in waiting:
+            task.cancel()
+
+
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -106,7 +129,8 @@ class OpenAIServer:
         try:
             return self.config.default_sampling_params(
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
-                stop=req.stop_list, seed=req.seed, logprobs=logprobs, **set_by_client)
+                stop=req.stop_list, seed=req.seed, logprobs=logprobs, n=1 if req.n is None else req.n,
+                **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -121,9 +145,16 @@ class OpenAIServer:
         except ValueError as e:
             raise ProtocolError(str(e), param="prompt") from None
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[RequestStream]:
+        """A stream for each of the params.n completions: one request, or n as vLLM makes them
+        (ids "{index}_{request_id}", seeds seed + index), whose shared prompt the prefix cache
+        computes once. All are validated before any is sent."""
+        completions = [(request_id, params)] if params.n == 1 else \
+            [(f"{k}_{request_id}", params.completion(k)) for k in range(params.n)]
         try:
-            return self.async_engine.add_request(request_id, prompt_token_ids, params)
+            for _, child in completions:
+                self.async_engine.limits.validate(prompt_token_ids, child)
+            return [self.async_engine.add_request(child_id, prompt_token_ids, child) for child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
         except RuntimeError as e:        # the engine process is gone
@@ -185,58 +216,74 @@ class OpenAIServer:
                            if tokens else [],
         }
 
-    def choice(self, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None,
+    def choice(self, index: int, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None,
                chunk: bool = False) -> dict:
         if not chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         key, message = ("delta", {"content": text}) if chunk else ("message", {"role": "assistant", "content": text})
-        return {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, key: message, "logprobs": None, "finish_reason": finish_reason}
 
-    async def stream_events(self, stream: RequestStream, request_id: str, created: int, chat: bool,
+    @staticmethod
+    def usage_of(last: list[RequestDelta]) -> dict:
+        """The prompt once, however many completions share it, and every completion's tokens."""
+        return usage(last[0].num_prompt_tokens, sum(delta.num_output_tokens for delta in last))
+
+    async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
                             include_usage: bool) -> AsyncIterator[str]:
         if chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield sse(completion_body(request_id, created, self.model_name, [first], None, chunk=True, chat=True))
-        offset, last = 0, None
-        async for delta in stream:
-            last = delta
+            first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                     for k in range(len(streams))]
+            yield sse(completion_body(request_id, created, self.model_name, first, None, chunk=True, chat=True))
+        offsets, last = [0] * len(streams), [None] * len(streams)
+        async for k, delta in interleaved(streams):
+            last[k] = delta
             if delta.finish_reason == "error":
                 yield sse(error_body(delta.error or "the request failed", 500))
                 break
             if not delta.token_ids and delta.finish_reason is None:
                 continue
-            logprobs = self.completion_logprobs(delta, offset)
-            offset = end_offset(logprobs, offset)
-            choice = self.choice(delta.text, delta.finish_reason, chat, logprobs, True)
+            logprobs = self.completion_logprobs(delta, offsets[k])
+            offsets[k] = end_offset(logprobs, offsets[k])
+            choice = self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True)
             yield sse(completion_body(request_id, created, self.model_name, [choice], None, chunk=True, chat=chat))
-        if include_usage and last is not None:
-            u = usage(last.num_prompt_tokens, last.num_output_tokens)
-            yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
+        else:
+            if include_usage:
+                u = self.usage_of(last)
+                yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
         yield sse("[DONE]")
 
-    async def collect(self, stream: RequestStream, request_id: str, created: int, chat: bool) -> JSONResponse:
-        texts, logprobs, offset, last = [], None, 0, None
-        async for delta in stream:
-            last = delta
+    async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool) -> JSONResponse:
+        texts, logprobs = [[] for _ in streams], [None] * len(streams)
+        offsets, last = [0] * len(streams), [None] * len(streams)
+        async for k, delta in interleaved(streams):
+            last[k] = delta
+            if delta.finish_reason == "error":
+                return error_response(delta.error or "the request failed", 500)
             if delta.logprobs is not None:
-                lp = self.completion_logprobs(delta, offset)
-                offset = end_offset(lp, offset)
-                logprobs = lp if logprobs is None else {k: logprobs[k] + lp[k] for k in lp}
-            texts.append(delta.text)
-        if last.finish_reason == "error":
-            return error_response(last.error or "the request failed", 500)
-        choice = self.choice("".join(texts), last.finish_reason, chat, logprobs)
-        u = usage(last.num_prompt_tokens, last.num_output_tokens)
-        return JSONResponse(completion_body(request_id, created, self.model_name, [choice], u, chat=chat))
+                lp = self.completion_logprobs(delta, offsets[k])
+                offsets[k] = end_offset(lp, offsets[k])
+                logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
+            texts[k].append(delta.text)
+        choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
+                   for k in range(len(streams))]
+        return JSONResponse(completion_body(request_id, created, self.model_name, choices, self.usage_of(last),
+                                            chat=chat))
 
-    async def respond(self, raw: Request, stream: RequestStream, request_id: str, chat: bool,
-                      streaming: bool, include_usage: bool) -> Response:
-        abort = lambda: None if stream.finished else self.async_engine.abort(request_id)   # noqa: E731
+    async def respond(self, raw: Request, streams: list[RequestStream], chat: bool, streaming: bool,
+                      include_usage: bool) -> Response:
+        """streams: one for each completion (choice) asked for, whose request ids are the request's
+        own, or vLLM's children's ("{index}_{id}") where it asks for several."""
+        request_id = streams[0].request_id if len(streams) == 1 else streams[0].request_id.split("_", 1)[1]
+
+        def abort():
+            for stream in streams:
+                if not stream.finished:
+                    self.async_engine.abort(stream.request_id)
         created = int(time.time())
         if streaming:
-            return AbortOnCloseResponse(self.stream_events(stream, request_id, created, chat, include_usage), abort)
+            return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage), abort)
         # Not streaming: nothing is written until the end, so watch for the client leaving.
-        collector = asyncio.ensure_future(self.collect(stream, request_id, created, chat))
+        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat))
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -257,9 +304,8 @@ class OpenAIServer:
         prompt_token_ids = self.tokenize(req.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens, req.logprobs)
-        request_id = random_id("cmpl")
-        stream = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, stream, request_id, False, req.stream, req.include_usage)
+        streams = self.add(random_id("cmpl"), prompt_token_ids, params)
+        return await self.respond(raw, streams, False, req.stream, req.include_usage)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
@@ -268,9 +314,8 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = self.remaining_tokens(prompt_token_ids)
         params = self.sampling_params(req, max_tokens, None)
-        request_id = random_id("chatcmpl")
-        stream = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, stream, request_id, True, req.stream, req.include_usage)
+        streams = self.add(random_id("chatcmpl"), prompt_token_ids, params)
+        return await self.respond(raw, streams, True, req.stream, req.include_usage)
 
 
 def build_app(config: EngineConfig, model_name: str) -> FastAPI:

@@ -67,8 +67,6 @@ class SamplingRequest(BaseModel):
     response_format: dict[str, Any] | None = None       # {"type": "text"} only
 
     def unsupported(self) -> str | None:
-        if self.n not in (None, 1):
-            return "n"
         if self.response_format not in (None, {"type": "text"}):
             return "response_format"
         if self.logit_bias:

@@ -183,6 +183,30 @@ def test_penalties_and_min_p_reach_the_engine(served, client, llm):
                                           ignore_eos=True, min_p=0.2)[0]
 
 
+def test_n_completions_streamed_and_not_equal_llms(served, client, llm):
+    """n choices, index 0..n-1, each what LLM.generate gives completion k (seed + k); the
+    streamed chunks, put together by index, the same; usage counts the prompt once."""
+    params = dict(model=MODEL_NAME, prompt="Hello world", max_tokens=8, temperature=1.0, seed=11, n=3,
+                  extra_body={"ignore_eos": True})
+    r = client.completions.create(**params)
+    expected = [o.text for o in llm.generate("Hello world", SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=8,
+                                                                         ignore_eos=True), use_tqdm=False)[0].outputs]
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == expected
+    assert len(set(expected)) > 1
+    prompt_tokens = len(llm.tokenizer.encode("Hello world").ids)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 24)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **params))
+    streamed = ["", "", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == expected and chunks[-1].usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content      # greedy: the same twice
+    assert served.wait_idle()["mini_engine:kv_cache_blocks_used"] == 0
+
+
 def test_streams_end_with_usage_only_when_asked(served, client):
     """As OpenAI: without stream_options.include_usage every chunk has a choice, so a client that
     reads chunk.choices[0] of each one works."""
