@@ -22,6 +22,8 @@ are exact up to float32 rounding of those sums (and u has 24 bits near 1).
 """
 import torch
 
+from mini_engine.host_to_device import to_device
+
 
 def exponential_noise_ref(num_rows: int, vocab_size: int, seeds: list[int | None],
                           device: torch.device) -> torch.Tensor:
@@ -106,7 +108,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         return restrict(next(iter(groups)), slice(None))
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for k, rows in groups.items():
-        where = torch.tensor(rows, device=logits.device)
+        where = to_device(torch.tensor(rows), logits.device)
         out[where] = restrict(k, where)
     return out
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mini_engine.host_to_device import to_device
+
 
 @dataclass
 class PenaltyTensors:
@@ -101,10 +103,3 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.T
     log_min_p = torch.where(active, min_p, 1.0).log()
     threshold = logits.amax(-1) + torch.where(active, temperatures * log_min_p, -math.inf)
     return logits.masked_fill(logits < threshold[:, None], float("-inf"))
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return host
-    # Pinned, so the copy is asynchronous and does not stall the host.
-    return host.pin_memory().to(device, non_blocking=True)

@@ -29,21 +29,24 @@ class SampleLogprobs:
     top: list[tuple[int, float]]
 
 
-def gather_logprobs(tokens: torch.Tensor, logprobs: torch.Tensor, rows: list[int],
-                    num_top: list[int]) -> tuple[list[int], list[SampleLogprobs | None]]:
-    """tokens: [B] sampled ids; logprobs: [len(rows), V] log-softmax of the rows that asked.
-    Copies everything to the host behind one synchronisation, like tokens.tolist() alone."""
-    k = max(num_top)
+def logprob_tensors(tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Log-softmax of the raw logits of the sampling rows `rows` (before penalties and
+    temperature, as vLLM reports them), on the device: each row's sampled token's, and its k
+    best (values, then token ids)."""
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
     sampled = logprobs.gather(-1, tokens[rows][:, None]).squeeze(-1)
     top_values, top_ids = logprobs.topk(k, dim=-1)          # k may be 0: the sampled token alone
-    host = [t.to("cpu", non_blocking=True) for t in (tokens, sampled, top_values, top_ids)]
-    if tokens.is_cuda:
-        torch.cuda.current_stream(tokens.device).synchronize()
-    token_ids, sampled, top_values, top_ids = (t.tolist() for t in host)
-    out: list[SampleLogprobs | None] = [None] * len(token_ids)
+    return [sampled, top_values, top_ids]
+
+
+def sample_logprobs(num_rows: int, rows: list[int], num_top: list[int], sampled: list[float],
+                    top_values: list[list[float]], top_ids: list[list[int]]) -> list[SampleLogprobs | None]:
+    """logprob_tensors' results on the host, as one SampleLogprobs per sampling row that asked
+    (num_top[j] best for row rows[j]) and None for the others."""
+    out: list[SampleLogprobs | None] = [None] * num_rows
     for j, (row, n) in enumerate(zip(rows, num_top)):
         out[row] = SampleLogprobs(sampled[j], list(zip(top_ids[j][:n], top_values[j][:n])))
-    return token_ids, out
+    return out
 
 
 class Sampler(nn.Module):

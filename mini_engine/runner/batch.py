@@ -1,5 +1,6 @@
 """What crosses between the engine and the runner each step: the rows of a batch going in (and
 the device buffers their integer inputs travel to), and a handle on the sampled tokens coming out."""
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,37 +138,44 @@ class StepInputBuffers:
 
 
 class StepHandle:
-    """A launched step's sampled tokens, on their way to the host."""
+    """A launched step's sampled tokens (and log-probabilities, where asked), on their way to the host."""
 
     def __init__(self, tokens: list[int] | None = None, logprobs: list | None = None,
-                 host: torch.Tensor | None = None, ready: torch.cuda.Event | None = None):
-        self.tokens, self.logprobs, self.host, self.ready = tokens, logprobs, host, ready
+                 host: list[torch.Tensor] | None = None, ready: torch.cuda.Event | None = None,
+                 finish: Callable[..., list] | None = None):
+        self.tokens, self.logprobs, self.host, self.ready, self.finish = tokens, logprobs, host, ready, finish
 
     @classmethod
     def done(cls, tokens: list[int], logprobs: list | None) -> "StepHandle":
         return cls(tokens, logprobs)
 
     @classmethod
-    def copying(cls, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> "StepHandle":
-        """Copies tokens, once the current stream has produced them, into pinned memory without
-        blocking; the handle's event marks when they are there (and so the step is done). On a
-        stream of its own the copy leaves the current stream free: the next step's work queues
-        behind the step, not behind its copy (benchmarks/NOTES.md, entries 40 and 41). The caller
-        must not overwrite tokens until the event has fired."""
+    def copying(cls, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None,
+                extras: list[torch.Tensor] = (), finish: Callable[..., list] | None = None) -> "StepHandle":
+        """Copies tokens (and extras, whose host lists finish turns into the step's logprobs), once
+        the current stream has produced them, into pinned memory without blocking; the handle's
+        event marks when they are there (and so the step is done). On a stream of its own the copy
+        leaves the current stream free: the next step's work queues behind the step, not behind
+        its copy (benchmarks/NOTES.md, entries 40 and 41). The caller must not overwrite tokens
+        until the event has fired."""
         if not tokens.is_cuda:
-            return cls(tokens.tolist())
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            return cls(tokens.tolist(), finish(*(t.tolist() for t in extras)) if finish else None)
         ready = torch.cuda.Event()
         stream = stream or torch.cuda.current_stream(tokens.device)
         stream.wait_stream(torch.cuda.current_stream(tokens.device))
-        tokens.record_stream(stream)          # an eager step's tokens: not reused before the copy
+        host = []
+        for t in (tokens, *extras):
+            t.record_stream(stream)          # an eager step's tensors: not reused before the copy
+            host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
         with torch.cuda.stream(stream):
-            host.copy_(tokens, non_blocking=True)
+            for h, t in zip(host, (tokens, *extras)):
+                h.copy_(t, non_blocking=True)
             ready.record(stream)
-        return cls(host=host, ready=ready)
+        return cls(host=host, ready=ready, finish=finish)
 
     def result(self) -> tuple[list[int], list | None]:
         if self.tokens is None:
             self.ready.synchronize()              # the step's one host synchronisation
-            self.tokens = self.host.tolist()
+            self.tokens, *extras = (h.tolist() for h in self.host)
+            self.logprobs = self.finish(*extras) if self.finish else None
         return self.tokens, self.logprobs

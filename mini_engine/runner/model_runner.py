@@ -1,5 +1,6 @@
 """Owns the model and the KV pool on the device: turns a scheduled batch into tensors, runs the
 forward pass and the sampler, and sizes the pool from measured memory."""
+import functools
 import random
 import time
 import warnings
@@ -13,8 +14,9 @@ from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_r
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
-from mini_engine.layers.penalties import penalty_tensors, to_device
-from mini_engine.layers.sampler import Sampler, SamplingTensors, gather_logprobs
+from mini_engine.host_to_device import to_device
+from mini_engine.layers.penalties import penalty_tensors
+from mini_engine.layers.sampler import Sampler, SamplingTensors, logprob_tensors, sample_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
@@ -296,14 +298,14 @@ class ModelRunner:
         if tokens is None:
             tokens = self.sampler(logits, self.sampling_tensors(sample_rows, t))
             samples[:len(tokens)].copy_(tokens)
-        # Log-probabilities of the raw logits (before temperature, as vLLM reports them), and
-        # only for the rows that asked: such a step waits for its results here.
+        # Log-probabilities, only for the rows that asked: they go to the host with the tokens.
         want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
+        extras, finish = [], None
         if want:
-            logprobs = torch.log_softmax(logits[want].float(), dim=-1)
-            return StepHandle.done(*gather_logprobs(tokens, logprobs, want,
-                                                    [sample_rows[i].params.logprobs for i in want]))
-        handle = StepHandle.copying(tokens, self.tokens_stream)
+            num_top = [sample_rows[i].params.logprobs for i in want]
+            extras = logprob_tensors(tokens, logits, self.to_device(want, torch.int64), max(num_top))
+            finish = functools.partial(sample_logprobs, len(sample_rows), want, num_top)
+        handle = StepHandle.copying(tokens, self.tokens_stream, extras, finish)
         self.tokens_copied[turn] = handle.ready
         return handle
 

@@ -1,0 +1,36 @@
+"""Log-probabilities travel to the host with the sampled tokens, on the tokens' copy: a step that
+asks for them does not wait for its results, so async scheduling stays on (the step's handle is
+still in flight when launch returns), and the values are transformers' log-softmax."""
+import pytest
+import torch
+
+from mini_engine import LLM, SamplingParams
+from tests.hf_reference import hf_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="a step runs ahead of the host only on CUDA")
+
+
+def test_a_step_with_logprobs_does_not_wait_for_them(tiny_checkpoint, monkeypatch):
+    llm = LLM(tiny_checkpoint, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    in_flight = []
+    launch = runner.launch
+
+    def recording_launch(rows):
+        handle = launch(rows)
+        in_flight.append(handle.tokens is None)
+        return handle
+    monkeypatch.setattr(runner, "launch", recording_launch)
+    prompts = [[5, 17, 33], [40, 41, 42, 43, 44]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=6, ignore_eos=True)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(in_flight), "a step waited for its own results"
+    out = outs[0].outputs[0]
+    assert len(out.logprobs) == 6 and outs[1].outputs[0].logprobs is None
+    expected = hf_logits(tiny_checkpoint, prompts[0] + out.token_ids).log_softmax(-1)[len(prompts[0]) - 1:-1]
+    for j, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        top_values, top_ids = expected[j].topk(3)
+        assert [t for t, _ in lp.top] == top_ids.tolist() and lp.top[0] == (token, lp.logprob)
+        assert torch.allclose(torch.tensor([v for _, v in lp.top]), top_values, atol=1e-3)
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
