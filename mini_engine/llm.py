@@ -67,16 +67,15 @@ class LLM:
         engine = self.engine
         # A sequence for each completion: n of a prompt whose SamplingParams ask for n.
         num_completions = [p.n if isinstance(p, SamplingParams) else 1 for p in sampling_params]
-        requests = [(i, k, n, prompt, params.completion(k) if n > 1 else params)
+        requests = ((i, k, n, prompt, params.completion(k) if n > 1 else params)
                     for i, (prompt, params, n) in enumerate(zip(prompts, sampling_params, num_completions))
-                    for k in range(n)]
+                    for k in range(n))
         seqs: list[Sequence] = []
         completion_of: dict[str, tuple[int, int]] = {}      # request id -> (prompt, completion)
         # Stop strings are matched on the text as it grows, so that a request that hits one is
         # aborted (its blocks freed) before the engine spends another step on it.
         stoppers: dict[str, IncrementalDetokenizer] = {}
-        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        requests = iter(requests)
+        bar = tqdm(total=sum(num_completions), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
         try:
@@ -186,7 +185,7 @@ class LLM:
             prompt_token_ids=first.prompt_token_ids,
             outputs=[self.to_completion(k, seq, stoppers.get(seq.request_id)) for k, seq in completions],
             finished=True,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens for _, seq in completions),
             num_preemptions=sum(seq.num_preemptions for _, seq in completions),
         )
 

@@ -18,5 +18,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int = 0      # prompt tokens served by the prefix cache (at the last admission)
-    num_preemptions: int = 0
+    # Prompt tokens served by the prefix cache (at the last admission; of n completions, the most
+    # any was served: the first usually computes the prompt that the others then find)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0        # of all its completions

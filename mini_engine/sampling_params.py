@@ -9,6 +9,9 @@ import numpy as np
 # one overflows them to inf, and the softmax of those is NaN.
 GREEDY_TEMPERATURE = 1e-5
 
+# The most completions one request may ask for: vLLM's default VLLM_MAX_N_SEQUENCES.
+MAX_N = 16384
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -63,8 +66,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(f"n must be 1 when sampling greedily (temperature 0), got {self.n}: the "
+                             "completions would all be the same")
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,8 @@ from mini_engine.config import EngineConfig
     (dict(repetition_penalty=1e-46), "repetition_penalty"), (dict(repetition_penalty=1e39), "repetition_penalty"),
     (dict(repetition_penalty=10**400), "repetition_penalty"), (dict(temperature=1e39), "temperature"),
     (dict(temperature=10**400), "temperature"),
-    (dict(n=0), "n must be"), (dict(n=1.5), "n must be"), (dict(n=True), "n must be"),
+    (dict(n=0), "n must be"), (dict(n=1.5), "n must be"), (dict(n=True), "n must be"), (dict(n=10**6), "n must be"),
+    (dict(n=2, temperature=0), "n must be 1 when sampling greedily"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -73,24 +73,27 @@ class AbortOnCloseResponse(StreamingResponse):
             self.on_close()
 
 
-async def interleaved(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
-    """(index, delta) from every stream, as each comes, until all have finished."""
+async def interleaved(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, RequestDelta]]]:
+    """The deltas of every stream as they come, until all have finished: at each wake-up, those
+    ready then, as (stream index, delta) in index order (a response sends them as one chunk)."""
     if len(streams) == 1:
         async for delta in streams[0]:
-            yield 0, delta
+            yield [(0, delta)]
         return
     waiting = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(streams)}
     try:
         while waiting:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            ready = []
             for task in sorted(done, key=waiting.get):
                 k = waiting.pop(task)
                 try:
-                    delta = task.result()
+                    ready.append((k, task.result()))
                 except StopAsyncIteration:
                     continue
-                yield k, delta
                 waiting[asyncio.ensure_future(anext(streams[k]))] = k
+            if ready:
+                yield ready
     finally:
         for task in waiting:
             task.cancel()
@@ -152,9 +155,9 @@ class OpenAIServer:
         completions = [(request_id, params)] if params.n == 1 else \
             [(f"{k}_{request_id}", params.completion(k)) for k in range(params.n)]
         try:
-            for _, child in completions:
-                self.async_engine.limits.validate(prompt_token_ids, child)
-            return [self.async_engine.add_request(child_id, prompt_token_ids, child) for child_id, child in completions]
+            self.async_engine.limits.validate(prompt_token_ids, params)      # the children differ in seed alone
+            return [self.async_engine.add_request(child_id, prompt_token_ids, child, validated=True)
+                    for child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
         except RuntimeError as e:        # the engine process is gone
@@ -234,36 +237,42 @@ class OpenAIServer:
             first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                      for k in range(len(streams))]
             yield sse(completion_body(request_id, created, self.model_name, first, None, chunk=True, chat=True))
-        offsets, last = [0] * len(streams), [None] * len(streams)
-        async for k, delta in interleaved(streams):
-            last[k] = delta
-            if delta.finish_reason == "error":
-                yield sse(error_body(delta.error or "the request failed", 500))
+        offsets, last, failed = [0] * len(streams), [None] * len(streams), None
+        async for ready in interleaved(streams):
+            choices = []          # the deltas ready together go out as one chunk
+            for k, delta in ready:
+                last[k] = delta
+                if delta.finish_reason == "error":
+                    failed = delta.error or "the request failed"
+                    break
+                if not delta.token_ids and delta.finish_reason is None:
+                    continue
+                logprobs = self.completion_logprobs(delta, offsets[k])
+                offsets[k] = end_offset(logprobs, offsets[k])
+                choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
+            if failed is not None:
+                yield sse(error_body(failed, 500))
                 break
-            if not delta.token_ids and delta.finish_reason is None:
-                continue
-            logprobs = self.completion_logprobs(delta, offsets[k])
-            offsets[k] = end_offset(logprobs, offsets[k])
-            choice = self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True)
-            yield sse(completion_body(request_id, created, self.model_name, [choice], None, chunk=True, chat=chat))
-        else:
-            if include_usage:
-                u = self.usage_of(last)
-                yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
+            if choices:
+                yield sse(completion_body(request_id, created, self.model_name, choices, None, chunk=True, chat=chat))
+        if include_usage and failed is None:
+            u = self.usage_of(last)
+            yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
         yield sse("[DONE]")
 
     async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool) -> JSONResponse:
         texts, logprobs = [[] for _ in streams], [None] * len(streams)
         offsets, last = [0] * len(streams), [None] * len(streams)
-        async for k, delta in interleaved(streams):
-            last[k] = delta
-            if delta.finish_reason == "error":
-                return error_response(delta.error or "the request failed", 500)
-            if delta.logprobs is not None:
-                lp = self.completion_logprobs(delta, offsets[k])
-                offsets[k] = end_offset(lp, offsets[k])
-                logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
-            texts[k].append(delta.text)
+        async for ready in interleaved(streams):
+            for k, delta in ready:
+                last[k] = delta
+                if delta.finish_reason == "error":
+                    return error_response(delta.error or "the request failed", 500)
+                if delta.logprobs is not None:
+                    lp = self.completion_logprobs(delta, offsets[k])
+                    offsets[k] = end_offset(lp, offsets[k])
+                    logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
+                texts[k].append(delta.text)
         choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
                    for k in range(len(streams))]
         return JSONResponse(completion_body(request_id, created, self.model_name, choices, self.usage_of(last),

@@ -99,9 +99,12 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.process.is_alive() and self.reader is not None and self.reader.is_alive()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Raises ValueError for a request the engine could never run, before it is sent."""
-        self.limits.validate(prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    validated: bool = False) -> RequestStream:
+        """Raises ValueError for a request the engine could never run, before it is sent
+        (validated: the caller has checked these ids and params already)."""
+        if not validated:
+            self.limits.validate(prompt_token_ids, params)
         if not self.is_alive:
             raise RuntimeError("the engine process is not running")
         stream = RequestStream(request_id, len(prompt_token_ids))

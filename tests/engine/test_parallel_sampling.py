@@ -20,21 +20,31 @@ def test_completions_draw_as_requests_seeded_seed_plus_index(tiny_checkpoint):
 
 
 def test_the_prompt_is_computed_once(tiny_checkpoint):
-    """Greedy completions are all the greedy output, and the second and third find the prompt's
-    full blocks in the prefix cache (blocks of 4: 12 of its 14 tokens, the last block's 2 and the
-    token that samples computed by each)."""
+    """Completions restricted to their top token are all the greedy output, and the second and
+    third find the prompt's full blocks in the prefix cache (blocks of 4: 12 of its 14 tokens, the
+    last block's 2 and the token that samples computed by each)."""
     prompt = list(range(3, 17))
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, block_size=4)
-    out = llm.generate(prompt, SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [hf_greedy(tiny_checkpoint, prompt, 6)] * 3
-    assert llm.engine.prefix_cache_hit_tokens == 2 * 12
+    assert llm.engine.prefix_cache_hit_tokens == 2 * 12 == out.num_cached_tokens * 2
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_n_asks_for_different_completions():
+    """As vLLM: n > 1 at temperature 0 would repeat one completion, and n has vLLM's bound."""
+    with pytest.raises(ValueError, match="n must be 1 when sampling greedily"):
+        SamplingParams(n=2, temperature=0)
+    with pytest.raises(ValueError, match="n must be an integer in"):
+        SamplingParams(n=16385)
+    assert SamplingParams(n=16384).n == 16384
 
 
 def test_prompts_with_and_without_n_keep_their_order(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=128)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    params = [SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True),
+    params = [SamplingParams(n=2, temperature=0.5, seed=3, max_tokens=4, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
               SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=5, ignore_eos=True)]
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -201,9 +201,19 @@ def test_n_completions_streamed_and_not_equal_llms(served, client, llm):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == expected and chunks[-1].usage.completion_tokens == 24
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, n=2, temperature=0)
+    # The completions' deltas of one engine step go out together, as one chunk of several choices.
+    assert max(len(chunk.choices) for chunk in chunks) > 1
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, n=2, temperature=1.0,
+                                          extra_body={"top_k": 1})
     assert [c.index for c in chat.choices] == [0, 1]
-    assert chat.choices[0].message.content == chat.choices[1].message.content      # greedy: the same twice
+    assert chat.choices[0].message.content == chat.choices[1].message.content      # top-1: the same twice
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, n=2,
+                                                 temperature=1.0, extra_body={"top_k": 1}, stream=True))
+    streamed = ["", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [chat.choices[0].message.content] * 2
     assert served.wait_idle()["mini_engine:kv_cache_blocks_used"] == 0
 
 
