@@ -32,5 +32,6 @@ def test_a_step_with_logprobs_does_not_wait_for_them(tiny_checkpoint, monkeypatc
     for j, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         top_values, top_ids = expected[j].topk(3)
         assert [t for t, _ in lp.top] == top_ids.tolist() and lp.top[0] == (token, lp.logprob)
-        assert torch.allclose(torch.tensor([v for _, v in lp.top]), top_values, atol=1e-3)
+        # Triton's float32 dots run in TF32 on the GPU: 2.6e-3 apart seen on the H200.
+        assert torch.allclose(torch.tensor([v for _, v in lp.top]), top_values, atol=1e-2)
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
