@@ -234,8 +234,8 @@ class OpenAIServer:
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
                             include_usage: bool) -> AsyncIterator[str]:
         if chat:
-            first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                     for k in range(len(streams))]
+            first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for k in range(len(streams))]
             yield sse(completion_body(request_id, created, self.model_name, first, None, chunk=True, chat=True))
         offsets, last, failed = [0] * len(streams), [None] * len(streams), None
         async for ready in interleaved(streams):
