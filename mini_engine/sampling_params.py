@@ -32,6 +32,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # in [-2, 2]
     repetition_penalty: float = 1.0   # > 0; 1 is off
     min_p: float = 0.0                # in [0, 1]: drop tokens less likely than min_p x the likeliest
+    # Added to the logits of these token ids before anything else (OpenAI's logit_bias: -100
+    # bans a token, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     # Completions of the prompt to return (vLLM's parallel sampling): n sequences, whose prompt
     # the prefix cache computes once; with a seed, completion i draws from seed + i.
     n: int = 1
@@ -66,6 +69,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 or not _is_number(v) or not -100 <= v <= 100
+                    for t, v in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {self.logit_bias!r}")
+            self.logit_bias = dict(self.logit_bias) or None
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.n > 1 and self.temperature == 0:

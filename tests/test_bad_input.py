@@ -29,6 +29,9 @@ from mini_engine.config import EngineConfig
     (dict(temperature=10**400), "temperature"),
     (dict(n=0), "n must be"), (dict(n=1.5), "n must be"), (dict(n=True), "n must be"), (dict(n=10**6), "n must be"),
     (dict(n=2, temperature=0), "n must be 1 when sampling greedily"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={5: 100.5}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias=[5]), "logit_bias"), (dict(logit_bias={True: 1.0}), "logit_bias"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -411,3 +414,10 @@ def test_the_longest_sequence_validate_allows_is_max_sequence_tokens(max_model_l
     limits.validate([5] * 10, SamplingParams(max_tokens=longest - 10))
     with pytest.raises(ValueError, match="max_model_len|KV blocks"):
         limits.validate([5] * 10, SamplingParams(max_tokens=longest - 9))
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_rejected(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="prompt 0: logit_bias names token id 256, outside the vocabulary"):
+        llm.generate([[1, 2, 3]], SamplingParams(logit_bias={256: 1.0}), use_tqdm=False)
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -38,6 +38,9 @@ class RequestLimits:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs={params.logprobs} asks for more tokens than the vocabulary's "
                              f"{self.vocab_size}")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary of "
+                             f"{self.vocab_size}")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")

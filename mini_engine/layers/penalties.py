@@ -1,6 +1,6 @@
-"""What a request asks of its logits besides temperature, top-k and top-p: vLLM's presence,
-frequency and repetition penalties, which depend on the tokens the sequence holds so far, and
-min_p. Plain PyTorch: only requests that ask for them take this path (the benchmark's do not).
+"""What a request asks of its logits besides temperature, top-k and top-p: its logit_bias, vLLM's
+presence, frequency and repetition penalties, which depend on the tokens the sequence holds so
+far, and min_p. Plain PyTorch: only requests that ask for them take this path (the benchmark's do not).
 
 A step's rows reach the sampler as the host scheduled them, and with async scheduling the host
 does not yet know a decode row's newest token: the step still in flight samples it, and the
@@ -92,6 +92,23 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     values = torch.where(values > 0, values / repetition, values * repetition)
     values = values - p.frequency[p.pair_rows] * counts - p.presence[p.pair_rows] * (counts > 0)
     out[rows, tokens] = values
+    return out
+
+
+def logit_bias_tensors(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sampling rows, token ids, biases) of every entry of the rows' logit_bias, on the device."""
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+    rows, tokens, biases = zip(*entries)
+    ints = to_device(torch.tensor([rows, tokens], dtype=torch.int64), device)
+    return ints[0], ints[1], to_device(torch.tensor(biases, dtype=torch.float32), device)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """fp32 logits with each (row, token, bias) added (a new tensor: the raw logits stay, for
+    logprobs). First of all, as vLLM applies it: the penalties see the biased logits."""
+    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    rows, tokens, biases = bias
+    out[rows, tokens] += biases
     return out
 
 

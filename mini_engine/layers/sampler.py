@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
-from mini_engine.layers.penalties import PenaltyTensors, apply_min_p, apply_penalties
+from mini_engine.layers.penalties import PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties
 
 
 @dataclass
@@ -19,6 +19,7 @@ class SamplingTensors:
     all_greedy: bool
     row_top_k: list[int] | None = None    # top_k's host copy (0: none), where top_k is given
     penalties: PenaltyTensors | None = None   # where a row has presence/frequency/repetition penalties
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, tokens, biases)
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
 
 
@@ -55,8 +56,10 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        # vLLM's order: penalties on the raw logits (greedy rows too), then min_p at the row's
+        # vLLM's order: logit_bias, then penalties (greedy rows too), then min_p at the row's
         # temperature, then top-k and top-p.
+        if params.logit_bias is not None:
+            logits = apply_logit_bias(logits, params.logit_bias)
         if params.penalties is not None:
             logits = apply_penalties(logits, params.penalties)
         if params.min_p is not None:

@@ -15,7 +15,7 @@ from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
-from mini_engine.layers.penalties import penalty_tensors
+from mini_engine.layers.penalties import logit_bias_tensors, penalty_tensors
 from mini_engine.layers.sampler import Sampler, SamplingTensors, logprob_tensors, sample_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
@@ -237,11 +237,13 @@ class ModelRunner:
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
         max_model_len. Every row shares one block table: only memory use matters here. Their rows
-        sample with penalties, min_p and within a nucleus: the sampler's most memory-hungry path
-        (the penalties' fp32 logits and counts, then a sort of every row's logits in fp32), which
-        also compiles its fp32 kernels before any request needs them."""
+        sample with a logit bias, penalties, min_p and within a nucleus: the sampler's most
+        memory-hungry path (the bias's and the penalties' fp32 logits, the counts, then a sort of
+        every row's logits in fp32), which also compiles its fp32 kernels before any request needs
+        them."""
         cfg = self.config
-        params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01)
+        params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01,
+                                logit_bias={0: 1.0})
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
         prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, history=np.zeros(per_seq - 1, dtype=np.int64))
@@ -311,9 +313,9 @@ class ModelRunner:
 
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
-        """Does any row ask for what only the eager sampler applies: top-k, top-p, min_p or a
-        penalty?"""
-        return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalized
+        """Does any row ask for what only the eager sampler applies: top-k, top-p, min_p, a
+        penalty or a logit bias?"""
+        return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalized or r.params.logit_bias
                    or (r.params.min_p > 0 and r.params.temperature > 0) for r in rows)   # min_p: not for greedy
 
     def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
@@ -428,6 +430,7 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0 for p in params),
             row_top_k=top_k,
             penalties=penalties,
+            logit_bias=logit_bias_tensors(params, self.device) if any(p.logit_bias for p in params) else None,
             min_p=self.to_device(min_p, torch.float32) if any(min_p) else None,
         )
 

@@ -129,6 +129,12 @@ class OpenAIServer:
         # Only what the client set: the defaults belong to the config (the checkpoint's
         # generation_config.json) and to SamplingParams.
         set_by_client = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+        if req.logit_bias:               # OpenAI's keys are token ids written as strings
+            try:
+                set_by_client["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
+            except ValueError:
+                raise ProtocolError(f"logit_bias keys must be token ids, got {sorted(req.logit_bias)}",
+                                    param="logit_bias") from None
         try:
             return self.config.default_sampling_params(
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,

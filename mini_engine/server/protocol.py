@@ -69,8 +69,6 @@ class SamplingRequest(BaseModel):
     def unsupported(self) -> str | None:
         if self.response_format not in (None, {"type": "text"}):
             return "response_format"
-        if self.logit_bias:
-            return "logit_bias"
         if self.best_of not in (None, 1):
             return "best_of"
         return None

@@ -103,3 +103,22 @@ def test_history_before_newest_copies_only_what_was_added():
         seq.history_before_newest()
     del seq.token_ids[-3:]                         # tokens dropped past a stop
     assert seq.history_before_newest().tolist()[-2:] == [96, 97]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_logit_bias_forces_and_bans_tokens(tiny_checkpoint, async_scheduling):
+    """+100 on a token makes it every greedy output; -100 on the greedy output's first token makes
+    the first token the runner-up, which transformers' logits name; rows without one beside them
+    stay greedy."""
+    prompts = mixed_prompts()[:3]
+    plain = [hf_greedy(tiny_checkpoint, p, MAX_TOKENS) for p in prompts]
+    banned = plain[1][0]
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, async_scheduling=async_scheduling)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={77: 100}),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={banned: -100}),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got[0] == [77] * MAX_TOKENS and plain[0] != got[0]
+    assert got[1][0] == hf_logits(tiny_checkpoint, prompts[1])[-1].topk(2).indices[1] and banned not in got[1]
+    assert got[2] == plain[2]
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

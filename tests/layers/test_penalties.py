@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mini_engine.layers.penalties import apply_min_p, apply_penalties, output_counts_ref, penalty_tensors
+from mini_engine.layers.penalties import (apply_logit_bias, apply_min_p, apply_penalties, logit_bias_tensors,
+                                         output_counts_ref, penalty_tensors)
 from mini_engine.layers.sampler import Sampler, SamplingTensors
 from mini_engine.sampling_params import SamplingParams
 from tests.penalty_definition import penalised_by_definition
@@ -141,3 +142,24 @@ def test_only_what_the_graphs_sampler_cannot_apply_leaves_it():
     assert not leaves(temperature=0.0, min_p=0.2) and not leaves(temperature=1.0)
     assert leaves(temperature=1.0, min_p=0.2) and leaves(temperature=0.0, repetition_penalty=1.1)
     assert leaves(temperature=0.0, presence_penalty=-0.5) and leaves(temperature=1.0, top_k=5)
+
+
+def test_logit_bias_is_added_to_its_tokens_alone_before_the_penalties():
+    """vLLM's order: the bias first, so the repetition penalty sees the biased logit's sign."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 3] = -1.0
+    params = [SamplingParams(logit_bias={3: 2.0, 7: -100}), SamplingParams(), SamplingParams(logit_bias={0: 0.5})]
+    bias = logit_bias_tensors(params, torch.device(DEVICE))
+    got = apply_logit_bias(logits.to(DEVICE), bias).cpu()
+    want = logits.clone()
+    want[0, 3], want[0, 7], want[2, 0] = 1.0, -100.0, 0.5
+    assert torch.equal(got, want)
+    pt = penalty_tensors([0], before_newest([[3, 3]]), [1], [SamplingParams(repetition_penalty=2.0)],
+                         torch.tensor([3, 0, 0]), VOCAB)
+    sampled = SamplingTensors(temperatures=torch.zeros(3), top_k=None, top_p=None,
+                              seeds=torch.zeros(3, dtype=torch.long), row_seeds=[None] * 3, all_greedy=True,
+                              penalties=pt, logit_bias=logit_bias_tensors(params, torch.device("cpu")))
+    logits[0, 5] = 0.75                 # 3's biased and penalised logit is 1 / 2: below 5's
+    assert Sampler()(logits, sampled)[0] == 5
+    logits[0, 5] = 0.25                 # above it: 3 wins (applied after, the bias would leave 0)
+    assert Sampler()(logits, sampled)[0] == 3

@@ -183,6 +183,17 @@ def test_penalties_and_min_p_reach_the_engine(served, client, llm):
                                           ignore_eos=True, min_p=0.2)[0]
 
 
+def test_logit_bias_reaches_the_engine(served, client, llm):
+    """OpenAI's logit_bias, keys as strings: the same text as LLM.generate with it, not without."""
+    params = dict(prompt="Hello world", max_tokens=6, temperature=0)
+    r = client.completions.create(model=MODEL_NAME, logit_bias={"300": 100}, extra_body={"ignore_eos": True},
+                                  **params)
+    text = r.choices[0].text
+    assert text == reference(llm, "Hello world", temperature=0, max_tokens=6, ignore_eos=True,
+                             logit_bias={300: 100})[0]
+    assert text != reference(llm, "Hello world", temperature=0, max_tokens=6, ignore_eos=True)[0]
+
+
 def test_n_completions_streamed_and_not_equal_llms(served, client, llm):
     """n choices, index 0..n-1, each what LLM.generate gives completion k (seed + k); the
     streamed chunks, put together by index, the same; usage counts the prompt once."""
