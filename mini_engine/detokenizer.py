@@ -9,7 +9,8 @@ whatever the window held back is emitted then, so the streamed text equals the o
 
 Stop strings are matched on the text; the matched string and everything after it are dropped,
 and while a request runs the last len(longest stop) - 1 characters are held back, since they may
-be the start of a stop string that the next token completes.
+be the start of a stop string that the next token completes. As in vLLM, none is matched until the
+output has more than min_tokens tokens, and then only one that the newest text completes.
 """
 from tokenizers import Tokenizer
 
@@ -17,9 +18,10 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.min_tokens = min_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.prefix_offset = 0      # the window's first token: context for the tokens after it
@@ -67,6 +69,8 @@ class IncrementalDetokenizer:
             return
         start = max(0, len(self.text) - self.holdback)  # a match may begin in the held-back tail
         self.text += new_text
+        if len(self.token_ids) <= self.min_tokens:
+            return
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]

@@ -151,7 +151,7 @@ class LLM:
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if params.stop:
-                stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop)
+                stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens)
             cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks)
             admission.prompt_costs[seq.request_id] = cost
             tokens += cost

@@ -19,6 +19,7 @@ class SamplingParams:
     top_k: int = -1               # -1 or 0: no top-k restriction
     top_p: float = 1.0            # 1.0: no nucleus restriction
     max_tokens: int = 16
+    min_tokens: int = 0           # no EOS, stop token or stop string ends the output before this many
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = field(default_factory=list)   # None: none
     stop: str | list[str] | None = field(default_factory=list)   # strings that end the output (not included)
@@ -50,6 +51,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")

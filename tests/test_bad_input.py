@@ -29,6 +29,7 @@ from mini_engine.config import EngineConfig
     (dict(temperature=10**400), "temperature"),
     (dict(n=0), "n must be"), (dict(n=1.5), "n must be"), (dict(n=True), "n must be"), (dict(n=10**6), "n must be"),
     (dict(n=2, temperature=0), "n must be 1 when sampling greedily"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=17), "min_tokens"), (dict(min_tokens=1.5), "min_tokens"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={5: 100.5}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
     (dict(logit_bias=[5]), "logit_bias"), (dict(logit_bias={True: 1.0}), "logit_bias"),

@@ -206,6 +206,8 @@ class LLMEngine:
                 row.prev_token_index = seq.pending_sample_index
             if sample and p.penalized:
                 row.history, row.num_prompt_tokens = seq.history_before_newest(), seq.num_prompt_tokens
+            if sample and p.min_tokens:
+                row.num_output_tokens = seq.num_output_tokens
             rows.append(row)
         return rows, order
 

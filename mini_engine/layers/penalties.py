@@ -112,6 +112,26 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tenso
     return out
 
 
+def early_stop_tokens(params: list, num_output_tokens: list[int], eos_token_ids: tuple[int, ...], vocab_size: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(sampling rows, token ids) of the tokens that would end each row's output before its
+    min_tokens: its stop_token_ids, and EOS unless ignore_eos (vLLM's min_tokens); None if none."""
+    pairs = [(row, token) for row, (p, n) in enumerate(zip(params, num_output_tokens)) if n < p.min_tokens
+             for token in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+             if token < vocab_size]
+    if not pairs:
+        return None
+    ints = to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
+    return ints[0], ints[1]
+
+
+def ban_tokens(logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """fp32 logits with -inf at each (row, token) of banned (a new tensor, as apply_logit_bias)."""
+    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    out[banned] = float("-inf")
+    return out
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Sets to -inf each logit whose probability at the row's temperature is below min_p times
     its row's largest: softmax(l / T)_i < min_p * max_j softmax(l / T)_j, i.e.

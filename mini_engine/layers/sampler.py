@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
-from mini_engine.layers.penalties import PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties
+from mini_engine.layers.penalties import PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens
 
 
 @dataclass
@@ -20,6 +20,7 @@ class SamplingTensors:
     row_top_k: list[int] | None = None    # top_k's host copy (0: none), where top_k is given
     penalties: PenaltyTensors | None = None   # where a row has presence/frequency/repetition penalties
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, tokens, biases)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, tokens) that min_tokens holds back
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
 
 
@@ -56,10 +57,12 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        # vLLM's order: logit_bias, then penalties (greedy rows too), then min_p at the row's
-        # temperature, then top-k and top-p.
+        # vLLM's order: logit_bias and min_tokens' ban, then penalties (greedy rows too), then
+        # min_p at the row's temperature, then top-k and top-p.
         if params.logit_bias is not None:
             logits = apply_logit_bias(logits, params.logit_bias)
+        if params.banned is not None:
+            logits = ban_tokens(logits, params.banned)
         if params.penalties is not None:
             logits = apply_penalties(logits, params.penalties)
         if params.min_p is not None:

@@ -24,6 +24,8 @@ class BatchRow:
     # the host may not know yet), prompt then output, and how many are the prompt's.
     history: np.ndarray | None = None
     num_prompt_tokens: int = 0
+    # For a sampling row whose request sets min_tokens: its output tokens before this step's sample.
+    num_output_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
-from mini_engine.layers.penalties import logit_bias_tensors, penalty_tensors
+from mini_engine.layers.penalties import early_stop_tokens, logit_bias_tensors, penalty_tensors
 from mini_engine.layers.sampler import Sampler, SamplingTensors, logprob_tensors, sample_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
@@ -314,9 +314,10 @@ class ModelRunner:
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
         """Does any row ask for what only the eager sampler applies: top-k, top-p, min_p, a
-        penalty or a logit bias?"""
+        penalty, a logit bias or, while its output is shorter than min_tokens, no stop token?"""
         return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalized or r.params.logit_bias
-                   or (r.params.min_p > 0 and r.params.temperature > 0) for r in rows)   # min_p: not for greedy
+                   or (r.params.min_p > 0 and r.params.temperature > 0)     # min_p: not for greedy
+                   or r.num_output_tokens < r.params.min_tokens for r in rows)
 
     def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
                        turn: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
@@ -431,6 +432,9 @@ class ModelRunner:
             row_top_k=top_k,
             penalties=penalties,
             logit_bias=logit_bias_tensors(params, self.device) if any(p.logit_bias for p in params) else None,
+            banned=early_stop_tokens(params, [r.num_output_tokens for r in rows], self.model_config.eos_token_ids,
+                                     self.model_config.vocab_size, self.device)
+            if any(p.min_tokens for p in params) else None,
             min_p=self.to_device(min_p, torch.float32) if any(min_p) else None,
         )
 

@@ -101,7 +101,8 @@ class EngineLoop:
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True)
             except (ValueError, TypeError) as e:
                 return [(request_id, "", [], None, "error", 0, str(e))]
-            self.states[request_id] = RequestState(IncrementalDetokenizer(self.engine.tokenizer, params.stop))
+            self.states[request_id] = RequestState(IncrementalDetokenizer(self.engine.tokenizer, params.stop,
+                                                                          params.min_tokens))
             return []
         if command[0] == "abort":
             request_id = command[1]

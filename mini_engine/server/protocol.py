@@ -53,6 +53,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None     # extension (vLLM's)
     min_p: float | None = None                  # extension (vLLM's)
+    min_tokens: int = 0                         # extension (vLLM's)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)  # extension

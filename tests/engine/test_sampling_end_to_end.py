@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from mini_engine import LLM, SamplingParams
@@ -61,3 +62,36 @@ def test_logprobs_of_greedy_tokens(tiny_checkpoint):
     plain = llm.generate([5, 17, 33], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert plain.logprobs is None and plain.token_ids == out.token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_min_tokens_holds_back_stop_tokens_and_eos(tiny_checkpoint, async_scheduling):
+    """vLLM's min_tokens: the first min_tokens tokens are never a stop token nor EOS (their logits
+    are -inf), and after them the request stops as before. The oracle: transformers' logits, those
+    tokens masked for the first min_tokens steps, greedy."""
+    from tests.hf_reference import hf_logits
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, async_scheduling=async_scheduling)
+    prompt = [5, 17, 33, 2, 9]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    stop = free[0].outputs[0].token_ids[1]                       # a token the greedy run writes early
+    llm.engine.eos_token_ids = frozenset({free[0].outputs[0].token_ids[0]})    # and one it writes first
+
+    def oracle(min_tokens: int) -> list[int]:
+        out = []
+        for j in range(12):
+            logits = hf_logits(tiny_checkpoint, prompt + out)[-1].clone()
+            if j < min_tokens:
+                logits[[stop, *llm.engine.eos_token_ids]] = float("-inf")
+            out.append(int(logits.argmax()))
+            if out[-1] in (stop, *llm.engine.eos_token_ids):
+                break
+        return out
+    runner = llm.engine.runner
+    runner.model_config.eos_token_ids = tuple(llm.engine.eos_token_ids)   # what the sampler bans
+    for min_tokens in (0, 3, 12):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop],
+                                                  min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == oracle(min_tokens), min_tokens
+        assert len(out.token_ids) >= min_tokens and out.finish_reason == ("stop" if len(out.token_ids) < 12 else "length")
+    assert len(oracle(0)) == 1 and len(oracle(3)) > 3                  # the ban changed the outputs
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

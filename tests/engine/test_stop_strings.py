@@ -82,3 +82,30 @@ def test_a_stop_tokens_text_is_left_out(llm, stop):
     out = llm.generate(PROMPTS[0], greedy(stop_token_ids=[ids[k]], stop=stop), use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (ids[:k + 1], "stop")
     assert out.text == llm.tokenizer.decode(ids[:k])
+
+
+def test_min_tokens_holds_back_stop_strings(llm):
+    """As vLLM's: no stop string ends the output until it has more than min_tokens tokens, and then
+    only one that the newest text completes. A letter the greedy text holds twice, in different
+    tokens: with min_tokens up to the token that writes the first, the output ends at the second."""
+    prompt = PROMPTS[1]
+    free = llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0]
+    pieces = [llm.tokenizer.decode(free.token_ids[:k]) for k in range(len(free.token_ids) + 1)]
+
+    def first_count(letter: str, times: int) -> int | None:
+        """The number of tokens whose text first holds the letter `times` times, where that text
+        ends on a whole character (else the detokenizer waits for the next token to write it)."""
+        k = next((k for k, p in enumerate(pieces) if p.count(letter) >= times), None)
+        return None if k is None or pieces[k].endswith("\ufffd") else k
+    letter, first, second = next((c, first_count(c, 1), first_count(c, 2)) for c in sorted(set(pieces[-1]))
+                                 if c.isascii() and c.isalpha() and None not in (first_count(c, 1), first_count(c, 2))
+                                 and first_count(c, 1) < first_count(c, 2))
+    text = pieces[-1]
+    plain = llm.generate(prompt, greedy(stop=letter), use_tqdm=False)[0].outputs[0]
+    assert plain.text == text[:text.index(letter)] and plain.token_ids == free.token_ids[:first]
+    held = llm.generate(prompt, greedy(stop=letter, min_tokens=first), use_tqdm=False)[0].outputs[0]
+    assert (held.text, held.finish_reason) == (text[:text.index(letter, text.index(letter) + 1)], "stop")
+    assert held.token_ids == free.token_ids[:second]
+    never = llm.generate(prompt, greedy(stop=letter, min_tokens=40), use_tqdm=False)[0].outputs[0]
+    assert (never.text, never.finish_reason) == (free.text, "length")
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

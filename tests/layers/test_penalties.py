@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mini_engine.layers.penalties import (apply_logit_bias, apply_min_p, apply_penalties, logit_bias_tensors,
-                                         output_counts_ref, penalty_tensors)
+from mini_engine.layers.penalties import (apply_logit_bias, apply_min_p, apply_penalties, ban_tokens, early_stop_tokens,
+                                         logit_bias_tensors, output_counts_ref, penalty_tensors)
 from mini_engine.layers.sampler import Sampler, SamplingTensors
 from mini_engine.sampling_params import SamplingParams
 from tests.penalty_definition import penalised_by_definition
@@ -163,3 +163,17 @@ def test_logit_bias_is_added_to_its_tokens_alone_before_the_penalties():
     assert Sampler()(logits, sampled)[0] == 5
     logits[0, 5] = 0.25                 # above it: 3 wins (applied after, the bias would leave 0)
     assert Sampler()(logits, sampled)[0] == 3
+
+
+def test_min_tokens_bans_the_stop_tokens_of_rows_still_short_of_it():
+    """A row short of its min_tokens may not sample its stop_token_ids, nor EOS unless it ignores
+    EOS; ids outside the vocabulary (never sampled anyway) are left out, and rows past it are free."""
+    params = [SamplingParams(min_tokens=3, stop_token_ids=[7, 99]), SamplingParams(min_tokens=3, stop_token_ids=[7]),
+              SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[4]), SamplingParams(stop_token_ids=[7])]
+    rows, tokens = early_stop_tokens(params, [2, 3, 0, 0], (2,), VOCAB, torch.device(DEVICE))
+    assert list(zip(rows.tolist(), tokens.tolist())) == [(0, 2), (0, 7), (2, 4)]
+    assert early_stop_tokens(params[1:2], [5], (2,), VOCAB, torch.device("cpu")) is None
+    logits = torch.randn(4, VOCAB)
+    banned = ban_tokens(logits.to(DEVICE), (rows, tokens)).cpu()
+    assert torch.isinf(banned).sum() == 3 and banned[0, 7] == banned[2, 4] == float("-inf")
+    assert torch.equal(banned[1], logits[1]) and torch.equal(banned[3], logits[3])

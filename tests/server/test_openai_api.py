@@ -131,6 +131,20 @@ def test_stop_token_ids(served, client, llm):
     assert (text, reason, usage.completion_tokens) == (ref_text, "stop", len(stopped_ids))
 
 
+def test_min_tokens_holds_back_the_stop_token(served, client, llm):
+    """vLLM's min_tokens: the stop token that ended the output above is held back for 10 tokens."""
+    prompt = "Größe"
+    _, ref_ids, _ = reference(llm, prompt, temperature=0, max_tokens=30, ignore_eos=True)
+    stop_id = ref_ids[6]
+    params = dict(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=10)
+    ref_text, held_ids, ref_reason = reference(llm, prompt, **params)
+    assert len(held_ids) > 10 and stop_id not in held_ids[:10]
+    text, reason, usage, _ = stream_completion(client, prompt=prompt, max_tokens=30, temperature=0,
+                                               extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
+                                                           "min_tokens": 10})
+    assert (text, reason, usage.completion_tokens) == (ref_text, ref_reason, len(held_ids))
+
+
 def test_logprobs(served, client, llm):
     params = dict(prompt="Hello", max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
     full = client.completions.create(model=MODEL_NAME, **params).choices[0].logprobs

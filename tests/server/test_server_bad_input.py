@@ -19,6 +19,7 @@ BAD_COMPLETIONS = {
     "zero max_tokens": (OK | {"max_tokens": 0}, 400, "max_tokens"),
     "unknown model": (OK | {"model": "gpt-4"}, 404, "does not exist"),
     "n of 0": (OK | {"n": 0}, 400, "n must be"),
+    "min_tokens above max_tokens": (OK | {"min_tokens": 5}, 400, "min_tokens"),
     "greedy n > 1": (OK | {"n": 2, "temperature": 0}, 400, "n must be 1 when sampling greedily"),
     "best_of": (OK | {"best_of": 3}, 400, "best_of"),
     "echo": (OK | {"echo": True}, 400, "echo"),
