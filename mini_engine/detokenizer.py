@@ -67,11 +67,13 @@ class IncrementalDetokenizer:
     def append(self, new_text: str) -> None:
         if not new_text:
             return
-        start = max(0, len(self.text) - self.holdback)  # a match may begin in the held-back tail
+        end_before = len(self.text)
         self.text += new_text
         if len(self.token_ids) <= self.min_tokens:
             return
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        # Only a match that the new text completes: one that may begin in the held-back tail. (A
+        # short stop string written while min_tokens held matching back is not found later.)
+        hits = [i for i in (self.text.find(s, max(0, end_before - len(s) + 1)) for s in self.stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
             self.stopped = True

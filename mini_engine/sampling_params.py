@@ -19,7 +19,7 @@ class SamplingParams:
     top_k: int = -1               # -1 or 0: no top-k restriction
     top_p: float = 1.0            # 1.0: no nucleus restriction
     max_tokens: int = 16
-    min_tokens: int = 0           # no EOS, stop token or stop string ends the output before this many
+    min_tokens: int = 0           # no EOS (even ignored), stop token or stop string ends fewer tokens
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = field(default_factory=list)   # None: none
     stop: str | list[str] | None = field(default_factory=list)   # strings that end the output (not included)
@@ -36,6 +36,10 @@ class SamplingParams:
     # Added to the logits of these token ids before anything else (OpenAI's logit_bias: -100
     # bans a token, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    # logit_bias as two arrays (token ids, biases), made once: a step concatenates its rows' arrays
+    # instead of walking their dicts (a whole-vocabulary bias took 256 ms a step).
+    logit_bias_arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False,
+                                                                    compare=False)
     # Completions of the prompt to return (vLLM's parallel sampling): n sequences, whose prompt
     # the prefix cache computes once; with a seed, completion i draws from seed + i.
     n: int = 1
@@ -53,7 +57,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
@@ -79,6 +84,9 @@ class SamplingParams:
                     for t, v in self.logit_bias.items()):
                 raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {self.logit_bias!r}")
             self.logit_bias = dict(self.logit_bias) or None
+        if self.logit_bias:
+            self.logit_bias_arrays = (np.array(list(self.logit_bias.keys()), dtype=np.int64),
+                                      np.array(list(self.logit_bias.values()), dtype=np.float32))
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.n > 1 and self.temperature == 0:

@@ -96,11 +96,12 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
 
 
 def logit_bias_tensors(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sampling rows, token ids, biases) of every entry of the rows' logit_bias, on the device."""
-    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
-    rows, tokens, biases = zip(*entries)
-    ints = to_device(torch.tensor([rows, tokens], dtype=torch.int64), device)
-    return ints[0], ints[1], to_device(torch.tensor(biases, dtype=torch.float32), device)
+    """(sampling rows, token ids, biases) of every entry of the rows' logit_bias, on the device,
+    from the arrays each SamplingParams made of its dict once."""
+    arrays = [(row, *p.logit_bias_arrays) for row, p in enumerate(params) if p.logit_bias_arrays is not None]
+    rows = np.repeat([row for row, _, _ in arrays], [len(tokens) for _, tokens, _ in arrays])
+    ints = to_device(torch.from_numpy(np.stack([rows, np.concatenate([tokens for _, tokens, _ in arrays])])), device)
+    return ints[0], ints[1], to_device(torch.from_numpy(np.concatenate([b for _, _, b in arrays])), device)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -115,10 +116,10 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tenso
 def early_stop_tokens(params: list, num_output_tokens: list[int], eos_token_ids: tuple[int, ...], vocab_size: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(sampling rows, token ids) of the tokens that would end each row's output before its
-    min_tokens: its stop_token_ids, and EOS unless ignore_eos (vLLM's min_tokens); None if none."""
+    min_tokens: its stop_token_ids and EOS, even where it ignores EOS (as vLLM's min_tokens, which
+    counts EOS among every request's stop tokens for it); None if none."""
     pairs = [(row, token) for row, (p, n) in enumerate(zip(params, num_output_tokens)) if n < p.min_tokens
-             for token in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
-             if token < vocab_size]
+             for token in sorted(set(p.stop_token_ids) | set(eos_token_ids)) if token < vocab_size]
     if not pairs:
         return None
     ints = to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)

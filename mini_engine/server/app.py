@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
@@ -130,8 +131,9 @@ class OpenAIServer:
         # generation_config.json) and to SamplingParams.
         set_by_client = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
         if req.logit_bias:               # OpenAI's keys are token ids written as strings
-            try:
-                set_by_client["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
+            try:      # and, as vLLM's server does, biases clamped to [-100, 100] (NaN refused below)
+                set_by_client["logit_bias"] = {int(token): bias if math.isnan(bias) else min(100.0, max(-100.0, bias))
+                                               for token, bias in req.logit_bias.items()}
             except ValueError:
                 raise ProtocolError(f"logit_bias keys must be token ids, got {sorted(req.logit_bias)}",
                                     param="logit_bias") from None

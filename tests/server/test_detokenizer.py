@@ -78,3 +78,24 @@ def test_no_stop_match_sends_everything(tokenizer):
 def test_without_tokenizer_text_is_empty():
     detok = IncrementalDetokenizer(None, ["x"])
     assert detok.update([1, 2], False) == "" and detok.update([3], True) == ""
+
+
+class OneCharTokenizer:
+    """Token i is the character chr(i)."""
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_a_stop_string_written_while_min_tokens_held_matching_back_is_not_found_later():
+    """As vLLM's check_stop_strings: past min_tokens only a match that the new text completes.
+    A longer stop string widens the held-back tail, and must not widen a short one's search."""
+    def run(stop):
+        detok = IncrementalDetokenizer(OneCharTokenizer(), stop, min_tokens=2)
+        for i, c in enumerate("xabcdefg"):
+            detok.update([ord(c)], finished=i == 7)
+            if detok.stopped:
+                break
+        return detok.text, detok.stopped
+    assert run(["a"]) == ("xabcdefg", False)                    # "a" came at token 2: held back
+    assert run(["a", "zzzz"]) == ("xabcdefg", False)
+    assert run(["ab"]) == ("x", True)                           # begun within min_tokens, completed past it

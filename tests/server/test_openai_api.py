@@ -206,6 +206,10 @@ def test_logit_bias_reaches_the_engine(served, client, llm):
     assert text == reference(llm, "Hello world", temperature=0, max_tokens=6, ignore_eos=True,
                              logit_bias={300: 100})[0]
     assert text != reference(llm, "Hello world", temperature=0, max_tokens=6, ignore_eos=True)[0]
+    # As vLLM's server: a bias past 100 is clamped to it.
+    clamped = client.completions.create(model=MODEL_NAME, logit_bias={"300": 1000}, extra_body={"ignore_eos": True},
+                                        **params)
+    assert clamped.choices[0].text == text
 
 
 def test_n_completions_streamed_and_not_equal_llms(served, client, llm):
