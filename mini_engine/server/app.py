@@ -287,11 +287,9 @@ class OpenAIServer:
         return JSONResponse(completion_body(request_id, created, self.model_name, choices, self.usage_of(last),
                                             chat=chat))
 
-    async def respond(self, raw: Request, streams: list[RequestStream], chat: bool, streaming: bool,
-                      include_usage: bool) -> Response:
-        """streams: one for each completion (choice) asked for, whose request ids are the request's
-        own, or vLLM's children's ("{index}_{id}") where it asks for several."""
-        request_id = streams[0].request_id if len(streams) == 1 else streams[0].request_id.split("_", 1)[1]
+    async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
+                      streaming: bool, include_usage: bool) -> Response:
+        """streams: one for each completion (choice) asked for (add's)."""
 
         def abort():
             for stream in streams:
@@ -322,8 +320,9 @@ class OpenAIServer:
         prompt_token_ids = self.tokenize(req.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens, req.logprobs)
-        streams = self.add(random_id("cmpl"), prompt_token_ids, params)
-        return await self.respond(raw, streams, False, req.stream, req.include_usage)
+        request_id = random_id("cmpl")
+        streams = self.add(request_id, prompt_token_ids, params)
+        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
@@ -332,8 +331,9 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = self.remaining_tokens(prompt_token_ids)
         params = self.sampling_params(req, max_tokens, None)
-        streams = self.add(random_id("chatcmpl"), prompt_token_ids, params)
-        return await self.respond(raw, streams, True, req.stream, req.include_usage)
+        request_id = random_id("chatcmpl")
+        streams = self.add(request_id, prompt_token_ids, params)
+        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage)
 
 
 def build_app(config: EngineConfig, model_name: str) -> FastAPI:
