@@ -162,6 +162,7 @@ class LLMEngine:
             self.last_step_prefill_tokens += 0 if is_decode else n
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:          # not a prefill chunk: it samples
+                seq.penalty_row_filled = seq.penalty_row >= 0       # the launch filled it, if it was not
                 seq.pending_sample_index = len(samples)
                 samples.append((seq, seq.num_tokens))
                 seq.token_ids.append(PENDING_TOKEN)
@@ -205,7 +206,9 @@ class LLMEngine:
             if row.token_ids[-1] == PENDING_TOKEN:        # sampled by the step still in flight
                 row.prev_token_index = seq.pending_sample_index
             if sample and p.penalized:
-                row.history, row.num_prompt_tokens = seq.history_before_newest(), seq.num_prompt_tokens
+                row.penalty_row = seq.penalty_row
+                if not seq.penalty_row_filled:
+                    row.history, row.num_prompt_tokens = seq.tokens_before_newest(), seq.num_prompt_tokens
             if sample and p.min_tokens:
                 row.num_output_tokens = seq.num_output_tokens
             rows.append(row)

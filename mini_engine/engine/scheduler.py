@@ -29,6 +29,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []          # in admission order: the last is the newest
         self.num_preemptions = 0
+        # Rows of the runner's penalty counts (PenaltyState): one for each running penalised
+        # request, and at most max_num_seqs run.
+        self.free_penalty_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -73,6 +76,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
+            if seq.sampling_params.penalized:
+                seq.penalty_row, seq.penalty_row_filled = self.free_penalty_rows.pop(), False
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
@@ -87,16 +92,23 @@ class Scheduler:
         """Free seq's blocks and send it to the head of the waiting queue, to be recomputed
         (its prefix, prompt and output alike, may come back from the prefix cache)."""
         self.block_manager.free(seq)
+        self.release_penalty_row(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def release_penalty_row(self, seq: Sequence) -> None:
+        if seq.penalty_row >= 0:
+            self.free_penalty_rows.append(seq.penalty_row)
+            seq.penalty_row = -1
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
+        self.release_penalty_row(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -38,10 +38,10 @@ class Sequence:
     num_preemptions: int = 0
     pending_sample_index: int = -1      # where the in-flight step's samples hold this seq's token
     logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
-    # A penalised request's tokens before its newest, as an array grown across steps
-    # (history_before_newest), so that a step copies only the tokens added since the one before.
-    history_buffer: np.ndarray | None = field(default=None, repr=False)
-    history_synced: int = 0
+    # A penalised request's row of the runner's penalty counts while it runs (-1: none), given by
+    # the scheduler at admission; filled from token_ids at the first step that samples in it.
+    penalty_row: int = -1
+    penalty_row_filled: bool = False
 
     def __post_init__(self):
         if not self.token_ids:
@@ -67,20 +67,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def history_before_newest(self) -> np.ndarray:
+    def tokens_before_newest(self) -> np.ndarray:
         """token_ids[:-1] as an int64 array: every token but the newest, which a step in flight
-        may still be sampling (only the newest can be). A view of history_buffer, into which each
-        call copies only the tokens added since the last call, doubling it where it is full."""
-        n, synced = len(self.token_ids) - 1, min(self.history_synced, len(self.token_ids) - 1)
-        if self.history_buffer is None or len(self.history_buffer) < n:
-            grown = np.empty(max(64, n, 2 * (0 if self.history_buffer is None else len(self.history_buffer))),
-                             dtype=np.int64)
-            if synced:
-                grown[:synced] = self.history_buffer[:synced]
-            self.history_buffer = grown
-        new = self.token_ids[synced:n]
-        if PENDING_TOKEN in new:
+        may still be sampling (only the newest can be)."""
+        tokens = np.asarray(self.token_ids[:-1], dtype=np.int64)
+        if (tokens == PENDING_TOKEN).any():
             raise RuntimeError(f"request {self.request_id}: a token before the newest is still in flight")
-        self.history_buffer[synced:n] = new
-        self.history_synced = n
-        return self.history_buffer[:n]
+        return tokens

@@ -1,12 +1,15 @@
 """What a request asks of its logits besides temperature, top-k and top-p: its logit_bias, vLLM's
 presence, frequency and repetition penalties, which depend on the tokens the sequence holds so
-far, and min_p. Plain PyTorch: only requests that ask for them take this path (the benchmark's do not).
+far, and min_p. Only requests that ask for them take this path (the benchmark's do not).
 
-A step's rows reach the sampler as the host scheduled them, and with async scheduling the host
-does not yet know a decode row's newest token: the step still in flight samples it, and the
-device feeds it to this step as the row's input token. So the counts come in two parts: the
-tokens the host holds (all but the newest), and the newest, read on the device from the step's
-input tokens."""
+The penalties read counts that live on the device across steps (PenaltyState), as vLLM's model
+runner keeps them: the scheduler gives each running penalised request a row of them
+(Sequence.penalty_row), filled from its tokens once, at the first step it samples in that row,
+and each step adds the tokens it sampled. So a step's penalty work is per row, not per token of
+history. The fill has one subtlety: with async scheduling the host does not yet know a decode
+row's newest token (the step still in flight samples it, and the device feeds it to this step as
+the row's input token), so the host sends the tokens before the newest, and the newest is read on
+the device from the step's input tokens."""
 import math
 from dataclasses import dataclass
 
@@ -14,85 +17,107 @@ import numpy as np
 import torch
 
 from mini_engine.host_to_device import to_device
+from mini_engine.kernels.penalties import apply_penalties as apply_penalties_triton
+from mini_engine.kernels.penalties import apply_penalties_ref
 
 
 @dataclass
-class PenaltyTensors:
-    """The penalised rows of one step's sampling rows, on the device. A penalty changes only the
-    logits of tokens a row has seen, so it is applied to those alone: (row, token) pairs, one for
-    each time the token appears (so some twice or more), not over the whole vocabulary."""
-    rows: torch.Tensor            # [P] int64: which sampling rows these are
-    presence: torch.Tensor        # [P] fp32
-    frequency: torch.Tensor       # [P] fp32
-    repetition: torch.Tensor      # [P] fp32
-    output_counts: torch.Tensor   # [P, V] fp32: how many times each token is in the row's output
-    pair_rows: torch.Tensor       # [N] int64, an index into rows: the pairs (row, token) seen in
-    pair_tokens: torch.Tensor     # [N] int64  the output, and in the prompt where the row has a
-                                  # repetition penalty (the only one that reads the prompt)
+class PenaltyState:
+    """Per-request penalty counts on the device, a row for each request the scheduler may run
+    at once (max_num_seqs rows: 194 MB for Qwen3's 151,936 tokens at 256, allocated before the KV
+    pool is sized). A row belongs to one running request from its admission to its preemption or
+    end; everything here is queued on the one stream, so a step still in flight that writes a
+    released row does so before the next owner's fill clears it."""
+    output_counts: torch.Tensor    # [R, V] int32: how many times each token is in the request's output
+    prompt_seen: torch.Tensor      # [R, V] bool: the tokens of its prompt (the repetition penalty's)
 
-    def seen(self) -> torch.Tensor:
-        """[P, V] bool: the tokens each row has seen."""
-        seen = torch.zeros(self.output_counts.shape, dtype=torch.bool, device=self.output_counts.device)
-        seen[self.pair_rows, self.pair_tokens] = True
-        return seen
+    @classmethod
+    def allocate(cls, num_rows: int, vocab_size: int, device: torch.device) -> "PenaltyState":
+        return cls(torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device),
+                   torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device))
+
+    @staticmethod
+    def nbytes(num_rows: int, vocab_size: int) -> int:
+        return num_rows * vocab_size * (torch.int32.itemsize + torch.bool.itemsize)
+
+    def fill(self, state_rows: list[int], histories: list[np.ndarray], num_prompt_tokens: list[int],
+             newest_tokens: torch.Tensor) -> None:
+        """Sets state_rows[j] to the counts of histories[j] (a request's tokens before its
+        newest, prompt then output, int64) and of newest_tokens[j], its newest token, on the
+        device: an output token where the history already holds the whole prompt."""
+        device = self.output_counts.device
+        outputs = [h[n:] for h, n in zip(histories, num_prompt_tokens)]
+        prompts = [h[:n] for h, n in zip(histories, num_prompt_tokens)]
+        newest_is_output = [len(h) >= n for h, n in zip(histories, num_prompt_tokens)]
+        # One copy for the integers: the rows, whether each newest token is an output's, then the
+        # (row, token) pairs of the outputs and of the prompts.
+        parts = [np.asarray(state_rows, dtype=np.int64), np.asarray(newest_is_output, dtype=np.int64)]
+        for arrays in (outputs, prompts):
+            parts += [np.repeat(np.asarray(state_rows, dtype=np.int64), [len(a) for a in arrays]),
+                      np.concatenate(arrays).astype(np.int64)]
+        ints = to_device(torch.from_numpy(np.concatenate(parts)), device)
+        rows, newest_is_output_d, output_rows, output_tokens, prompt_rows, prompt_tokens = \
+            ints.split([len(part) for part in parts])
+        self.output_counts[rows] = 0
+        self.prompt_seen[rows] = False
+        self.output_counts.index_put_((output_rows, output_tokens), torch.ones_like(output_tokens, dtype=torch.int32),
+                                      accumulate=True)
+        self.prompt_seen[prompt_rows, prompt_tokens] = True
+        self.output_counts[rows, newest_tokens] += newest_is_output_d.int()
+        self.prompt_seen[rows, newest_tokens] |= newest_is_output_d == 0
+
+    def record(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Counts the tokens a step sampled (tokens[j] for state row state_rows[j]) as output."""
+        self.output_counts[state_rows, tokens] += 1
 
 
 def output_counts_ref(histories: list[list[int]], num_prompt_tokens: list[int],
                       vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output counts [P, V], seen [P, V]) of whole token histories, newest included, a Python
-    loop a token: the oracle of penalty_tensors' counts."""
-    counts = torch.zeros(len(histories), vocab_size)
-    seen = torch.zeros(len(histories), vocab_size, dtype=torch.bool)
+    """(output counts [P, V], prompt tokens [P, V]) of whole token histories, newest included, a
+    Python loop a token: the oracle of PenaltyState's rows."""
+    counts = torch.zeros(len(histories), vocab_size, dtype=torch.int32)
+    prompt = torch.zeros(len(histories), vocab_size, dtype=torch.bool)
     for row, (history, n) in enumerate(zip(histories, num_prompt_tokens)):
         for position, token in enumerate(history):
-            seen[row, token] = True
             if position >= n:
                 counts[row, token] += 1
-    return counts, seen
+            else:
+                prompt[row, token] = True
+    return counts, prompt
 
 
-def penalty_tensors(rows: list[int], histories: list[np.ndarray], num_prompt_tokens: list[int],
-                    params: list, newest_tokens: torch.Tensor, vocab_size: int) -> PenaltyTensors:
-    """rows: the penalised sampling rows; histories: each one's tokens before its newest, prompt
-    then output (int64 arrays); params: their SamplingParams; newest_tokens: [S] every sampling
-    row's newest token, on the device. Only rows with a repetition penalty send their prompt."""
-    device = newest_tokens.device
-    outputs = [h[n:] for h, n in zip(histories, num_prompt_tokens)]
-    prompts = [h[:n] if p.repetition_penalty != 1.0 else h[:0]
-               for h, n, p in zip(histories, num_prompt_tokens, params)]
-    newest_is_output = [len(h) >= n for h, n in zip(histories, num_prompt_tokens)]
-    # One copy for the integers: the rows, whether each newest token is an output's, then the
-    # (row, token) pairs of the outputs and of the prompts.
-    parts = [np.asarray(rows, dtype=np.int64), np.asarray(newest_is_output, dtype=np.int64)]
-    for arrays in (outputs, prompts):
-        parts += [np.repeat(np.arange(len(rows)), [len(a) for a in arrays]), np.concatenate(arrays)]
-    ints = to_device(torch.from_numpy(np.concatenate(parts)), device)
-    rows_d, newest_is_output_d, output_rows, output_tokens, prompt_rows, prompt_tokens = \
-        ints.split([len(part) for part in parts])
+@dataclass
+class PenaltyTensors:
+    """The penalised rows of one step's sampling rows, on the device, and where their counts are."""
+    rows: torch.Tensor            # [P] int64: which sampling rows these are
+    state_rows: torch.Tensor      # [P] int64: each one's row of state
+    presence: torch.Tensor        # [P] fp32
+    frequency: torch.Tensor       # [P] fp32
+    repetition: torch.Tensor      # [P] fp32
+    state: PenaltyState
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """After sampling: counts each penalised row's token (tokens: [S], every sampling row's)."""
+        self.state.record(self.state_rows, tokens[self.rows])
+
+
+def penalty_tensors(rows: list[int], state_rows: list[int], params: list, state: PenaltyState) -> PenaltyTensors:
+    """rows: the penalised sampling rows; state_rows: each one's row of state; params: their
+    SamplingParams."""
+    device = state.output_counts.device
+    ints = to_device(torch.tensor([rows, state_rows], dtype=torch.int64), device)
     values = to_device(torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
-                                    dtype=torch.float32), device)
-    newest = newest_tokens[rows_d]
-    index = torch.arange(len(rows), device=device)
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    counts.index_put_((output_rows, output_tokens), torch.ones(len(output_tokens), device=device), accumulate=True)
-    counts.index_put_((index, newest), newest_is_output_d.float(), accumulate=True)
-    presence, frequency, repetition = values.unbind(-1)
-    return PenaltyTensors(rows_d, presence, frequency, repetition, counts, torch.cat([output_rows, prompt_rows, index]),
-                          torch.cat([output_tokens, prompt_tokens, newest]))
+                                    dtype=torch.float32).T.contiguous(), device)
+    return PenaltyTensors(ints[0], ints[1], *values, state)
 
 
-def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
-    """fp32 logits with the penalised rows' penalties applied (a new tensor: the raw logits
-    stay, for logprobs). vLLM's formula and order: the repetition penalty first, on the raw
-    logit's sign, then frequency x count, then presence. Each pair reads the logit as it was and
-    writes it penalised, so where a token appears twice both write the same value."""
-    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    p, rows, tokens = penalties, penalties.rows[penalties.pair_rows], penalties.pair_tokens
-    values, counts, repetition = out[rows, tokens], p.output_counts[p.pair_rows, tokens], p.repetition[p.pair_rows]
-    values = torch.where(values > 0, values / repetition, values * repetition)
-    values = values - p.frequency[p.pair_rows] * counts - p.presence[p.pair_rows] * (counts > 0)
-    out[rows, tokens] = values
-    return out
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors, use_triton: bool = False) -> None:
+    """In place on fp32 logits [S, V]: each penalised row's penalties, from its counts
+    (kernels/penalties.py: vLLM's formula and order)."""
+    p = penalties
+    apply = apply_penalties_triton if use_triton else apply_penalties_ref
+    apply(logits, p.rows, p.state_rows, p.presence, p.frequency, p.repetition, p.state.output_counts,
+          p.state.prompt_seen)
 
 
 def logit_bias_tensors(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,13 +129,11 @@ def logit_bias_tensors(params: list, device: torch.device) -> tuple[torch.Tensor
     return ints[0], ints[1], to_device(torch.from_numpy(np.concatenate([b for _, _, b in arrays])), device)
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """fp32 logits with each (row, token, bias) added (a new tensor: the raw logits stay, for
-    logprobs). First of all, as vLLM applies it: the penalties see the biased logits."""
-    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """In place on fp32 logits: each (row, token, bias) added (a row's tokens are distinct). First
+    of all, as vLLM applies it: the penalties see the biased logits."""
     rows, tokens, biases = bias
-    out[rows, tokens] += biases
-    return out
+    logits[rows, tokens] += biases
 
 
 def early_stop_tokens(params: list, num_output_tokens: list[int], eos_token_ids: tuple[int, ...], vocab_size: int,
@@ -126,18 +149,16 @@ def early_stop_tokens(params: list, num_output_tokens: list[int], eos_token_ids:
     return ints[0], ints[1]
 
 
-def ban_tokens(logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """fp32 logits with -inf at each (row, token) of banned (a new tensor, as apply_logit_bias)."""
-    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    out[banned] = float("-inf")
-    return out
+def ban_tokens(logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """In place on fp32 logits: -inf at each (row, token) of banned."""
+    logits[banned] = float("-inf")
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Sets to -inf each logit whose probability at the row's temperature is below min_p times
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> None:
+    """In place: sets to -inf each logit whose probability at the row's temperature is below min_p times
     its row's largest: softmax(l / T)_i < min_p * max_j softmax(l / T)_j, i.e.
     l_i < max_j l_j + T log(min_p). Greedy rows and rows with min_p 0 are left alone."""
     active = (min_p > 0) & (temperatures > 0)
     log_min_p = torch.where(active, min_p, 1.0).log()
     threshold = logits.amax(-1) + torch.where(active, temperatures * log_min_p, -math.inf)
-    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
+    logits.masked_fill_(logits < threshold[:, None], float("-inf"))

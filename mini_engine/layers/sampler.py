@@ -18,7 +18,8 @@ class SamplingTensors:
     row_seeds: list[int | None]       # host copy; None where the request gave no seed
     all_greedy: bool
     row_top_k: list[int] | None = None    # top_k's host copy (0: none), where top_k is given
-    penalties: PenaltyTensors | None = None   # where a row has presence/frequency/repetition penalties
+    penalties: PenaltyTensors | None = None   # where a row has presence/frequency/repetition penalties;
+                                              # the runner records the sampled tokens in their counts
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, tokens, biases)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, tokens) that min_tokens holds back
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
@@ -57,16 +58,19 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        # vLLM's order: logit_bias and min_tokens' ban, then penalties (greedy rows too), then
-        # min_p at the row's temperature, then top-k and top-p.
-        if params.logit_bias is not None:
-            logits = apply_logit_bias(logits, params.logit_bias)
-        if params.banned is not None:
-            logits = ban_tokens(logits, params.banned)
-        if params.penalties is not None:
-            logits = apply_penalties(logits, params.penalties)
-        if params.min_p is not None:
-            logits = apply_min_p(logits.float(), params.min_p, params.temperatures)
+        if any(x is not None for x in (params.logit_bias, params.banned, params.penalties, params.min_p)):
+            # One fp32 copy, changed in place from here on (the raw logits stay, for logprobs), in
+            # vLLM's order: logit_bias and min_tokens' ban, then penalties (greedy rows too), then
+            # min_p at the row's temperature, then top-k and top-p.
+            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            if params.logit_bias is not None:
+                apply_logit_bias(logits, params.logit_bias)
+            if params.banned is not None:
+                ban_tokens(logits, params.banned)
+            if params.penalties is not None:
+                apply_penalties(logits, params.penalties, self.use_triton)
+            if params.min_p is not None:
+                apply_min_p(logits, params.min_p, params.temperatures)
         if self.use_triton and params.top_k is None and params.top_p is None:
             # No fp32 copy of the logits: the kernel converts bf16 as it loads, and argmax is exact
             # in any float dtype (bf16 -> fp32 is exact and keeps the order).

@@ -20,8 +20,10 @@ class BatchRow:
     seed: int | None = None     # this step's seed for the row, where the request gave one
     block_table_array: np.ndarray | None = None   # block_table padded with -1, if the caller keeps one
     prev_token_index: int = -1  # >= 0: the input token is sample [this] of the previous launch
-    # For a sampling row with penalties: the sequence's tokens before this step's newest (which
-    # the host may not know yet), prompt then output, and how many are the prompt's.
+    # For a sampling row with penalties: its request's row of the runner's PenaltyState and, at the
+    # first step in that row, what fills it: the tokens before this step's newest (which the host
+    # may not know yet), prompt then output, and how many are the prompt's.
+    penalty_row: int = -1
     history: np.ndarray | None = None
     num_prompt_tokens: int = 0
     # For a sampling row whose request sets min_tokens: its output tokens before this step's sample.

@@ -15,7 +15,7 @@ from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
-from mini_engine.layers.penalties import early_stop_tokens, logit_bias_tensors, penalty_tensors
+from mini_engine.layers.penalties import PenaltyState, early_stop_tokens, logit_bias_tensors, penalty_tensors
 from mini_engine.layers.sampler import Sampler, SamplingTensors, logprob_tensors, sample_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
@@ -135,6 +135,8 @@ class ModelRunner:
             self.decode_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
             for layer in self.model.layers:
                 layer.self_attn.attn.decode_workspace = self.decode_workspace
+        # Penalised requests' counts, a row for each request that can run: before the KV pool is sized.
+        self.penalty_state = PenaltyState.allocate(config.max_num_seqs, mc.vocab_size, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
@@ -238,18 +240,18 @@ class ModelRunner:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
         max_model_len. Every row shares one block table: only memory use matters here. Their rows
         sample with a logit bias, penalties, min_p and within a nucleus: the sampler's most
-        memory-hungry path (the bias's and the penalties' fp32 logits, the counts, then a sort of
+        memory-hungry path (an fp32 copy of the logits, the penalty counts' fill, then a sort of
         every row's logits in fp32), which also compiles its fp32 kernels before any request needs
-        them."""
+        them. The prefill rows fill penalty rows with their zeros, which the decode rows then read."""
         cfg = self.config
         params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01,
                                 logit_bias={0: 1.0})
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
-        prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, history=np.zeros(per_seq - 1, dtype=np.int64))
-                   for _ in range(num_seqs)]
-        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params, history=np.zeros(0, dtype=np.int64))
-                  for _ in range(cfg.max_num_seqs)]
+        prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, penalty_row=i,
+                            history=np.zeros(per_seq - 1, dtype=np.int64)) for i in range(num_seqs)]
+        decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params, penalty_row=i)
+                  for i in range(cfg.max_num_seqs)]
         return [prefill, decode]
 
     # ---- one step ----
@@ -298,7 +300,10 @@ class ModelRunner:
         if not sample_rows:
             return StepHandle.done([], None)
         if tokens is None:
-            tokens = self.sampler(logits, self.sampling_tensors(sample_rows, t))
+            sampling = self.sampling_tensors(sample_rows, t)
+            tokens = self.sampler(logits, sampling)
+            if sampling.penalties is not None:
+                sampling.penalties.record(tokens)
             samples[:len(tokens)].copy_(tokens)
         # Log-probabilities, only for the rows that asked: they go to the host with the tokens.
         want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
@@ -417,11 +422,17 @@ class ModelRunner:
         penalised = [i for i, p in enumerate(params) if p.penalized]
         penalties = None
         if penalised:
-            # A sampling row's newest token is its last input token: filled on the device, by the
-            # time these kernels run, where the host only knows it is in flight.
-            penalties = penalty_tensors(penalised, [rows[i].history for i in penalised],
-                                        [rows[i].num_prompt_tokens for i in penalised], [params[i] for i in penalised],
-                                        t.input_ids[t.logits_indices], self.model_config.vocab_size)
+            if any(rows[i].penalty_row < 0 for i in penalised):
+                raise ValueError("a penalised row needs a penalty_row: its request's row of the penalty counts")
+            fill = [i for i in penalised if rows[i].history is not None]
+            if fill:
+                # A sampling row's newest token is its last input token: filled on the device, by
+                # the time these kernels run, where the host only knows it is in flight.
+                newest = t.input_ids[t.logits_indices[self.to_device(fill, torch.int64)]]
+                self.penalty_state.fill([rows[i].penalty_row for i in fill], [rows[i].history for i in fill],
+                                        [rows[i].num_prompt_tokens for i in fill], newest)
+            penalties = penalty_tensors(penalised, [rows[i].penalty_row for i in penalised],
+                                        [params[i] for i in penalised], self.penalty_state)
         return SamplingTensors(
             temperatures=t.temperatures[:len(rows)],
             top_k=self.to_device(top_k, torch.int64) if any(top_k) else None,

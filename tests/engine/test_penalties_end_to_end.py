@@ -87,22 +87,40 @@ def test_prefix_cache_hits(tiny_checkpoint):
     assert got == expected(tiny_checkpoint, prompts)
 
 
-def test_history_before_newest_copies_only_what_was_added():
+def test_tokens_before_newest():
     seq = Sequence("r", [5, 6, 7], SamplingParams(presence_penalty=1.0))
-    assert seq.history_before_newest().tolist() == [5, 6]
-    for token in range(100):                       # grows past its first 64 slots
-        seq.token_ids.append(token)
-        assert seq.history_before_newest().tolist() == seq.token_ids[:-1]
-    buffer = seq.history_buffer
-    seq.token_ids[3] = -5                          # already copied: not read again
-    assert seq.history_before_newest()[3] == 0 and seq.history_buffer is buffer
-    seq.token_ids.append(PENDING_TOKEN)            # the newest may be in flight
-    assert seq.history_before_newest()[-1] == 99
+    assert seq.tokens_before_newest().tolist() == [5, 6]
+    seq.token_ids += [8, PENDING_TOKEN]            # the newest may be in flight
+    assert seq.tokens_before_newest().tolist() == [5, 6, 7, 8]
     seq.token_ids.append(PENDING_TOKEN)            # a token before the newest may not
     with pytest.raises(RuntimeError, match="in flight"):
-        seq.history_before_newest()
-    del seq.token_ids[-3:]                         # tokens dropped past a stop
-    assert seq.history_before_newest().tolist()[-2:] == [96, 97]
+        seq.tokens_before_newest()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_penalty_rows_are_reused_and_all_returned(tiny_checkpoint, async_scheduling):
+    """Three times as many penalised requests as max_num_seqs, in a pool that forces preemptions:
+    each running request has its own row of counts, rows pass from ended or preempted requests to
+    new ones (a new owner's fill clears what the last one and its in-flight step left), and after
+    the run every row is free again."""
+    prompts = mixed_prompts() * 3
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16, block_size=4, max_num_seqs=3,
+              async_scheduling=async_scheduling, enable_prefix_caching=False)
+    scheduler = llm.engine.scheduler
+    rows_seen = []
+    original = scheduler.schedule
+
+    def schedule():
+        out = original()
+        rows = [s.penalty_row for s in scheduler.running if s.sampling_params.penalized]
+        assert -1 not in rows and len(set(rows)) == len(rows), rows
+        rows_seen.extend(rows)
+        return out
+    scheduler.schedule = schedule
+    outputs = llm.generate(prompts, [params_for(i) for i in range(len(prompts))], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected(tiny_checkpoint, prompts)
+    assert llm.engine.num_preemptions > 0 and set(rows_seen) == {0, 1, 2}
+    assert sorted(scheduler.free_penalty_rows) == [0, 1, 2], "penalty rows leaked"
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mini_engine.layers.penalties import (apply_logit_bias, apply_min_p, apply_penalties, ban_tokens, early_stop_tokens,
-                                         logit_bias_tensors, output_counts_ref, penalty_tensors)
+from mini_engine.layers.penalties import (PenaltyState, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens,
+                                         early_stop_tokens, logit_bias_tensors, output_counts_ref, penalty_tensors)
 from mini_engine.layers.sampler import Sampler, SamplingTensors
 from mini_engine.sampling_params import SamplingParams
 from tests.penalty_definition import penalised_by_definition
@@ -31,54 +31,70 @@ def random_rows(seed: int, num_rows: int = 5):
     return histories, num_prompt, params
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_counts_equal_the_token_by_token_count(seed):
-    histories, num_prompt, params = random_rows(seed)
-    rows = list(range(len(histories)))
-    # The host may not know the newest token yet: it comes from the device.
-    newest = torch.tensor([h[-1] for h in histories], device=DEVICE)
-    pt = penalty_tensors(rows, before_newest(histories), num_prompt, params, newest, VOCAB)
-    counts, seen = output_counts_ref(histories, num_prompt, VOCAB)
-    assert torch.equal(pt.output_counts.cpu(), counts)
-    assert torch.equal(pt.seen().cpu(), seen)
-    assert counts.sum() > 0 and (seen & (counts == 0)).any(), "the rows test neither outputs nor prompts"
-
-
 def before_newest(histories: list[list[int]]) -> list[np.ndarray]:
     return [np.asarray(h[:-1], dtype=np.int64) for h in histories]
 
 
-def test_only_rows_with_a_repetition_penalty_see_their_prompt():
-    """Presence and frequency read the output alone; the prompt goes to the device only for the
-    repetition penalty, the one that reads it (and a last prompt token, the newest, counts as seen)."""
-    histories, num_prompt = [[3, 4, 9, 9], [3, 4, 9, 9], [3, 4]], [2, 2, 2]
-    params = [SamplingParams(presence_penalty=1.0), SamplingParams(repetition_penalty=1.2),
-              SamplingParams(repetition_penalty=1.2)]
-    pt = penalty_tensors([0, 1, 2], before_newest(histories), num_prompt, params, torch.tensor([9, 9, 4]), VOCAB)
-    assert pt.seen()[0].nonzero().flatten().tolist() == [9]
-    assert pt.seen()[1].nonzero().flatten().tolist() == [3, 4, 9]
-    assert pt.seen()[2].nonzero().flatten().tolist() == [3, 4] and pt.output_counts[2].sum() == 0
-    assert pt.output_counts[0, 9] == pt.output_counts[1, 9] == 2
+def filled_state(histories, num_prompt, state_rows, num_state_rows: int = 8, device: str = DEVICE) -> PenaltyState:
+    """A state whose rows state_rows hold the histories' counts, filled as the runner fills them:
+    the host sends the tokens before the newest (it may not know the newest yet), the device
+    reads the newest. The other rows hold junk, as a row released by another request does."""
+    state = PenaltyState.allocate(num_state_rows, VOCAB, torch.device(device))
+    state.output_counts.random_(0, 5)
+    state.prompt_seen.random_(0, 2)
+    newest = torch.tensor([h[-1] for h in histories], device=device)
+    state.fill(state_rows, before_newest(histories), num_prompt, newest)
+    return state
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fill_then_records_equal_the_token_by_token_count(seed):
+    """A row filled from part of a history, then given the rest a sampled token at a time, holds
+    the counts of the whole history: prompt tokens as seen, output tokens counted."""
+    histories, num_prompt, _ = random_rows(seed)
+    state_rows = [6, 1, 3, 0, 4]
+    # A row is filled when its request first samples in it: the prompt at least.
+    cut = [random.Random(seed + i).randrange(n, len(h) + 1) for i, (h, n) in enumerate(zip(histories, num_prompt))]
+    state = filled_state([h[:c] for h, c in zip(histories, cut)], num_prompt, state_rows)
+    for position in range(max(len(h) for h in histories)):
+        j = [i for i, (h, c) in enumerate(zip(histories, cut)) if c <= position < len(h)]
+        if j:
+            state.record(torch.tensor([state_rows[i] for i in j], device=DEVICE),
+                         torch.tensor([histories[i][position] for i in j], device=DEVICE))
+    counts, prompt = output_counts_ref(histories, num_prompt, VOCAB)
+    assert torch.equal(state.output_counts[state_rows].cpu(), counts)
+    assert torch.equal(state.prompt_seen[state_rows].cpu(), prompt)
+    assert counts.sum() > 0 and prompt.sum() > 0
+
+
+def test_the_newest_token_counts_where_it_belongs():
+    """A history whose newest token is the prompt's last marks it seen; one past the prompt (a
+    preempted request filling its row again) counts it as output."""
+    state = filled_state([[3, 4, 9], [3, 4, 9]], [3, 2], [0, 1])
+    assert state.prompt_seen[0].nonzero().flatten().tolist() == [3, 4, 9] and state.output_counts[0].sum() == 0
+    assert state.prompt_seen[1].nonzero().flatten().tolist() == [3, 4]
+    assert state.output_counts[1].nonzero().flatten().tolist() == [9] and state.output_counts[1, 9] == 1
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_penalties_equal_their_definitions(seed):
     histories, num_prompt, params = random_rows(seed)
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(histories) + 2, VOCAB, generator=gen).to(torch.bfloat16)
-    # Rows 1 and 3 of the batch have no penalties: they pass through (as fp32).
-    rows = [0, 2, 4, 5, 6]
-    step_newest = torch.tensor([0] * logits.shape[0])
-    step_newest[rows] = torch.tensor([h[-1] for h in histories])
-    pt = penalty_tensors(rows, before_newest(histories), num_prompt, params, step_newest.to(DEVICE), VOCAB)
-    got = apply_penalties(logits.to(DEVICE), pt).cpu()
-    assert got.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    logits = torch.randn(len(histories) + 2, VOCAB, generator=gen)
+    logits[0, histories[0][0]] = float("-inf")            # banned or biased away before the penalties
+    # Rows 1 and 3 of the batch have no penalties: they pass through.
+    rows, state_rows = [0, 2, 4, 5, 6], [5, 0, 7, 2, 3]
+    pt = penalty_tensors(rows, state_rows, params, filled_state(histories, num_prompt, state_rows))
+    got = logits.clone().to(DEVICE)
+    apply_penalties(got, pt)
+    got = got.cpu()
     for i in (1, 3):
-        assert torch.equal(got[i], logits[i].float())
+        assert torch.equal(got[i], logits[i])
     for row, history, n, p in zip(rows, histories, num_prompt, params):
-        want = penalised_by_definition(logits[row].float(), history, n, p)
+        want = penalised_by_definition(logits[row], history, n, p)
         torch.testing.assert_close(got[row], want, rtol=1e-6, atol=1e-6)
-        assert not torch.equal(got[row], logits[row].float())
+        assert not torch.equal(got[row], logits[row])
+    assert got[0, histories[0][0]] == float("-inf")
 
 
 def test_repetition_penalty_equals_transformers():
@@ -87,13 +103,13 @@ def test_repetition_penalty_equals_transformers():
     logits = torch.randn(3, VOCAB, generator=gen)
     histories = [[1, 4, 4, 9], [7], [0, 49, 3, 3, 12]]
     params = [SamplingParams(repetition_penalty=r) for r in (1.3, 0.7, 2.0)]
-    pt = penalty_tensors([0, 1, 2], before_newest(histories), [2, 1, 5], params,
-                         torch.tensor([h[-1] for h in histories]), VOCAB)
-    got = apply_penalties(logits, pt)
+    pt = penalty_tensors([0, 1, 2], [0, 1, 2], params, filled_state(histories, [2, 1, 5], [0, 1, 2]))
+    got = logits.clone().to(DEVICE)
+    apply_penalties(got, pt)
     for i, (history, p) in enumerate(zip(histories, params)):
         processor = transformers.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)
         want = processor(torch.tensor([history]), logits[i:i + 1].clone())[0]
-        torch.testing.assert_close(got[i], want)
+        torch.testing.assert_close(got[i].cpu(), want)
 
 
 def test_min_p_keeps_the_tokens_at_least_min_p_times_the_likeliest():
@@ -101,7 +117,8 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_the_likeliest():
     logits = torch.randn(5, VOCAB, generator=gen) * 3
     min_p = torch.tensor([0.1, 0.0, 0.5, 0.3, 1.0])
     temperatures = torch.tensor([1.0, 0.8, 0.0, 0.6, 2.0])
-    got = apply_min_p(logits, min_p, temperatures)
+    got = logits.clone()
+    apply_min_p(got, min_p, temperatures)
     for row in range(5):
         if min_p[row] == 0 or temperatures[row] == 0:           # off, and greedy: left alone
             assert torch.equal(got[row], logits[row])
@@ -119,8 +136,7 @@ def test_sampler_applies_penalties_before_greedy_and_min_p_before_sampling():
     logits = torch.zeros(2, VOCAB)
     # At temperature 1 and min_p 0.1: 8 just above a tenth of 7's probability, 9 just below.
     logits[:, 7], logits[:, 8], logits[:, 9] = 5.0, 5.0 - math.log(10) + 0.01, 5.0 - math.log(10) - 0.01
-    pt = penalty_tensors([0], before_newest([[1, 7, 7]]), [1], [SamplingParams(frequency_penalty=2.0)],
-                         torch.tensor([7, 0]), VOCAB)
+    pt = penalty_tensors([0], [0], [SamplingParams(frequency_penalty=2.0)], filled_state([[1, 7, 7]], [1], [0], device="cpu"))
     params = SamplingTensors(temperatures=torch.tensor([0.0, 1.0]), top_k=None, top_p=None,
                              seeds=torch.tensor([0, 0]), row_seeds=[None, None], all_greedy=False,
                              penalties=pt, min_p=torch.tensor([0.0, 0.1]))
@@ -150,12 +166,13 @@ def test_logit_bias_is_added_to_its_tokens_alone_before_the_penalties():
     logits[:, 3] = -1.0
     params = [SamplingParams(logit_bias={3: 2.0, 7: -100}), SamplingParams(), SamplingParams(logit_bias={0: 0.5})]
     bias = logit_bias_tensors(params, torch.device(DEVICE))
-    got = apply_logit_bias(logits.to(DEVICE), bias).cpu()
+    got = logits.clone().to(DEVICE)
+    apply_logit_bias(got, bias)
+    got = got.cpu()
     want = logits.clone()
     want[0, 3], want[0, 7], want[2, 0] = 1.0, -100.0, 0.5
     assert torch.equal(got, want)
-    pt = penalty_tensors([0], before_newest([[3, 3]]), [1], [SamplingParams(repetition_penalty=2.0)],
-                         torch.tensor([3, 0, 0]), VOCAB)
+    pt = penalty_tensors([0], [0], [SamplingParams(repetition_penalty=2.0)], filled_state([[3, 3]], [1], [0], device="cpu"))
     sampled = SamplingTensors(temperatures=torch.zeros(3), top_k=None, top_p=None,
                               seeds=torch.zeros(3, dtype=torch.long), row_seeds=[None] * 3, all_greedy=True,
                               penalties=pt, logit_bias=logit_bias_tensors(params, torch.device("cpu")))
@@ -175,7 +192,9 @@ def test_min_tokens_bans_the_stop_tokens_of_rows_still_short_of_it():
     assert list(zip(rows.tolist(), tokens.tolist())) == [(0, 2), (0, 7), (2, 2), (2, 4)]
     assert early_stop_tokens(params[1:2], [5], (2,), VOCAB, torch.device("cpu")) is None
     logits = torch.randn(4, VOCAB)
-    banned = ban_tokens(logits.to(DEVICE), (rows, tokens)).cpu()
+    banned = logits.clone().to(DEVICE)
+    ban_tokens(banned, (rows, tokens))
+    banned = banned.cpu()
     assert torch.isinf(banned).sum() == 4 and banned[0, 7] == banned[2, 4] == float("-inf")
     assert torch.equal(banned[1], logits[1]) and torch.equal(banned[3], logits[3])
 
