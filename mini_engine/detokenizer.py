@@ -10,7 +10,9 @@ whatever the window held back is emitted then, so the streamed text equals the o
 Stop strings are matched on the text; the matched string and everything after it are dropped,
 and while a request runs the last len(longest stop) - 1 characters are held back, since they may
 be the start of a stop string that the next token completes. As in vLLM, none is matched until the
-output has more than min_tokens tokens, and then only one that the newest text completes.
+output has more than min_tokens tokens, and then only one that the newest text completes; with
+include_stop (vLLM's include_stop_str_in_output) the text keeps the matched string, and the stop
+token's text, and nothing is held back.
 """
 from tokenizers import Tokenizer
 
@@ -18,11 +20,13 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, min_tokens: int = 0):
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, min_tokens: int = 0,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.min_tokens = min_tokens
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.include_stop = include_stop
+        self.holdback = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.prefix_offset = 0      # the window's first token: context for the tokens after it
         self.read_offset = 0        # tokens before this are in self.text
@@ -39,7 +43,7 @@ class IncrementalDetokenizer:
         stop token (stop_token_ids or EOS), whose text, as in vLLM, is not part of the output."""
         if self.stopped:
             return ""
-        if stop_token:
+        if stop_token and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
         self.token_ids.extend(new_token_ids)
         if finished:
@@ -73,7 +77,8 @@ class IncrementalDetokenizer:
             return
         # Only a match that the new text completes: one that may begin in the held-back tail. (A
         # short stop string written while min_tokens held matching back is not found later.)
-        hits = [i for i in (self.text.find(s, max(0, end_before - len(s) + 1)) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, max(0, end_before - len(s) + 1))) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            start, length = min(hits)           # the first to begin (of those, the shortest)
+            self.text = self.text[:start + length if self.include_stop else start]
             self.stopped = True

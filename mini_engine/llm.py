@@ -151,7 +151,8 @@ class LLM:
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if params.stop:
-                stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens)
+                stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens,
+                                                                  params.include_stop_str_in_output)
             cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks)
             admission.prompt_costs[seq.request_id] = cost
             tokens += cost
@@ -190,12 +191,13 @@ class LLM:
         )
 
     def to_completion(self, index: int, seq: Sequence, stopper: IncrementalDetokenizer | None) -> CompletionOutput:
-        # The text ends before the stop string or stop token; the token ids keep the token that
-        # completed it. (Without a stopper, the engine's stop token is the only "stop".)
+        # The text ends before the stop string or stop token (after it, with
+        # include_stop_str_in_output); the token ids keep the token that completed it. (Without a stopper, the engine's stop token is the only "stop".)
         if stopper is not None:
             text = stopper.text
         else:
-            text_ids = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
+            drop_stop_token = seq.finish_reason == "stop" and not seq.sampling_params.include_stop_str_in_output
+            text_ids = seq.output_token_ids[:-1] if drop_stop_token else seq.output_token_ids
             text = self.engine.detokenize(text_ids)
         logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None
         return CompletionOutput(index, text, seq.output_token_ids, seq.finish_reason, logprobs,

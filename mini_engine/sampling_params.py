@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = field(default_factory=list)   # None: none
     stop: str | list[str] | None = field(default_factory=list)   # strings that end the output (not included)
+    include_stop_str_in_output: bool = False   # vLLM's: keep the stop string (or stop token) in the text
     seed: int | None = None       # reproducible sampling for this request alone
     logprobs: int | None = None   # return the sampled token's log-probability and this many top ones
     # vLLM's (and OpenAI's) penalties, applied to the logits before temperature. presence and
@@ -40,6 +41,10 @@ class SamplingParams:
     # instead of walking their dicts (a whole-vocabulary bias took 256 ms a step).
     logit_bias_arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False,
                                                                     compare=False)
+    # vLLM's: the only token ids the request may sample (all others -inf, before the bias), and
+    # them as a sorted array, made once.
+    allowed_token_ids: list[int] | None = None
+    allowed_token_ids_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     # Completions of the prompt to return (vLLM's parallel sampling): n sequences, whose prompt
     # the prefix cache computes once; with a seed, completion i draws from seed + i.
     n: int = 1
@@ -67,6 +72,15 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+                                                 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids or None, "
+                                 f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids_array = np.unique(np.array(self.allowed_token_ids, dtype=np.int64))
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")

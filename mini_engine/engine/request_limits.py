@@ -41,6 +41,9 @@ class RequestLimits:
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary of "
                              f"{self.vocab_size}")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
+            raise ValueError(f"allowed_token_ids names token id {max(params.allowed_token_ids)}, outside the "
+                             f"vocabulary of {self.vocab_size}")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")

@@ -120,6 +120,23 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors, use_triton:
           p.state.prompt_seen)
 
 
+def allowed_token_tensors(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the restricted sampling rows, and the (row, token) pairs they allow), on the device."""
+    arrays = [(row, p.allowed_token_ids_array) for row, p in enumerate(params) if p.allowed_token_ids_array is not None]
+    rows = np.array([row for row, _ in arrays], dtype=np.int64)
+    pair_rows = np.repeat(rows, [len(tokens) for _, tokens in arrays])
+    ints = to_device(torch.from_numpy(np.concatenate([rows, pair_rows, *(tokens for _, tokens in arrays)])), device)
+    return ints.split([len(rows), len(pair_rows), len(pair_rows)])
+
+
+def keep_allowed_tokens(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """In place on fp32 logits: -inf in the restricted rows except at their allowed tokens."""
+    rows, pair_rows, tokens = allowed
+    kept = logits[pair_rows, tokens]
+    logits[rows] = float("-inf")
+    logits[pair_rows, tokens] = kept
+
+
 def logit_bias_tensors(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sampling rows, token ids, biases) of every entry of the rows' logit_bias, on the device,
     from the arrays each SamplingParams made of its dict once."""

@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
-from mini_engine.layers.penalties import PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens
+from mini_engine.layers.penalties import (PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens,
+                                         keep_allowed_tokens)
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SamplingTensors:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, tokens, biases)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, tokens) that min_tokens holds back
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, pair rows, tokens) of allowed_token_ids
 
 
 @dataclass(slots=True)
@@ -58,11 +60,14 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        if any(x is not None for x in (params.logit_bias, params.banned, params.penalties, params.min_p)):
+        if any(x is not None for x in (params.allowed, params.logit_bias, params.banned, params.penalties,
+                                       params.min_p)):
             # One fp32 copy, changed in place from here on (the raw logits stay, for logprobs), in
-            # vLLM's order: logit_bias and min_tokens' ban, then penalties (greedy rows too), then
-            # min_p at the row's temperature, then top-k and top-p.
+            # vLLM's order: allowed_token_ids, then logit_bias and min_tokens' ban, then penalties
+            # (greedy rows too), then min_p at the row's temperature, then top-k and top-p.
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            if params.allowed is not None:
+                keep_allowed_tokens(logits, params.allowed)
             if params.logit_bias is not None:
                 apply_logit_bias(logits, params.logit_bias)
             if params.banned is not None:

@@ -15,7 +15,8 @@ from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
-from mini_engine.layers.penalties import PenaltyState, early_stop_tokens, logit_bias_tensors, penalty_tensors
+from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, early_stop_tokens, logit_bias_tensors,
+                                         penalty_tensors)
 from mini_engine.layers.sampler import Sampler, SamplingTensors, logprob_tensors, sample_logprobs
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
@@ -319,8 +320,10 @@ class ModelRunner:
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
         """Does any row ask for what only the eager sampler applies: top-k, top-p, min_p, a
-        penalty, a logit bias or, while its output is shorter than min_tokens, no stop token?"""
+        penalty, a logit bias, allowed_token_ids or, while its output is shorter than min_tokens,
+        no stop token?"""
         return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalized or r.params.logit_bias
+                   or r.params.allowed_token_ids
                    or (r.params.min_p > 0 and r.params.temperature > 0)     # min_p: not for greedy
                    or r.num_output_tokens < r.params.min_tokens for r in rows)
 
@@ -443,6 +446,7 @@ class ModelRunner:
             row_top_k=top_k,
             penalties=penalties,
             logit_bias=logit_bias_tensors(params, self.device) if any(p.logit_bias for p in params) else None,
+            allowed=allowed_token_tensors(params, self.device) if any(p.allowed_token_ids for p in params) else None,
             banned=early_stop_tokens(params, [r.num_output_tokens for r in rows], self.model_config.eos_token_ids,
                                      self.model_config.vocab_size, self.device)
             if any(p.min_tokens for p in params) else None,

@@ -141,7 +141,8 @@ class OpenAIServer:
             return self.config.default_sampling_params(
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
                 stop=req.stop_list, seed=req.seed, logprobs=logprobs, n=1 if req.n is None else req.n,
-                min_tokens=req.min_tokens,
+                min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+                allowed_token_ids=req.allowed_token_ids,
                 **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None

@@ -101,8 +101,8 @@ class EngineLoop:
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True)
             except (ValueError, TypeError) as e:
                 return [(request_id, "", [], None, "error", 0, str(e))]
-            self.states[request_id] = RequestState(IncrementalDetokenizer(self.engine.tokenizer, params.stop,
-                                                                          params.min_tokens))
+            self.states[request_id] = RequestState(IncrementalDetokenizer(
+                self.engine.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output))
             return []
         if command[0] == "abort":
             request_id = command[1]

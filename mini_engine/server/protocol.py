@@ -58,6 +58,8 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)  # extension
     ignore_eos: bool = False            # extension
+    include_stop_str_in_output: bool = False    # extension (vLLM's)
+    allowed_token_ids: list[int] | None = None  # extension (vLLM's)
     n: int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -140,3 +140,42 @@ def test_logit_bias_forces_and_bans_tokens(tiny_checkpoint, async_scheduling):
     assert got[1][0] == hf_logits(tiny_checkpoint, prompts[1])[-1].topk(2).indices[1] and banned not in got[1]
     assert got[2] == plain[2]
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_allowed_token_ids_restrict_greedy_and_sampled_rows(tiny_checkpoint, async_scheduling):
+    """vLLM's allowed_token_ids: a greedy row takes the argmax of transformers' logits over its
+    allowed tokens (the runner-up of them where the bias bans the best), a sampled row draws
+    only from them, and a row without any beside them stays greedy."""
+    prompts = mixed_prompts()[:3]
+    plain = [hf_greedy(tiny_checkpoint, p, MAX_TOKENS) for p in prompts]
+    allowed = sorted({plain[0][0], (plain[0][0] + 1) % 256, 5, 77, 200})
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, async_scheduling=async_scheduling)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed,
+                             logit_bias={plain[0][0]: -100}),
+              SamplingParams(temperature=5.0, seed=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             allowed_token_ids=[8, 9, 10, 11]),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = list(prompts[0])
+    for _ in range(MAX_TOKENS):
+        logits = hf_logits(tiny_checkpoint, tokens)[-1].clone()
+        logits[plain[0][0]] -= 100
+        tokens.append(allowed[int(logits[allowed].argmax())])
+    assert got[0] == tokens[len(prompts[0]):]
+    assert set(got[1]) <= {8, 9, 10, 11} and len(set(got[1])) > 1 and got[2] == plain[2]
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_allowed_token_ids_are_checked():
+    for bad in ([], [-1], [True], [1.5]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    assert SamplingParams(allowed_token_ids=(4, 2, 4)).allowed_token_ids_array.tolist() == [2, 4]
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="outside the vocabulary of 256"):
+        llm.generate([[1, 2, 3]], SamplingParams(allowed_token_ids=[3, 256]), use_tqdm=False)
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks and not llm.engine.requests

@@ -109,3 +109,23 @@ def test_min_tokens_holds_back_stop_strings(llm):
     never = llm.generate(prompt, greedy(stop=letter, min_tokens=40), use_tqdm=False)[0].outputs[0]
     assert (never.text, never.finish_reason) == (free.text, "length")
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token(llm):
+    """vLLM's include_stop_str_in_output: the text runs through the stop string, or through the
+    stop token's text; the token ids are those without it."""
+    free = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0]
+    text, ids = free.text, free.token_ids
+    k = next(k for k in range(1, len(text) - 1) if text[k:k + 2].isascii() and text[k:k + 2].isalpha())
+    stop = text[k:k + 2]
+    cut = text.find(stop)
+    plain, kept = (llm.generate(PROMPTS[0], greedy(stop=stop, include_stop_str_in_output=include), use_tqdm=False)[0]
+                   .outputs[0] for include in (False, True))
+    assert (plain.text, kept.text) == (text[:cut], text[:cut + 2]) and kept.finish_reason == "stop"
+    assert kept.token_ids == plain.token_ids
+    k = next(k for k in range(3, len(ids)) if ids[k] not in ids[:k]
+             and len(llm.tokenizer.decode(ids[:k + 1])) > len(llm.tokenizer.decode(ids[:k])))
+    for stop in ([], ["never appears \u2603"]):      # without, and with, a stop-string matcher
+        out = llm.generate(PROMPTS[0], greedy(stop_token_ids=[ids[k]], stop=stop, include_stop_str_in_output=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.text) == (ids[:k + 1], "stop", llm.tokenizer.decode(ids[:k + 1]))

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from mini_engine.layers.penalties import (PenaltyState, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens,
-                                         early_stop_tokens, logit_bias_tensors, output_counts_ref, penalty_tensors)
+from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, apply_logit_bias, apply_min_p,
+                                         apply_penalties, ban_tokens, early_stop_tokens, keep_allowed_tokens,
+                                         logit_bias_tensors, output_counts_ref, penalty_tensors)
 from mini_engine.layers.sampler import Sampler, SamplingTensors
 from mini_engine.sampling_params import SamplingParams
 from tests.penalty_definition import penalised_by_definition
@@ -158,6 +159,7 @@ def test_only_what_the_graphs_sampler_cannot_apply_leaves_it():
     assert not leaves(temperature=0.0, min_p=0.2) and not leaves(temperature=1.0)
     assert leaves(temperature=1.0, min_p=0.2) and leaves(temperature=0.0, repetition_penalty=1.1)
     assert leaves(temperature=0.0, presence_penalty=-0.5) and leaves(temperature=1.0, top_k=5)
+    assert leaves(temperature=0.0, allowed_token_ids=[3])
 
 
 def test_logit_bias_is_added_to_its_tokens_alone_before_the_penalties():
@@ -209,3 +211,18 @@ def test_a_logit_bias_is_made_into_arrays_once():
     rows, ids, values = logit_bias_tensors([SamplingParams(), p, SamplingParams(logit_bias={1: 0.5})],
                                            torch.device("cpu"))
     assert (rows.tolist(), ids.tolist(), values.tolist()) == ([1, 1, 2], [9, 4, 1], [-3.0, 100.0, 0.5])
+
+
+def test_allowed_token_ids_keep_their_logits_alone():
+    """A restricted row keeps its allowed tokens' logits and -inf elsewhere (an allowed token that
+    a ban already set to -inf stays banned); the other rows are untouched."""
+    logits = torch.randn(4, VOCAB)
+    logits[2, 7] = float("-inf")
+    params = [SamplingParams(), SamplingParams(allowed_token_ids=[9, 3, 9]), SamplingParams(allowed_token_ids=[7, 0]),
+              SamplingParams()]
+    got = logits.clone().to(DEVICE)
+    keep_allowed_tokens(got, allowed_token_tensors(params, torch.device(DEVICE)))
+    got = got.cpu()
+    assert torch.equal(got[[0, 3]], logits[[0, 3]])
+    assert torch.isfinite(got[1]).nonzero().flatten().tolist() == [3, 9] and torch.equal(got[1, [3, 9]], logits[1, [3, 9]])
+    assert torch.isfinite(got[2]).nonzero().flatten().tolist() == [0] and got[2, 0] == logits[2, 0]

@@ -99,3 +99,30 @@ def test_a_stop_string_written_while_min_tokens_held_matching_back_is_not_found_
     assert run(["a"]) == ("xabcdefg", False)                    # "a" came at token 2: held back
     assert run(["a", "zzzz"]) == ("xabcdefg", False)
     assert run(["ab"]) == ("x", True)                           # begun within min_tokens, completed past it
+
+
+@pytest.mark.parametrize("stop", [["vu"], ["😀"], ["e 你", "zzz"], ["ö", "öß"]])
+def test_include_stop_str_keeps_the_stop_string_and_holds_nothing_back(tokenizer, stop):
+    """vLLM's include_stop_str_in_output: the text runs to the end of the first stop string to
+    begin (of two that begin together, the shorter), and each piece goes out as soon as it is
+    whole: a stop string in the output needs no held-back tail."""
+    ids = byte_tokens(tokenizer, TEXT)
+    detok = IncrementalDetokenizer(tokenizer, stop, include_stop=True)
+    pieces = stream(detok, ids)
+    start, length = min((TEXT.find(s), len(s)) for s in stop if s in TEXT)
+    assert detok.stopped and "".join(pieces) == TEXT[:start + length]
+    sent = 0
+    for i in range(len(ids)):       # every prefix that ends on a whole character was sent by then
+        sent += len(pieces[i]) if i < len(pieces) else 0
+        whole = tokenizer.decode(ids[:i + 1])
+        if i + 1 < len(pieces) and not whole.endswith("\ufffd"):
+            assert sent == len(whole), (i, sent, whole)
+
+
+def test_stop_strings_completed_together_end_the_text_at_the_first(tokenizer):
+    """One update that completes several: the text ends at (or, kept, through) the first to begin,
+    the shorter of two that begin together."""
+    ids = tokenizer.encode(TEXT).ids
+    for include, want in ((False, ""), (True, "Gr")):
+        detok = IncrementalDetokenizer(tokenizer, ["vu", "Größe", "Gr"], include_stop=include)
+        assert detok.update(ids, finished=False) == want and detok.stopped

@@ -289,3 +289,25 @@ def test_text_offsets_count_each_tokens_characters(served, client):
                 tokens, offsets = lp.tokens, lp.text_offset
             assert len(tokens) == 12
             assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(12)], (extra, stream)
+
+
+def test_allowed_token_ids_and_include_stop_str_reach_the_engine(served, client, llm):
+    """vLLM's allowed_token_ids and include_stop_str_in_output, as extra fields: the same text as
+    LLM.generate with the same SamplingParams, streamed or not."""
+    _, free_ids, _ = reference(llm, "Hello world", temperature=0, max_tokens=8, ignore_eos=True)
+    allowed = [300, 301, 302, free_ids[0] + 1]
+    params = dict(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
+    ref_text, ref_ids, _ = reference(llm, "Hello world", **params)
+    assert set(ref_ids) <= set(allowed) and ref_ids != free_ids
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello world", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert r.choices[0].text == ref_text
+    stop_id = ref_ids[3]
+    params = dict(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed, stop_token_ids=[stop_id],
+                  include_stop_str_in_output=True)
+    kept_text, kept_ids, _ = reference(llm, "Hello world", **params)
+    assert kept_text == llm.tokenizer.decode(kept_ids) and kept_ids[-1] == stop_id
+    text, reason, _, _ = stream_completion(client, prompt="Hello world", max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
+                                                       "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+    assert (text, reason) == (kept_text, "stop")
