@@ -188,6 +188,7 @@ class LLM:
             finished=True,
             num_cached_tokens=max(seq.num_cached_tokens for _, seq in completions),
             num_preemptions=sum(seq.num_preemptions for _, seq in completions),
+            prompt_logprobs=first.prompt_logprobs,
         )
 
     def to_completion(self, index: int, seq: Sequence, stopper: IncrementalDetokenizer | None) -> CompletionOutput:

@@ -22,3 +22,6 @@ class RequestOutput:
     # any was served: the first usually computes the prompt that the others then find)
     num_cached_tokens: int = 0
     num_preemptions: int = 0        # of all its completions
+    # Where SamplingParams.prompt_logprobs asked, as vLLM's: None for the first prompt token (nothing
+    # comes before it), then a SampleLogprobs for each (its log-probability, rank and top ones).
+    prompt_logprobs: list | None = None

@@ -26,6 +26,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False   # vLLM's: keep the stop string (or stop token) in the text
     seed: int | None = None       # reproducible sampling for this request alone
     logprobs: int | None = None   # return the sampled token's log-probability and this many top ones
+    # vLLM's: each prompt token's log-probability (given the tokens before it) and this many top
+    # ones. The request's prompt is then computed whole, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
     # vLLM's (and OpenAI's) penalties, applied to the logits before temperature. presence and
     # frequency subtract from the logit of each token the output holds, once and once a time it
     # appears; repetition divides a positive logit (multiplies a negative one) of each token the
@@ -81,9 +84,10 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids or None, "
                                  f"got {self.allowed_token_ids!r}")
             self.allowed_token_ids_array = np.unique(np.array(self.allowed_token_ids, dtype=np.int64))
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -113,8 +117,10 @@ class SamplingParams:
 
     def completion(self, index: int) -> "SamplingParams":
         """The parameters of completion `index` of n: one sequence, its own seed where there is
-        one (as vLLM's ParentRequest gives its children)."""
-        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+        one (as vLLM's ParentRequest gives its children). The first alone computes the prompt's
+        log-probabilities: the others may then take the prompt from the prefix cache."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def penalized(self) -> bool:

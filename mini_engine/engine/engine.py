@@ -27,6 +27,9 @@ class InFlightStep:
     where in each sequence's token_ids the token goes."""
     handle: StepHandle
     samples: list[tuple[Sequence, int]]
+    # The sequences whose prompt log-probabilities it computes, in the runner's row order, and the
+    # prompt position of each one's first.
+    prompt_logprob_rows: list[tuple[Sequence, int]]
 
 
 @dataclass
@@ -155,6 +158,8 @@ class LLMEngine:
         rows, order = self.build_rows(batch)
         handle = self.runner.launch(rows)
         samples = []
+        prompt_logprob_rows = [(batch.seqs[i], row.start_position + 1) for i, row in zip(order, rows)
+                               if row.prompt_logprob_targets is not None]
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
@@ -166,11 +171,13 @@ class LLMEngine:
                 seq.pending_sample_index = len(samples)
                 samples.append((seq, seq.num_tokens))
                 seq.token_ids.append(PENDING_TOKEN)
-        return InFlightStep(handle, samples)
+        return InFlightStep(handle, samples, prompt_logprob_rows)
 
     def resolve(self, step: InFlightStep) -> list[StepOutput]:
         tokens, logprobs = step.handle.result()
         logprobs = logprobs or [None] * len(tokens)
+        for (seq, position), values in zip(step.prompt_logprob_rows, step.handle.prompt_logprobs or []):
+            seq.prompt_logprobs[position:position + len(values)] = values
         outputs = []
         for (seq, position), token, lp in zip(step.samples, tokens, logprobs):
             if seq.is_finished:
@@ -211,6 +218,9 @@ class LLMEngine:
                     row.history, row.num_prompt_tokens = seq.tokens_before_newest(), seq.num_prompt_tokens
             if sample and p.min_tokens:
                 row.num_output_tokens = seq.num_output_tokens
+            if seq.needs_prompt_logprobs:
+                row.prompt_logprob_targets = seq.prompt_logprob_targets(start, n)
+                row.num_prompt_logprobs = p.prompt_logprobs
             rows.append(row)
         return rows, order
 

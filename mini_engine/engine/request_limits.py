@@ -35,9 +35,10 @@ class RequestLimits:
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} asks for more tokens than the vocabulary's "
-                             f"{self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"{name}={value} asks for more tokens than the vocabulary's {self.vocab_size}")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary of "
                              f"{self.vocab_size}")

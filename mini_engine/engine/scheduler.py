@@ -67,7 +67,7 @@ class Scheduler:
         # A step that had to preempt admits nobody: the pool is already short.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)
+            cached = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             n = min(seq.num_tokens - num_computed, budget)
             if not bm.allocate_slots(seq, n, cached):

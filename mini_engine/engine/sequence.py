@@ -38,6 +38,9 @@ class Sequence:
     num_preemptions: int = 0
     pending_sample_index: int = -1      # where the in-flight step's samples hold this seq's token
     logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
+    # Where prompt_logprobs asks: a SampleLogprobs per prompt position, filled as its chunks run
+    # (by position, so a chunk computed again after a preemption writes the same values); [0] stays None.
+    prompt_logprobs: list | None = None
     # A penalised request's row of the runner's penalty counts while it runs (-1: none), given by
     # the scheduler at admission; filled from token_ids at the first step that samples in it.
     penalty_row: int = -1
@@ -46,6 +49,22 @@ class Sequence:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Does some prompt position still lack its log-probabilities (so the prefix cache may not
+        serve this sequence's prompt)?"""
+        return self.prompt_logprobs is not None and None in self.prompt_logprobs[1:]
+
+    def prompt_logprob_targets(self, start: int, num_tokens: int) -> np.ndarray | None:
+        """The prompt tokens that positions [start, start + num_tokens) predict, where their
+        log-probabilities are asked for: token_ids[start + 1 : ...] up to the prompt's end."""
+        if self.prompt_logprobs is None:
+            return None
+        end = min(start + num_tokens, self.num_prompt_tokens - 1)
+        return np.asarray(self.token_ids[start + 1:end + 1], dtype=np.int64) if end > start else None
 
     @property
     def num_tokens(self) -> int:

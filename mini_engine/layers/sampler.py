@@ -29,9 +29,44 @@ class SamplingTensors:
 
 @dataclass(slots=True)
 class SampleLogprobs:
-    """A sampled token's log-probability and its row's most likely tokens, best first."""
+    """A token's log-probability and its row's most likely tokens, best first (and, for a prompt
+    token, its rank in the row: 1 is the likeliest)."""
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+# Prompt positions whose logits are made at once for prompt_logprobs: [256, 151,936] fp32 is no
+# larger than what the sampler's warm-up allocates (ModelRunner.warmup_batches), which the KV
+# pool was sized around.
+PROMPT_LOGPROB_ROWS = 256
+
+
+def prompt_logprob_tensors(compute_logits, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                           k: int) -> list[torch.Tensor]:
+    """Log-softmax of the logits at the step's token positions `positions` (flat indices into
+    hidden), in groups of PROMPT_LOGPROB_ROWS: each one's target token's log-probability and rank,
+    and its k best (values, then ids), on the device."""
+    parts = []
+    for start in range(0, positions.shape[0], PROMPT_LOGPROB_ROWS):
+        rows = slice(start, start + PROMPT_LOGPROB_ROWS)
+        logprobs = torch.log_softmax(compute_logits(hidden[positions[rows]]).float(), dim=-1)
+        target = logprobs.gather(-1, targets[rows][:, None])
+        rank = (logprobs > target).sum(-1) + 1
+        parts.append([target.squeeze(-1), rank, *logprobs.topk(k, dim=-1)])
+    return [torch.cat(column) for column in zip(*parts)]
+
+
+def prompt_logprobs_by_row(counts: list[int], num_top: list[int], target: list[float], rank: list[int],
+                           top_values: list[list[float]], top_ids: list[list[int]]) -> list[list[SampleLogprobs]]:
+    """prompt_logprob_tensors' results on the host, split into rows of counts[j] positions, each
+    with num_top[j] best."""
+    out, start = [], 0
+    for count, n in zip(counts, num_top):
+        out.append([SampleLogprobs(target[i], list(zip(top_ids[i][:n], top_values[i][:n])), rank[i])
+                    for i in range(start, start + count)])
+        start += count
+    return out
 
 
 def logprob_tensors(tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:

@@ -28,6 +28,10 @@ class BatchRow:
     num_prompt_tokens: int = 0
     # For a sampling row whose request sets min_tokens: its output tokens before this step's sample.
     num_output_tokens: int = 0
+    # Where the request asks for prompt_logprobs: the prompt tokens that this row's first tokens
+    # predict (token_ids[1:], and the next chunk's first; only a prompt's), and how many top ones.
+    prompt_logprob_targets: np.ndarray | None = None
+    num_prompt_logprobs: int = 0
 
 
 @dataclass(slots=True)
@@ -142,12 +146,16 @@ class StepInputBuffers:
 
 
 class StepHandle:
-    """A launched step's sampled tokens (and log-probabilities, where asked), on their way to the host."""
+    """A launched step's sampled tokens (and log-probabilities, where asked), on their way to the
+    host. finish turns the extras' host lists into (the sampling rows' logprobs, the prompt
+    log-probabilities of the rows that asked), either None."""
 
     def __init__(self, tokens: list[int] | None = None, logprobs: list | None = None,
                  host: list[torch.Tensor] | None = None, ready: torch.cuda.Event | None = None,
-                 finish: Callable[..., list] | None = None):
+                 finish: Callable[..., tuple[list | None, list | None]] | None = None,
+                 prompt_logprobs: list | None = None):
         self.tokens, self.logprobs, self.host, self.ready, self.finish = tokens, logprobs, host, ready, finish
+        self.prompt_logprobs = prompt_logprobs
 
     @classmethod
     def done(cls, tokens: list[int], logprobs: list | None) -> "StepHandle":
@@ -163,7 +171,8 @@ class StepHandle:
         its copy (benchmarks/NOTES.md, entries 40 and 41). The caller must not overwrite tokens
         until the event has fired."""
         if not tokens.is_cuda:
-            return cls(tokens.tolist(), finish(*(t.tolist() for t in extras)) if finish else None)
+            logprobs, prompt_logprobs = finish(*(t.tolist() for t in extras)) if finish else (None, None)
+            return cls(tokens.tolist(), logprobs, prompt_logprobs=prompt_logprobs)
         ready = torch.cuda.Event()
         stream = stream or torch.cuda.current_stream(tokens.device)
         stream.wait_stream(torch.cuda.current_stream(tokens.device))
@@ -181,5 +190,6 @@ class StepHandle:
         if self.tokens is None:
             self.ready.synchronize()              # the step's one host synchronisation
             self.tokens, *extras = (h.tolist() for h in self.host)
-            self.logprobs = self.finish(*extras) if self.finish else None
+            if self.finish:
+                self.logprobs, self.prompt_logprobs = self.finish(*extras)
         return self.tokens, self.logprobs

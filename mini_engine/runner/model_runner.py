@@ -1,6 +1,5 @@
 """Owns the model and the KV pool on the device: turns a scheduled batch into tensors, runs the
 forward pass and the sampler, and sizes the pool from measured memory."""
-import functools
 import random
 import time
 import warnings
@@ -17,7 +16,8 @@ from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
 from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, early_stop_tokens, logit_bias_tensors,
                                          penalty_tensors)
-from mini_engine.layers.sampler import Sampler, SamplingTensors, logprob_tensors, sample_logprobs
+from mini_engine.layers.sampler import (Sampler, SamplingTensors, logprob_tensors, prompt_logprob_tensors,
+                                       prompt_logprobs_by_row, sample_logprobs)
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
@@ -279,7 +279,9 @@ class ModelRunner:
 
     def enqueue(self, rows: list[BatchRow], turn: int) -> "StepHandle":
         graph_size = None
-        if self.graph_runner is not None:
+        # A step with prompt log-probabilities runs eager: it needs the hidden states of its prompt tokens.
+        prompt_rows = [r for r in rows if r.prompt_logprob_targets is not None]
+        if self.graph_runner is not None and not prompt_rows:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
         t, meta = self.prepare_inputs(rows, graph_size, turn)
         if self.tokens_copied[turn] is not None:
@@ -298,9 +300,12 @@ class ModelRunner:
                 self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens[1 - turn])
             hidden = self.model(t.input_ids, t.positions, meta)
             logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
-        if not sample_rows:
+        prompt_extras = self.prompt_logprob_extras(rows, prompt_rows, hidden) if prompt_rows else []
+        if not sample_rows and not prompt_rows:
             return StepHandle.done([], None)
-        if tokens is None:
+        if not sample_rows:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        elif tokens is None:
             sampling = self.sampling_tensors(sample_rows, t)
             tokens = self.sampler(logits, sampling)
             if sampling.penalties is not None:
@@ -308,14 +313,35 @@ class ModelRunner:
             samples[:len(tokens)].copy_(tokens)
         # Log-probabilities, only for the rows that asked: they go to the host with the tokens.
         want = [i for i, r in enumerate(sample_rows) if r.params is not None and r.params.logprobs is not None]
-        extras, finish = [], None
+        extras = []
         if want:
             num_top = [sample_rows[i].params.logprobs for i in want]
             extras = logprob_tensors(tokens, logits, self.to_device(want, torch.int64), max(num_top))
-            finish = functools.partial(sample_logprobs, len(sample_rows), want, num_top)
-        handle = StepHandle.copying(tokens, self.tokens_stream, extras, finish)
+        finish = None
+        if want or prompt_rows:
+            def finish(*host: list) -> tuple[list | None, list | None]:
+                sampled, prompt = host[:len(extras)], host[len(extras):]
+                return (sample_logprobs(len(sample_rows), want, num_top, *sampled) if want else None,
+                        prompt_logprobs_by_row([len(r.prompt_logprob_targets) for r in prompt_rows],
+                                               [r.num_prompt_logprobs for r in prompt_rows], *prompt)
+                        if prompt_rows else None)
+        handle = StepHandle.copying(tokens, self.tokens_stream, extras + prompt_extras, finish)
         self.tokens_copied[turn] = handle.ready
         return handle
+
+    def prompt_logprob_extras(self, rows: list[BatchRow], prompt_rows: list[BatchRow],
+                              hidden: torch.Tensor) -> list[torch.Tensor]:
+        """The log-probabilities of the prompt tokens that the prompt rows' tokens predict: row
+        r's first len(r.prompt_logprob_targets) tokens, at their flat positions in the step (rows
+        lie in order, each len(token_ids) tokens)."""
+        starts = np.cumsum([0] + [len(r.token_ids) for r in rows])
+        first = {id(r): int(start) for r, start in zip(rows, starts)}
+        positions = np.concatenate([np.arange(first[id(r)], first[id(r)] + len(r.prompt_logprob_targets))
+                                    for r in prompt_rows])
+        targets = np.concatenate([r.prompt_logprob_targets for r in prompt_rows])
+        ints = self.to_device(np.stack([positions, targets]), torch.int64)
+        return prompt_logprob_tensors(self.model.compute_logits, hidden, ints[0], ints[1],
+                                      max(r.num_prompt_logprobs for r in prompt_rows))
 
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:

@@ -125,6 +125,11 @@ class OpenAIServer:
             raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)
         if req.stream_options is not None and not req.stream:
             raise ProtocolError("stream_options is only allowed with stream=true", param="stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise ProtocolError("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
+                                param="prompt_logprobs")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         # Only what the client set: the defaults belong to the config (the checkpoint's
@@ -142,7 +147,7 @@ class OpenAIServer:
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
                 stop=req.stop_list, seed=req.seed, logprobs=logprobs, n=1 if req.n is None else req.n,
                 min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                allowed_token_ids=req.allowed_token_ids,
+                allowed_token_ids=req.allowed_token_ids, prompt_logprobs=req.prompt_logprobs,
                 **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
@@ -229,6 +234,20 @@ class OpenAIServer:
                            if tokens else [],
         }
 
+    def prompt_logprobs_json(self, prompt_token_ids: list[int], values: list) -> list[dict | None]:
+        """vLLM's: for each prompt position, None (the first), or the prompt token and the top
+        ones, by token id, each with its logprob, rank and text."""
+        def entry(logprob: float, rank: int, token_id: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
+        out = []
+        for token_id, lp in zip(prompt_token_ids, values):
+            if lp is None:
+                out.append(None)
+                continue
+            top = {t: entry(v, rank, t) for rank, (t, v) in enumerate(lp.top, start=1)}
+            out.append(top | {token_id: entry(lp.logprob, lp.rank, token_id)})
+        return out
+
     def choice(self, index: int, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None,
                chunk: bool = False) -> dict:
         if not chat:
@@ -270,12 +289,15 @@ class OpenAIServer:
             yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
         yield sse("[DONE]")
 
-    async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool) -> JSONResponse:
+    async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
+                      prompt_token_ids: list[int]) -> JSONResponse:
         texts, logprobs = [[] for _ in streams], [None] * len(streams)
         offsets, last = [0] * len(streams), [None] * len(streams)
+        prompt_logprobs = None          # the prompt's, which its first completion computes
         async for ready in interleaved(streams):
             for k, delta in ready:
                 last[k] = delta
+                prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
                 if delta.finish_reason == "error":
                     return error_response(delta.error or "the request failed", 500)
                 if delta.logprobs is not None:
@@ -285,11 +307,15 @@ class OpenAIServer:
                 texts[k].append(delta.text)
         choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
                    for k in range(len(streams))]
-        return JSONResponse(completion_body(request_id, created, self.model_name, choices, self.usage_of(last),
-                                            chat=chat))
+        body = completion_body(request_id, created, self.model_name, choices, self.usage_of(last), chat=chat)
+        if prompt_logprobs is not None:       # where vLLM puts them: the chat response's, each completion's
+            values = self.prompt_logprobs_json(prompt_token_ids, prompt_logprobs)
+            for place in [body] if chat else choices:
+                place["prompt_logprobs"] = values
+        return JSONResponse(body)
 
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
-                      streaming: bool, include_usage: bool) -> Response:
+                      streaming: bool, include_usage: bool, prompt_token_ids: list[int]) -> Response:
         """streams: one for each completion (choice) asked for (add's)."""
 
         def abort():
@@ -300,7 +326,7 @@ class OpenAIServer:
         if streaming:
             return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage), abort)
         # Not streaming: nothing is written until the end, so watch for the client leaving.
-        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat))
+        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompt_token_ids))
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -323,7 +349,7 @@ class OpenAIServer:
         params = self.sampling_params(req, max_tokens, req.logprobs)
         request_id = random_id("cmpl")
         streams = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage)
+        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage, prompt_token_ids)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
@@ -334,7 +360,7 @@ class OpenAIServer:
         params = self.sampling_params(req, max_tokens, None)
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage)
+        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage, prompt_token_ids)
 
 
 def build_app(config: EngineConfig, model_name: str) -> FastAPI:

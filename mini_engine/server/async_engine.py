@@ -28,6 +28,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int              # so far
     error: str | None = None
+    prompt_logprobs: list[SampleLogprobs | None] | None = None     # on the first delta, where asked
 
 
 class RequestStream:
@@ -61,7 +62,8 @@ def merge(first: RequestDelta, second: RequestDelta) -> RequestDelta:
     logprobs = None if first.logprobs is None and second.logprobs is None else \
         (first.logprobs or []) + (second.logprobs or [])
     return RequestDelta(first.text + second.text, first.token_ids + second.token_ids, logprobs,
-                        second.finish_reason, second.num_prompt_tokens, second.num_output_tokens, second.error)
+                        second.finish_reason, second.num_prompt_tokens, second.num_output_tokens, second.error,
+                        first.prompt_logprobs or second.prompt_logprobs)
 
 
 class AsyncEngine:
@@ -143,7 +145,7 @@ class AsyncEngine:
     def deliver(self, deltas: list[tuple], stats: EngineStats) -> None:
         now = time.perf_counter()
         m = self.metrics
-        for request_id, text, token_ids, logprobs, reason, num_output_tokens, error in deltas:
+        for request_id, text, token_ids, logprobs, reason, num_output_tokens, error, prompt_logprobs in deltas:
             stream = self.streams.get(request_id)
             if stream is None:
                 continue
@@ -160,7 +162,7 @@ class AsyncEngine:
                 if stream.first_token_time is not None and num_output_tokens > 1:
                     m.tpot.observe((now - stream.first_token_time) / (num_output_tokens - 1))
             stream.queue.put_nowait(RequestDelta(text, token_ids, logprobs, reason, stream.num_prompt_tokens,
-                                                 num_output_tokens, error))
+                                                 num_output_tokens, error, prompt_logprobs))
         m.update_engine_state(stats)
 
     def fail_all(self, message: str) -> None:

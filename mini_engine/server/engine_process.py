@@ -12,7 +12,8 @@ Messages (tuples, cheap to pickle), the API process to the engine:
 and the engine to the API process:
     ("ready", RequestLimits) or ("failed", traceback text), once, at start-up;
     ("step", deltas, EngineStats) after every step, and after every batch of commands it applies,
-where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error).
+where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error,
+prompt_logprobs): the last only on a request's first delta, where it asked for them.
 Detokenization and stop strings run here, beside the scheduler, so that a request that hits a
 stop string is aborted, and its blocks freed, before the next step.
 """
@@ -52,6 +53,7 @@ class RequestState:
     """What the engine process keeps of a request besides its Sequence."""
     detokenizer: IncrementalDetokenizer
     num_output_tokens: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 class EngineLoop:
@@ -100,7 +102,7 @@ class EngineLoop:
                 # The API process validated it with the same RequestLimits.
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True)
             except (ValueError, TypeError) as e:
-                return [(request_id, "", [], None, "error", 0, str(e))]
+                return [(request_id, "", [], None, "error", 0, str(e), None)]
             self.states[request_id] = RequestState(IncrementalDetokenizer(
                 self.engine.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output))
             return []
@@ -109,7 +111,7 @@ class EngineLoop:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.engine.abort_request(request_id)
-                return [(request_id, "", [], None, "abort", state.num_output_tokens, None)]
+                return [(request_id, "", [], None, "abort", state.num_output_tokens, None, None)]
         return []
 
     def process(self, outputs: list[StepOutput]) -> list[tuple]:
@@ -128,14 +130,19 @@ class EngineLoop:
                 reason = "stop"
             if reason is not None:
                 del self.states[request_id]
-            deltas.append((request_id, text, out.new_token_ids, out.logprobs, reason, state.num_output_tokens, None))
+            # The prompt's log-probabilities, where asked, are all known by its first token.
+            prompt_logprobs = None
+            if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+                prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
+            deltas.append((request_id, text, out.new_token_ids, out.logprobs, reason, state.num_output_tokens, None,
+                           prompt_logprobs))
         return deltas
 
     def fail_all(self, message: str) -> list[tuple]:
         deltas = []
         for request_id, state in self.states.items():
             self.engine.abort_request(request_id)
-            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message))
+            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message, None))
         self.states.clear()
         return deltas
 

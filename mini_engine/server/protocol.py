@@ -59,6 +59,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)  # extension
     ignore_eos: bool = False            # extension
     include_stop_str_in_output: bool = False    # extension (vLLM's)
+    prompt_logprobs: int | None = None          # extension (vLLM's; not with stream)
     allowed_token_ids: list[int] | None = None  # extension (vLLM's)
     n: int | None = 1
     stream: bool = False

@@ -311,3 +311,27 @@ def test_allowed_token_ids_and_include_stop_str_reach_the_engine(served, client,
                                            extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
                                                        "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
     assert (text, reason) == (kept_text, "stop")
+
+
+def test_prompt_logprobs_reach_the_client(served, client, llm):
+    """vLLM's prompt_logprobs extension: each completion's, and the chat response's, the prompt's
+    values from LLM.generate, by token id with rank and text; the first position None."""
+    prompt = "Hello world, again"
+    ids = llm.tokenizer.encode(prompt).ids
+    offline = llm.generate(prompt, SamplingParams(temperature=1.0, seed=4, max_tokens=3, prompt_logprobs=2),
+                           use_tqdm=False)[0].prompt_logprobs
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=1.0, seed=4, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+    for choice in r.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        for token_id, entry, want in zip(ids[1:], got[1:], offline[1:]):
+            assert entry[str(token_id)]["logprob"] == pytest.approx(want.logprob, abs=1e-5)
+            assert entry[str(token_id)]["rank"] == want.rank
+            assert {int(t) for t in entry} == {token_id} | {t for t, _ in want.top}
+            assert [entry[str(t)]["rank"] for t, _ in want.top] == [1, 2]
+            assert entry[str(want.top[0][0])]["decoded_token"] == llm.tokenizer.decode([want.top[0][0]])
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    values = chat.model_extra["prompt_logprobs"]
+    assert values[0] is None and all(len(v) == 1 and next(iter(v.values()))["rank"] >= 1 for v in values[1:])
