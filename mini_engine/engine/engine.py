@@ -156,7 +156,14 @@ class LLMEngine:
 
     def launch(self, batch: SchedulerOutput) -> InFlightStep:
         rows, order = self.build_rows(batch)
-        handle = self.runner.launch(rows)
+        try:
+            handle = self.runner.launch(rows)
+        except BaseException:
+            # The failed launch may have recorded samples in penalty rows that never reach the
+            # host: the retried step fills each row again from the host's tokens.
+            for seq in batch.seqs:
+                seq.penalty_row_filled = False
+            raise
         samples = []
         prompt_logprob_rows = [(batch.seqs[i], row.start_position + 1) for i, row in zip(order, rows)
                                if row.prompt_logprob_targets is not None]

@@ -179,3 +179,37 @@ def test_allowed_token_ids_outside_the_vocabulary_are_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="outside the vocabulary of 256"):
         llm.generate([[1, 2, 3]], SamplingParams(allowed_token_ids=[3, 256]), use_tqdm=False)
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks and not llm.engine.requests
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_failed_launch_retried_counts_nothing_twice(tiny_checkpoint, monkeypatch, async_scheduling, fail_at):
+    """A launch that fails after its sampler ran (here: computing logprobs) has counted a token the
+    host never gets; a caller of LLMEngine.step that retries must see the penalties of the tokens
+    the request holds, and nothing else (found by a review: the retry gave the runner-up)."""
+    import mini_engine.runner.model_runner as model_runner
+    prompt = mixed_prompts()[2]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1,
+                            frequency_penalty=2.0, repetition_penalty=1.5)
+    engine = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, async_scheduling=async_scheduling).engine
+    seq = engine.add_request(prompt, params, "r")
+    real, calls = model_runner.logprob_tensors, [0]
+
+    def flaky(*args):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("a step failed")
+        return real(*args)
+    monkeypatch.setattr(model_runner, "logprob_tensors", flaky)
+    failures = 0
+    while engine.has_unfinished_requests():
+        try:
+            engine.step()
+        except RuntimeError:
+            failures += 1
+    tokens = list(prompt)
+    for _ in range(MAX_TOKENS):
+        tokens.append(int(penalised_by_definition(hf_logits(tiny_checkpoint, tokens)[-1], tokens, len(prompt),
+                                                  params).argmax()))
+    assert failures == 1 and seq.output_token_ids == tokens[len(prompt):]
+    assert engine.num_free_blocks == engine.block_manager.num_blocks
