@@ -104,10 +104,15 @@ class PenaltyTensors:
 def penalty_tensors(rows: list[int], state_rows: list[int], params: list, state: PenaltyState) -> PenaltyTensors:
     """rows: the penalised sampling rows; state_rows: each one's row of state; params: their
     SamplingParams."""
-    device = state.output_counts.device
-    ints = to_device(torch.tensor([rows, state_rows], dtype=torch.int64), device)
-    values = to_device(torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
-                                    dtype=torch.float32).T.contiguous(), device)
+    device, n = state.output_counts.device, len(rows)
+    # Each array starts on a 16-byte boundary, whatever n: Triton specialises the kernel on its
+    # pointers' alignment, and a view at an odd offset compiled a second variant mid-run.
+    width = -(-n // 4) * 4
+    ints = torch.zeros(2, width, dtype=torch.int64)
+    ints[0, :n], ints[1, :n] = torch.tensor(rows), torch.tensor(state_rows)
+    values = torch.zeros(3, width, dtype=torch.float32)
+    values[:, :n] = torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params]).T
+    ints, values = to_device(ints, device)[:, :n], to_device(values, device)[:, :n]
     return PenaltyTensors(ints[0], ints[1], *values, state)
 
 
