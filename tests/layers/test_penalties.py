@@ -226,3 +226,27 @@ def test_allowed_token_ids_keep_their_logits_alone():
     assert torch.equal(got[[0, 3]], logits[[0, 3]])
     assert torch.isfinite(got[1]).nonzero().flatten().tolist() == [3, 9] and torch.equal(got[1, [3, 9]], logits[1, [3, 9]])
     assert torch.isfinite(got[2]).nonzero().flatten().tolist() == [0] and got[2, 0] == logits[2, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host that waits for the device shows only on CUDA")
+def test_fills_bans_and_allowed_sets_do_not_wait_for_the_device():
+    """`t[index] = 0` on a CUDA tensor copies the 0 from pageable memory, which waits for all the
+    queued work: each fill of a penalty row held a mixed step's host for the step before (86 ms
+    measured on the H200). With the device still busy when these return, none waited."""
+    device = torch.device("cuda")
+    busy = torch.randn(8192, 8192, device=device)
+    state = PenaltyState.allocate(8, VOCAB, device)
+    logits = torch.randn(4, VOCAB, device=device)
+    params = [SamplingParams(allowed_token_ids=[1, 2]), SamplingParams()]
+    allowed = allowed_token_tensors(params, device)
+    banned = (torch.tensor([0, 3], device=device), torch.tensor([5, 6], device=device))
+    newest, record_rows = torch.tensor([4, 9], device=device), torch.tensor([2, 5], device=device)
+    torch.cuda.synchronize()
+    for _ in range(8):
+        busy @ busy                      # tens of milliseconds queued
+    state.fill([2, 5], before_newest([[3, 4, 7, 4], [8, 9]]), [2, 1], newest)
+    state.record(record_rows, newest)
+    ban_tokens(logits, banned)
+    keep_allowed_tokens(logits, allowed)
+    assert not torch.cuda.current_stream().query(), "an operation waited for the device"
+    torch.cuda.synchronize()
