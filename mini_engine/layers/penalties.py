@@ -36,10 +36,6 @@ class PenaltyState:
         return cls(torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device),
                    torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device))
 
-    @staticmethod
-    def nbytes(num_rows: int, vocab_size: int) -> int:
-        return num_rows * vocab_size * (torch.int32.itemsize + torch.bool.itemsize)
-
     def fill(self, state_rows: list[int], histories: list[np.ndarray], num_prompt_tokens: list[int],
              newest_tokens: torch.Tensor) -> None:
         """Sets state_rows[j] to the counts of histories[j] (a request's tokens before its
