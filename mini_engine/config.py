@@ -135,6 +135,9 @@ class EngineConfig:
     # waits for its own tokens first.
     async_scheduling: bool = True
     seed: int = 0
+    # The most top tokens a request's logprobs or prompt_logprobs may ask for, as vLLM's
+    # max_logprobs (each is a Python object on the host, per token).
+    max_logprobs: int = 20
     # Where a request's unset sampling parameters come from, as vLLM's --generation-config: "auto",
     # the checkpoint's generation_config.json (Qwen3's asks for temperature 0.6, top_p 0.95, top_k
     # 20); "none", SamplingParams' own defaults; or a folder with a generation_config.json.
@@ -155,6 +158,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.cpu_kv_blocks < 1:
             raise ValueError(f"cpu_kv_blocks must be >= 1, got {self.cpu_kv_blocks}")
         if self.model_config is None:

@@ -53,7 +53,8 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(tiny_checkpoint):
 
 
 def test_more_logprobs_than_the_vocabulary_is_rejected_and_others_carry_on(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64))
+    """max_logprobs above the vocabulary: the vocabulary is the limit."""
+    engine = LLMEngine(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_logprobs=10**6))
     vocab = engine.config.model_config.vocab_size
     good = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                                                         logprobs=vocab))

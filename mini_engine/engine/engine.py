@@ -56,7 +56,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len)
         self.limits = RequestLimits(config.model_config.vocab_size, config.max_model_len, config.block_size,
-                                    self.block_manager.num_blocks, self.tokenizer is not None)
+                                    self.block_manager.num_blocks, self.tokenizer is not None, config.max_logprobs,
+                                    tuple(config.model_config.eos_token_ids))
         if config.num_kv_blocks is None and self.limits.max_sequence_tokens() < config.max_model_len:
             # vLLM refuses to start here; requests that fit the pool still run, so this one warns,
             # and each request the pool can never hold is refused with its own error.

@@ -14,6 +14,8 @@ class RequestLimits:
     block_size: int
     num_blocks: int             # the KV pool's size, known once the engine has measured memory
     has_tokenizer: bool
+    max_logprobs: int = 20      # EngineConfig.max_logprobs
+    eos_token_ids: tuple[int, ...] = ()
 
     def max_sequence_tokens(self) -> int:
         """The longest sequence (prompt and output) that max_model_len and the KV pool allow. Its
@@ -37,14 +39,20 @@ class RequestLimits:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.vocab_size:
-                raise ValueError(f"{name}={value} asks for more tokens than the vocabulary's {self.vocab_size}")
+            if value is not None and value > min(self.max_logprobs, self.vocab_size):
+                raise ValueError(f"{name}={value} asks for more top tokens than the engine's max_logprobs="
+                                 f"{self.max_logprobs} (and the vocabulary's {self.vocab_size}) allow")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary of "
                              f"{self.vocab_size}")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
             raise ValueError(f"allowed_token_ids names token id {max(params.allowed_token_ids)}, outside the "
                              f"vocabulary of {self.vocab_size}")
+        if params.allowed_token_ids and params.min_tokens and \
+                set(params.allowed_token_ids) <= set(params.stop_token_ids) | set(self.eos_token_ids):
+            # min_tokens bans them all: no token would be left to sample (argmax of -inf is token 0).
+            raise ValueError(f"allowed_token_ids {params.allowed_token_ids} holds only stop tokens and EOS, which "
+                             f"min_tokens={params.min_tokens} bans: nothing is left to sample")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")

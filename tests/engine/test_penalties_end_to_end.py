@@ -213,3 +213,17 @@ def test_a_failed_launch_retried_counts_nothing_twice(tiny_checkpoint, monkeypat
                                                   params).argmax()))
     assert failures == 1 and seq.output_token_ids == tokens[len(prompt):]
     assert engine.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_an_allowed_set_that_min_tokens_bans_whole_is_refused(tiny_checkpoint):
+    """Nothing would be left to sample (a review's repro sampled token 0, outside the set)."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64)
+    eos = llm.engine.config.model_config.eos_token_ids[0]
+    for params in (SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5),
+                   SamplingParams(allowed_token_ids=[9, 10], stop_token_ids=[9, 10], min_tokens=2, max_tokens=5)):
+        with pytest.raises(ValueError, match="nothing is left to sample"):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    out = llm.generate([[1, 2, 3]], SamplingParams(allowed_token_ids=[eos, 9], min_tokens=2, max_tokens=3,
+                                                   temperature=0), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:2] == [9, 9]
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -88,8 +88,11 @@ def test_prompt_logprobs_are_checked(tiny_checkpoint):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64)
-    with pytest.raises(ValueError, match="prompt_logprobs=257"):
-        llm.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=257), use_tqdm=False)
+    for name in ("prompt_logprobs", "logprobs"):       # vLLM's max_logprobs, 20 by default
+        with pytest.raises(ValueError, match=f"{name}=21 asks for more top tokens than the engine's max_logprobs=20"):
+            llm.generate([[1, 2, 3]], SamplingParams(**{name: 21}), use_tqdm=False)
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, prompt_logprobs=20),
+                            use_tqdm=False)[0].prompt_logprobs[1].top) == 20
     one = llm.generate([[5]], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
     assert one.prompt_logprobs == [None]
     zero = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
