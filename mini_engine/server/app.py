@@ -6,6 +6,7 @@ JSON before it reaches the engine, so one bad request never disturbs the others.
 goes away gets its request aborted, which frees its KV blocks before the engine's next step.
 """
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -45,6 +46,15 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequen
 def error_response(message: str, status_code: int = 400, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status_code, param, code), status_code=status_code)
+
+
+@dataclasses.dataclass
+class Echo:
+    """A completion request's echo=true: the prompt, as text and token ids, goes before each
+    completion; drop_output: max_tokens was 0, so the prompt alone is returned."""
+    text: str
+    prompt_token_ids: list[int]
+    drop_output: bool
 
 
 def end_offset(logprobs: dict | None, offset: int) -> int:
@@ -131,7 +141,8 @@ class OpenAIServer:
             raise ProtocolError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
                                 param="prompt_logprobs")
 
-    def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         # Only what the client set: the defaults belong to the config (the checkpoint's
         # generation_config.json) and to SamplingParams.
         set_by_client = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
@@ -147,7 +158,8 @@ class OpenAIServer:
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
                 stop=req.stop_list, seed=req.seed, logprobs=logprobs, n=1 if req.n is None else req.n,
                 min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                allowed_token_ids=req.allowed_token_ids, prompt_logprobs=req.prompt_logprobs,
+                allowed_token_ids=req.allowed_token_ids,
+                prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
                 **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
@@ -290,9 +302,11 @@ class OpenAIServer:
         yield sse("[DONE]")
 
     async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                      prompt_token_ids: list[int]) -> JSONResponse:
+                      prompt_token_ids: list[int], echo: Echo | None = None) -> JSONResponse:
         texts, logprobs = [[] for _ in streams], [None] * len(streams)
-        offsets, last = [0] * len(streams), [None] * len(streams)
+        # Echoed, a completion's tokens start where the prompt's token strings end.
+        start = sum(len(self.token_text(t)) for t in prompt_token_ids) if echo else 0
+        offsets, last = [start] * len(streams), [None] * len(streams)
         prompt_logprobs = None          # the prompt's, which its first completion computes
         async for ready in interleaved(streams):
             for k, delta in ready:
@@ -305,6 +319,8 @@ class OpenAIServer:
                     offsets[k] = end_offset(lp, offsets[k])
                     logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
                 texts[k].append(delta.text)
+        if echo is not None:
+            texts, logprobs, last = self.echoed(echo, texts, logprobs, last, prompt_logprobs)
         choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
                    for k in range(len(streams))]
         body = completion_body(request_id, created, self.model_name, choices, self.usage_of(last), chat=chat)
@@ -314,8 +330,31 @@ class OpenAIServer:
                 place["prompt_logprobs"] = values
         return JSONResponse(body)
 
+    def echoed(self, echo: Echo, texts: list[list[str]], logprobs: list[dict | None], last: list[RequestDelta],
+               prompt_logprobs: list | None) -> tuple[list[list[str]], list[dict | None], list[RequestDelta]]:
+        """Each completion with the prompt before it (and, where echo.drop_output, the prompt alone,
+        no completion tokens counted); logprobs with the prompt's first, from its prompt_logprobs."""
+        if echo.drop_output:
+            texts = [[] for _ in texts]
+            logprobs = [None if lp is None else {key: [] for key in lp} for lp in logprobs]
+            last = [dataclasses.replace(delta, num_output_tokens=0) for delta in last]
+        texts = [[echo.text, *text] for text in texts]
+        if prompt_logprobs is None:
+            return texts, logprobs, last
+        tokens = [self.token_text(t) for t in echo.prompt_token_ids]
+        prompt = {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_logprobs],
+            "top_logprobs": [None if lp is None else {self.token_text(t): v for t, v in lp.top} |
+                             {self.token_text(token): lp.logprob}
+                             for token, lp in zip(echo.prompt_token_ids, prompt_logprobs)],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
+        }
+        return texts, [None if lp is None else {key: prompt[key] + lp[key] for key in prompt} for lp in logprobs], last
+
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
-                      streaming: bool, include_usage: bool, prompt_token_ids: list[int]) -> Response:
+                      streaming: bool, include_usage: bool, prompt_token_ids: list[int],
+                      echo: Echo | None = None) -> Response:
         """streams: one for each completion (choice) asked for (add's)."""
 
         def abort():
@@ -326,7 +365,7 @@ class OpenAIServer:
         if streaming:
             return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage), abort)
         # Not streaming: nothing is written until the end, so watch for the client leaving.
-        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompt_token_ids))
+        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompt_token_ids, echo))
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -346,10 +385,23 @@ class OpenAIServer:
             raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         prompt_token_ids = self.tokenize(req.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, req.logprobs)
+        echo = None
+        if req.echo:
+            if req.stream:
+                raise ProtocolError("echo is not supported with stream=true", param="echo")
+            # As vLLM's: the prompt's text before each completion's and, with logprobs, its
+            # tokens' (prompt_logprobs); max_tokens 0 returns the prompt alone (one token is
+            # generated, and dropped).
+            prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_token_ids) if self.tokenizer \
+                else ""
+            echo = Echo(text, prompt_token_ids, max_tokens == 0)
+            max_tokens = max(max_tokens, 1)
+        params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echo else None)
         request_id = random_id("cmpl")
         streams = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage, prompt_token_ids)
+        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage, prompt_token_ids,
+                                  echo)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)

@@ -93,8 +93,6 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         return super().unsupported()

@@ -1,5 +1,7 @@
 """The server through the official openai client: completions and chat, streamed and not,
 against each other and against LLM.generate; stop strings, stop tokens, logprobs, seeds."""
+import itertools
+
 import httpx
 import openai
 import pytest
@@ -335,3 +337,35 @@ def test_prompt_logprobs_reach_the_client(served, client, llm):
                                           max_tokens=2, extra_body={"prompt_logprobs": 0})
     values = chat.model_extra["prompt_logprobs"]
     assert values[0] is None and all(len(v) == 1 and next(iter(v.values()))["rank"] >= 1 for v in values[1:])
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(served, client, llm):
+    """OpenAI's echo, as evaluation harnesses score prompts with it: the prompt's text before the
+    completion's, and with logprobs its tokens' (None for the first, then LLM.generate's
+    prompt_logprobs), text offsets running on through the completion's tokens; max_tokens 0
+    returns the prompt alone and counts no completion tokens."""
+    prompt = "Hello world, again"
+    ids = llm.tokenizer.encode(prompt).ids
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2,
+                                                  logprobs=2), use_tqdm=False)[0]
+    only = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                                     temperature=0)
+    choice = only.choices[0]
+    assert choice.text == prompt and only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    assert lp.tokens == [llm.tokenizer.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([x.logprob for x in offline.prompt_logprobs[1:]], abs=1e-5)
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) >= 2
+    assert lp.text_offset == list(itertools.accumulate((len(t) for t in lp.tokens[:-1]), initial=0))
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    choice = full.choices[0]
+    assert choice.text == prompt + offline.outputs[0].text and full.usage.completion_tokens == 4
+    assert len(choice.logprobs.tokens) == len(ids) + 4
+    assert choice.logprobs.token_logprobs[len(ids):] == pytest.approx([x.logprob for x in offline.outputs[0].logprobs],
+                                                                      abs=1e-5)
+    offsets = choice.logprobs.text_offset
+    assert offsets == list(itertools.accumulate((len(t) for t in choice.logprobs.tokens[:-1]), initial=0))
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, echo=True, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None

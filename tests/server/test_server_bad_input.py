@@ -22,7 +22,7 @@ BAD_COMPLETIONS = {
     "min_tokens above max_tokens": (OK | {"min_tokens": 5}, 400, "min_tokens"),
     "greedy n > 1": (OK | {"n": 2, "temperature": 0}, 400, "n must be 1 when sampling greedily"),
     "best_of": (OK | {"best_of": 3}, 400, "best_of"),
-    "echo": (OK | {"echo": True}, 400, "echo"),
+    "echo streamed": (OK | {"echo": True, "stream": True}, 400, "echo is not supported with stream"),
     "presence_penalty above 2": (OK | {"presence_penalty": 2.5}, 400, "presence_penalty"),
     "frequency_penalty below -2": (OK | {"frequency_penalty": -3}, 400, "frequency_penalty"),
     "repetition_penalty zero": (OK | {"repetition_penalty": 0}, 400, "repetition_penalty"),
