@@ -392,11 +392,20 @@ class OpenAIServer:
             # As vLLM's: the prompt's text before each completion's and, with logprobs, its
             # tokens' (prompt_logprobs); max_tokens 0 returns the prompt alone (one token is
             # generated, and dropped).
+            if not prompt_token_ids:
+                raise ProtocolError("the prompt is empty", param="prompt")
             prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_token_ids) if self.tokenizer \
-                else ""
+            # Token ids decode with their special tokens, as the token strings of logprobs show them.
+            text = prompt if isinstance(prompt, str) else \
+                self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False) if self.tokenizer else ""
             echo = Echo(text, prompt_token_ids, max_tokens == 0)
-            max_tokens = max(max_tokens, 1)
+            if max_tokens == 0:
+                limit = self.async_engine.limits.max_model_len
+                if len(prompt_token_ids) >= limit:
+                    raise ProtocolError(f"echo with max_tokens=0 needs a prompt shorter than max_model_len={limit} "
+                                        f"(one token is generated, and dropped), got {len(prompt_token_ids)} tokens",
+                                        param="prompt")
+                max_tokens = 1
         params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echo else None)
         request_id = random_id("cmpl")
         streams = self.add(request_id, prompt_token_ids, params)

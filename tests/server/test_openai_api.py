@@ -369,3 +369,13 @@ def test_echo_returns_the_prompt_and_its_logprobs(served, client, llm):
     plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, echo=True, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+
+
+def test_echo_of_token_ids_keeps_their_special_tokens(served, client, llm):
+    """A prompt of token ids echoes as their text with special tokens written out, as its
+    logprobs' token strings show them (a review found them dropped from the text)."""
+    ids = [llm.tokenizer.token_to_id("<|im_start|>"), *llm.tokenizer.encode("user\nHi").ids,
+           llm.tokenizer.token_to_id("<|im_end|>")]
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == "<|im_start|>user\nHi<|im_end|>" == "".join(choice.logprobs.tokens)
