@@ -193,13 +193,13 @@ class LLM:
 
     def to_completion(self, index: int, seq: Sequence, stopper: IncrementalDetokenizer | None) -> CompletionOutput:
         # The text ends before the stop string or stop token (after it, with
-        # include_stop_str_in_output); the token ids keep the token that completed it. (Without a stopper, the engine's stop token is the only "stop".)
-        if stopper is not None:
-            text = stopper.text
-        else:
-            drop_stop_token = seq.finish_reason == "stop" and not seq.sampling_params.include_stop_str_in_output
-            text_ids = seq.output_token_ids[:-1] if drop_stop_token else seq.output_token_ids
-            text = self.engine.detokenize(text_ids)
+        # include_stop_str_in_output); the token ids keep the token that completed it. Without a
+        # stopper the engine's stop token is the only "stop", and one decode gives the text.
+        if stopper is None:
+            stopper = IncrementalDetokenizer(self.engine.tokenizer,
+                                             include_stop=seq.sampling_params.include_stop_str_in_output)
+            stopper.update(seq.output_token_ids, finished=True, stop_token=seq.finish_reason == "stop")
+        text = stopper.text
         logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None
         return CompletionOutput(index, text, seq.output_token_ids, seq.finish_reason, logprobs,
                                 None if logprobs is None else sum(lp.logprob for lp in logprobs))

@@ -226,7 +226,9 @@ class LLMEngine:
                     row.history, row.num_prompt_tokens = seq.tokens_before_newest(), seq.num_prompt_tokens
             if sample and p.min_tokens:
                 row.num_output_tokens = seq.num_output_tokens
-            if seq.needs_prompt_logprobs:
+            # Only a row inside the prompt predicts prompt tokens (and so a decode row never scans
+            # the request's prompt log-probabilities).
+            if start < seq.num_prompt_tokens - 1 and seq.needs_prompt_logprobs:
                 row.prompt_logprob_targets = seq.prompt_logprob_targets(start, n)
                 row.num_prompt_logprobs = p.prompt_logprobs
             rows.append(row)

@@ -58,13 +58,11 @@ class Sequence:
         serve this sequence's prompt)?"""
         return self.prompt_logprobs is not None and None in self.prompt_logprobs[1:]
 
-    def prompt_logprob_targets(self, start: int, num_tokens: int) -> np.ndarray | None:
-        """The prompt tokens that positions [start, start + num_tokens) predict, where their
-        log-probabilities are asked for: token_ids[start + 1 : ...] up to the prompt's end."""
-        if self.prompt_logprobs is None:
-            return None
+    def prompt_logprob_targets(self, start: int, num_tokens: int) -> np.ndarray:
+        """The prompt tokens that positions [start, start + num_tokens) predict (start before the
+        prompt's last position): token_ids[start + 1 : ...] up to the prompt's end."""
         end = min(start + num_tokens, self.num_prompt_tokens - 1)
-        return np.asarray(self.token_ids[start + 1:end + 1], dtype=np.int64) if end > start else None
+        return np.asarray(self.token_ids[start + 1:end + 1], dtype=np.int64)
 
     @property
     def num_tokens(self) -> int:

@@ -163,7 +163,8 @@ class StepHandle:
 
     @classmethod
     def copying(cls, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None,
-                extras: list[torch.Tensor] = (), finish: Callable[..., list] | None = None) -> "StepHandle":
+                extras: list[torch.Tensor] = (),
+                finish: Callable[..., tuple[list | None, list | None]] | None = None) -> "StepHandle":
         """Copies tokens (and extras, whose host lists finish turns into the step's logprobs), once
         the current stream has produced them, into pinned memory without blocking; the handle's
         event marks when they are there (and so the step is done). On a stream of its own the copy

@@ -335,9 +335,8 @@ class ModelRunner:
         r's first len(r.prompt_logprob_targets) tokens, at their flat positions in the step (rows
         lie in order, each len(token_ids) tokens)."""
         starts = np.cumsum([0] + [len(r.token_ids) for r in rows])
-        first = {id(r): int(start) for r, start in zip(rows, starts)}
-        positions = np.concatenate([np.arange(first[id(r)], first[id(r)] + len(r.prompt_logprob_targets))
-                                    for r in prompt_rows])
+        positions = np.concatenate([np.arange(start, start + len(r.prompt_logprob_targets))
+                                    for r, start in zip(rows, starts) if r.prompt_logprob_targets is not None])
         targets = np.concatenate([r.prompt_logprob_targets for r in prompt_rows])
         ints = self.to_device(np.stack([positions, targets]), torch.int64)
         return prompt_logprob_tensors(self.model.compute_logits, hidden, ints[0], ints[1],

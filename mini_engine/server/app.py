@@ -50,10 +50,12 @@ def error_response(message: str, status_code: int = 400, param: str | None = Non
 
 @dataclasses.dataclass
 class Echo:
-    """A completion request's echo=true: the prompt, as text and token ids, goes before each
-    completion; drop_output: max_tokens was 0, so the prompt alone is returned."""
+    """A completion request's echo=true: the prompt, as text and token ids (and those as the token
+    strings logprobs show), goes before each completion; drop_output: max_tokens was 0, so the
+    prompt alone is returned."""
     text: str
     prompt_token_ids: list[int]
+    token_strings: list[str]
     drop_output: bool
 
 
@@ -305,7 +307,7 @@ class OpenAIServer:
                       prompt_token_ids: list[int], echo: Echo | None = None) -> JSONResponse:
         texts, logprobs = [[] for _ in streams], [None] * len(streams)
         # Echoed, a completion's tokens start where the prompt's token strings end.
-        start = sum(len(self.token_text(t)) for t in prompt_token_ids) if echo else 0
+        start = sum(map(len, echo.token_strings)) if echo else 0
         offsets, last = [start] * len(streams), [None] * len(streams)
         prompt_logprobs = None          # the prompt's, which its first completion computes
         async for ready in interleaved(streams):
@@ -341,13 +343,12 @@ class OpenAIServer:
         texts = [[echo.text, *text] for text in texts]
         if prompt_logprobs is None:
             return texts, logprobs, last
-        tokens = [self.token_text(t) for t in echo.prompt_token_ids]
+        tokens = echo.token_strings
         prompt = {
             "tokens": tokens,
             "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_logprobs],
             "top_logprobs": [None if lp is None else {self.token_text(t): v for t, v in lp.top} |
-                             {self.token_text(token): lp.logprob}
-                             for token, lp in zip(echo.prompt_token_ids, prompt_logprobs)],
+                             {token: lp.logprob} for token, lp in zip(tokens, prompt_logprobs)],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
         }
         return texts, [None if lp is None else {key: prompt[key] + lp[key] for key in prompt} for lp in logprobs], last
@@ -398,7 +399,7 @@ class OpenAIServer:
             # Token ids decode with their special tokens, as the token strings of logprobs show them.
             text = prompt if isinstance(prompt, str) else \
                 self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False) if self.tokenizer else ""
-            echo = Echo(text, prompt_token_ids, max_tokens == 0)
+            echo = Echo(text, prompt_token_ids, [self.token_text(t) for t in prompt_token_ids], max_tokens == 0)
             if max_tokens == 0:
                 limit = self.async_engine.limits.max_model_len
                 if len(prompt_token_ids) >= limit:
