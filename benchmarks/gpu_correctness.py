@@ -261,6 +261,23 @@ def main():
             c, _, _ = run(f"graphs bs={n}, top_k=1", ps, top1, kernels="auto")
             compare(f"graphs, batch {n}: top_k=1 at T=1 vs greedy", c, a, 8)
             teacher_forced(f"graphs, batch {n}, top_k=1, teacher-forced vs fp32", c, ps)
+            # Top-k and top-p drawn inside the graphs (kernels/top_k_sampling.py): seeded rows draw
+            # the same tokens with graphs, without them, and beside a penalised row, which sends
+            # every step to the eager sampler (the same kernels, on its fp32 copy of the logits).
+            tk = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i, max_tokens=p.max_tokens,
+                                 ignore_eos=True) for i, p in enumerate(params)]
+            f, _, _ = run(f"graphs bs={n}, top_k=20", ps, tk, kernels="auto")
+            g, _, _ = run(f"no graphs bs={n}, top_k=20", ps, tk, kernels="auto", enforce_eager=True)
+            compare(f"graphs vs no graphs, batch {n}, seeded top_k=20 top_p=0.9", f, g, 8)
+            results[f"graphs vs no graphs, batch {n}, seeded top_k=20 top_p=0.9"]["identical"] = f == g
+            beside = SamplingParams(temperature=0.8, repetition_penalty=1.2, max_tokens=48, ignore_eos=True)
+            h, _, _ = run(f"graphs bs={n + 1}, top_k=20 beside a penalised row", ps + ps[:1], tk + [beside],
+                          kernels="auto")
+            compare(f"batch {n}, seeded top_k=20: alone (graphs) vs beside a penalised row (eager)", f, h[:n], 8)
+            changed = sum(x != y for x, y in zip(f, c))
+            results[f"graphs, batch {n}, top_k=20 at T=0.8 vs top_k=1"] = dict(outputs_changed=changed, ok=changed > 0)
+            if changed == 0:
+                failures.append("seeded top_k=20 sampling drew the greedy tokens for every row")
             # Penalties: the sampler counts each row's tokens, its newest read on the device from
             # the graph's input tokens (the previous step's samples, which the host has not seen).
             # Penalties that favour the tokens seen: this model's greedy outputs at 152k tokens

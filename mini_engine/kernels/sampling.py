@@ -135,6 +135,26 @@ def _scale(temperature):
 
 
 @triton.jit
+def _uniform(seed):
+    """A row's one uniform in [0, 1) for this step, from Philox(seed): what every sampler draws with."""
+    return tl.max(tl.rand(seed, tl.zeros([1], tl.int32)), axis=0)
+
+
+@triton.jit
+def _uniform_kernel(seeds_ptr, out_ptr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, _uniform(tl.load(seeds_ptr + row)))
+
+
+def uniforms(seeds: torch.Tensor) -> torch.Tensor:
+    """[B] fp32: the uniform each row's draw takes from its seed (tests replay draws with it)."""
+    out = torch.empty(seeds.shape[0], dtype=torch.float32, device=seeds.device)
+    if seeds.shape[0]:
+        _uniform_kernel[(seeds.shape[0],)](seeds, out)
+    return out
+
+
+@triton.jit
 def _logits(row_ptr, cols, stop):
     # Both kernels read their logits with this one expression, so that they agree on every value.
     return tl.load(row_ptr + cols, mask=cols < stop, other=float("-inf")).to(tl.float32)
@@ -230,7 +250,7 @@ def _select_kernel(logits_ptr, temperatures_ptr, seeds_ptr, chunk_max_ptr, chunk
         weight = s * tl.exp2((m - top) * scale)
         prefix = tl.cumsum(weight, axis=0)
         # The prefix's own total (not a separate sum), so that target < the last prefix.
-        target = tl.max(tl.rand(tl.load(seeds_ptr + row), tl.zeros([1], tl.int32)), axis=0) * tl.max(prefix, axis=0)
+        target = _uniform(tl.load(seeds_ptr + row)) * tl.max(prefix, axis=0)
         chosen = tl.min(tl.where(prefix > target, chunks, BLOCK_CHUNKS), axis=0)
         # Not reached (u <= 1 - 2**-24 keeps target below the total), but if it were, a chunk with mass.
         chosen = tl.where(chosen < BLOCK_CHUNKS, chosen, tl.max(tl.where(weight > 0.0, chunks, -1), axis=0))

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
+from mini_engine.kernels.top_k_sampling import TOP_K_MAX
 from mini_engine.layers.penalties import (PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens,
                                          keep_allowed_tokens)
 
@@ -25,6 +26,17 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, tokens) that min_tokens holds back
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, pair rows, tokens) of allowed_token_ids
+    # The Triton sampler's rows with 1 <= top_k <= TOP_K_MAX (candidate_top_k; 0 elsewhere), drawn
+    # by sample_top_k with their top_p; top_k and top_p above leave those rows unrestricted.
+    candidate_top_k: torch.Tensor | None = None   # [B] int32
+    candidate_top_p: torch.Tensor | None = None   # [B] fp32
+
+
+def candidate_top_k(params) -> int:
+    """A sampling row's top_k where the Triton sampler draws it from its best TOP_K_MAX logits
+    (kernels/top_k_sampling.py), in CUDA graphs too; 0 where it does not (greedy, no top-k, or a
+    top-k above TOP_K_MAX, which apply_top_k_top_p takes)."""
+    return params.top_k if params.temperature > 0 and 1 <= params.top_k <= TOP_K_MAX else 0
 
 
 @dataclass(slots=True)
@@ -111,6 +123,16 @@ class Sampler(nn.Module):
                 apply_penalties(logits, params.penalties, self.use_triton)
             if params.min_p is not None:
                 apply_min_p(logits, params.min_p, params.temperatures)
+        if self.use_triton and params.candidate_top_k is not None:
+            # The other rows first, then the top-k rows redrawn from the same (modified) logits.
+            from mini_engine.kernels.top_k_sampling import sample_top_k
+            tokens = self.draw(logits, params)
+            sample_top_k(logits, params.temperatures, params.candidate_top_k, params.candidate_top_p, params.seeds,
+                         out=tokens)
+            return tokens
+        return self.draw(logits, params)
+
+    def draw(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if self.use_triton and params.top_k is None and params.top_p is None:
             # No fp32 copy of the logits: the kernel converts bf16 as it loads, and argmax is exact
             # in any float dtype (bf16 -> fp32 is exact and keeps the order).

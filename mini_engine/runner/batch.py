@@ -47,6 +47,8 @@ class StepTensors:
     block_tables: torch.Tensor     # [R, W] int32
     temperatures: torch.Tensor     # [N] float32, 0 = greedy
     prefill_work: torch.Tensor     # [I, 4] int32: the varlen attention kernel's work items (eager steps with prefill)
+    top_k: torch.Tensor            # [N] int32: a row's top_k where the candidate sampler draws it (kernels/top_k_sampling.py), else 0
+    top_p: torch.Tensor            # [N] float32: that row's top_p
     logits_indices: torch.Tensor   # [S] int64: the token whose logits each sampling row uses
 
 
@@ -57,7 +59,8 @@ class StepTensors:
 STEP_FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
                ("prev_index", torch.int64), ("seeds", torch.int64), ("seq_lens", torch.int32),
                ("query_start_loc", torch.int32), ("block_tables", torch.int32), ("temperatures", torch.float32),
-               ("prefill_work", torch.int32), ("logits_indices", torch.int64))
+               ("prefill_work", torch.int32), ("top_k", torch.int32), ("top_p", torch.float32),
+               ("logits_indices", torch.int64))
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
@@ -100,10 +103,11 @@ class StepInputBuffers:
     @staticmethod
     def sizes(num_tokens: int, num_rows: int, table_width: int, num_sample_slots: int,
               num_samples: int, num_work_items: int) -> list[int]:
-        """Each field's length, in STEP_FIELDS' order. num_sample_slots: the seeds' and temperatures'
-        length (a graph's batch size, or the step's sampling rows); num_samples: logits_indices'."""
+        """Each field's length, in STEP_FIELDS' order. num_sample_slots: the length of the seeds,
+        temperatures, top_k and top_p (a graph's batch size, or the step's sampling rows);
+        num_samples: logits_indices'."""
         t, r, n = num_tokens, num_rows, num_sample_slots
-        return [t, t, t, t, n, r, r + 1, r * table_width, n, 4 * num_work_items, num_samples]
+        return [t, t, t, t, n, r, r + 1, r * table_width, n, 4 * num_work_items, n, n, num_samples]
 
     @classmethod
     def offsets(cls, sizes: list[int]) -> list[int]:

@@ -5,11 +5,14 @@ size: the input tokens that the previous step sampled, the forward through lm_he
 logits buffer and, with the Triton sampler, the sampler. The runner's consecutive launches take
 turns, 0 and 1, and each size is captured once for each turn: the graph of turn k reads the inputs
 staged in that turn's StepInputBuffers (laid out for its size), takes its input tokens from the
-other turn's samples and writes its own to turn k's."""
+other turn's samples and writes its own to turn k's. With the Triton sampler each also has a second,
+small graph, replayed after it in a step with top-k rows: it redraws those rows from their best
+logits (kernels/top_k_sampling.py), so that the step of every other batch runs no top-k work."""
 from typing import Callable
 
 import torch
 
+from mini_engine.kernels.top_k_sampling import sample_top_k
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.runner.batch import StepTensors
 
@@ -39,6 +42,7 @@ class CUDAGraphRunner:
         self.take_prev_tokens = take_prev_tokens
         self.sample = sample             # None: the graph stops at the logits, and the runner samples
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (batch size, turn)
+        self.top_k_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # where self.sample is set
 
     @staticmethod
     def buffer_bytes(max_batch_size: int, vocab_size: int, dtype: torch.dtype) -> int:
@@ -67,7 +71,19 @@ class CUDAGraphRunner:
                     self.forward(*inputs, turn)
                 pool = graph.pool()
                 self.graphs[bs, turn] = graph
+                if self.sample is not None:
+                    self.top_k_graphs[bs, turn] = self.capture_top_k(inputs[0], bs, turn, pool)
         torch.cuda.synchronize()
+
+    def redraw_top_k(self, t: StepTensors, bs: int, turn: int) -> None:
+        sample_top_k(self.logits[:bs], t.temperatures, t.top_k, t.top_p, t.seeds, out=self.sampled_tokens[turn, :bs])
+
+    def capture_top_k(self, t: StepTensors, bs: int, turn: int, pool) -> torch.cuda.CUDAGraph:
+        self.redraw_top_k(t, bs, turn)           # warm-up (its padding rows have top_k 0: nothing drawn)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            self.redraw_top_k(t, bs, turn)
+        return graph
 
     def graph_size(self, num_rows: int, max_query_len: int) -> int | None:
         """The captured batch size a step of num_rows single-token rows pads to; None: no graph."""
@@ -75,8 +91,11 @@ class CUDAGraphRunner:
             return None
         return next(size for size in self.batch_sizes if size >= num_rows)
 
-    def replay(self, bs: int, turn: int) -> torch.Tensor:
+    def replay(self, bs: int, turn: int, top_k: bool = False) -> torch.Tensor:
         """Logits of the step whose inputs were staged for bs rows in that turn: [bs, vocab],
-        padding included (and, if the graph samples, its tokens in sampled_tokens[turn, :bs])."""
+        padding included (and, if the graph samples, its tokens in sampled_tokens[turn, :bs]; top_k:
+        the rows with a staged top_k redrawn from their top-k and top-p sets)."""
         self.graphs[bs, turn].replay()
+        if top_k:
+            self.top_k_graphs[bs, turn].replay()
         return self.logits[:bs]

@@ -16,8 +16,8 @@ from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
 from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, early_stop_tokens, logit_bias_tensors,
                                          penalty_tensors)
-from mini_engine.layers.sampler import (Sampler, SamplingTensors, logprob_tensors, prompt_logprob_tensors,
-                                       prompt_logprobs_by_row, sample_logprobs)
+from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors,
+                                       prompt_logprob_tensors, prompt_logprobs_by_row, sample_logprobs)
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
@@ -239,7 +239,7 @@ class ModelRunner:
 
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
-        max_model_len. Every row shares one block table: only memory use matters here. Their rows
+        max_model_len (then two one-row steps). Every row shares one block table: only memory use matters here. Their rows
         sample with a logit bias, penalties, min_p and within a nucleus: the sampler's most
         memory-hungry path (an fp32 copy of the logits, the penalty counts' fill, then a sort of
         every row's logits in fp32), which also compiles its fp32 kernels before any request needs
@@ -253,7 +253,12 @@ class ModelRunner:
                             history=np.zeros(per_seq - 1, dtype=np.int64)) for i in range(num_seqs)]
         decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params, penalty_row=i)
                   for i in range(cfg.max_num_seqs)]
-        return [prefill, decode]
+        # A row each for the top-k sampler's kernels, so that they compile here: on bf16 logits, then
+        # on the fp32 copy that a penalty makes.
+        top_k = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=1)
+        penalised_top_k = SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.1, max_tokens=1)
+        return [prefill, decode, [BatchRow([0], 0, block_table, True, top_k)],
+                [BatchRow([0], 0, block_table, True, penalised_top_k, penalty_row=0)]]
 
     # ---- one step ----
 
@@ -290,10 +295,13 @@ class ModelRunner:
         sample_rows = [r for r in rows if r.sample]
         samples, tokens = self.sampled_tokens[turn], None
         if graph_size is not None:
-            logits = self.graph_runner.replay(graph_size, turn)[:len(rows)]
+            graph_samples = (len(sample_rows) == len(rows) and self.graph_runner.sample is not None
+                             and not self.samples_outside_graph(sample_rows))
+            top_k = graph_samples and any(candidate_top_k(r.params) for r in sample_rows)
+            logits = self.graph_runner.replay(graph_size, turn, top_k)[:len(rows)]
             if len(sample_rows) < len(rows):
                 logits = logits[t.logits_indices]
-            elif self.graph_runner.sample is not None and not self.samples_outside_graph(sample_rows):
+            elif graph_samples:
                 tokens = samples[:len(rows)]         # sampled inside the graph
         else:
             if any(r.prev_token_index >= 0 for r in rows):
@@ -344,12 +352,13 @@ class ModelRunner:
 
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
-        """Does any row ask for what only the eager sampler applies: top-k, top-p, min_p, a
-        penalty, a logit bias, allowed_token_ids or, while its output is shorter than min_tokens,
-        no stop token?"""
-        return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalized or r.params.logit_bias
-                   or r.params.allowed_token_ids
-                   or (r.params.min_p > 0 and r.params.temperature > 0)     # min_p: not for greedy
+        """Does any row ask for what only the eager sampler applies: a top-k above TOP_K_MAX, top-p
+        without top-k, min_p, a penalty, a logit bias, allowed_token_ids or, while its output is
+        shorter than min_tokens, no stop token? (A greedy row's argmax is the same under top-k,
+        top-p and min_p.)"""
+        def restricted(p: SamplingParams) -> bool:
+            return p.temperature > 0 and (p.min_p > 0 or ((p.top_k > 0 or p.top_p < 1.0) and not candidate_top_k(p)))
+        return any(restricted(r.params) or r.params.penalized or r.params.logit_bias or r.params.allowed_token_ids
                    or r.num_output_tokens < r.params.min_tokens for r in rows)
 
     def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
@@ -368,7 +377,7 @@ class ModelRunner:
         # chunk adds numpy arrays (a 16k-token step spends ~3 ms less than with Python ints a token).
         input_ids, positions, slot_mapping, prev_index = [], [], [], []
         chunk_ids, chunk_positions, chunk_slots, chunk_prev = [], [], [], []
-        query_start_loc, seq_lens, logits_indices, temperatures, seeds = [0], [], [], [], []
+        query_start_loc, seq_lens, logits_indices, temperatures, seeds, top_k, top_p = [0], [], [], [], [], [], []
         bs = self.block_size
         num_tokens = 0
         for row in rows:
@@ -393,6 +402,8 @@ class ModelRunner:
             if row.sample:
                 logits_indices.append(num_tokens - 1)
                 temperatures.append(row.params.temperature)
+                top_k.append(candidate_top_k(row.params))
+                top_p.append(row.params.top_p)
                 # Seeded rows draw from their own stream; the rest get a fresh seed every step.
                 seeds.append(row.seed if row.seed is not None else self.rng.getrandbits(31))
         num_decodes = len(input_ids)        # the leading single-token rows
@@ -411,6 +422,8 @@ class ModelRunner:
             pad_samples = graph_size - len(temperatures)
             temperatures += [0.0] * pad_samples
             seeds += [0] * pad_samples
+            top_k += [0] * pad_samples
+            top_p += [1.0] * pad_samples
             num_decodes = graph_size
         # Padding tokens write no KV (slot -1).
         columns = [token_column(values, chunks, pad, fill)
@@ -425,7 +438,7 @@ class ModelRunner:
         if max_query_len > 1 and self.triton_attention:
             work = prefill_work(np.diff(query_start_loc), seq_lens, self.prefill_block_q)
         t = self.inputs[turn].stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
-                                     logits_indices], num_tokens, num_rows, width, len(temperatures),
+                                     top_k, top_p, logits_indices], num_tokens, num_rows, width, len(temperatures),
                                     len(logits_indices), len(work))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
@@ -441,11 +454,15 @@ class ModelRunner:
         return table
 
     def sampling_tensors(self, rows: list[BatchRow], t: StepTensors) -> SamplingTensors:
-        """The sampling rows' parameters: temperatures and seeds as prepare_inputs staged them,
-        top-k and top-p (rare, so not staged) copied here when a row sets them."""
+        """The sampling rows' parameters: temperatures, seeds and the candidate sampler's top-k and
+        top-p as prepare_inputs staged them; the rest (rare, so not staged) copied here when a row
+        sets them."""
         params = [r.params for r in rows]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_p = [p.top_p for p in params]
+        # The rows the Triton sampler draws from their best logits (their top_k and top_p staged
+        # in t.top_k and t.top_p) are left unrestricted here.
+        drawn = ["sampler" in self.kernels and candidate_top_k(p) > 0 for p in params]
+        top_k = [0 if d or p.top_k <= 0 else p.top_k for p, d in zip(params, drawn)]
+        top_p = [1.0 if d else p.top_p for p, d in zip(params, drawn)]
         min_p = [p.min_p for p in params]
         penalised = [i for i, p in enumerate(params) if p.penalized]
         penalties = None
@@ -476,6 +493,8 @@ class ModelRunner:
                                      self.model_config.vocab_size, self.device)
             if any(p.min_tokens for p in params) else None,
             min_p=self.to_device(min_p, torch.float32) if any(min_p) else None,
+            candidate_top_k=t.top_k[:len(rows)] if any(drawn) else None,
+            candidate_top_p=t.top_p[:len(rows)] if any(drawn) else None,
         )
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:

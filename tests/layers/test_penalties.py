@@ -9,6 +9,7 @@ import torch
 from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, apply_logit_bias, apply_min_p,
                                          apply_penalties, ban_tokens, early_stop_tokens, keep_allowed_tokens,
                                          logit_bias_tensors, output_counts_ref, penalty_tensors)
+from mini_engine.kernels.top_k_sampling import TOP_K_MAX
 from mini_engine.layers.sampler import Sampler, SamplingTensors
 from mini_engine.sampling_params import SamplingParams
 from tests.penalty_definition import penalised_by_definition
@@ -148,8 +149,9 @@ def test_sampler_applies_penalties_before_greedy_and_min_p_before_sampling():
 
 
 def test_only_what_the_graphs_sampler_cannot_apply_leaves_it():
-    """A decode graph samples with temperature alone; a step with a penalty, or min_p on a row that
-    samples, takes the eager sampler. min_p on a greedy row changes nothing (vLLM drops it)."""
+    """A decode graph samples with temperature, and top-k up to TOP_K_MAX with any top-p; a step
+    with a penalty, min_p, a larger top-k or top-p alone on a row that samples takes the eager
+    sampler. min_p, top-k and top-p on a greedy row change nothing (vLLM drops them)."""
     from mini_engine.runner.batch import BatchRow
     from mini_engine.runner.model_runner import ModelRunner
 
@@ -158,7 +160,10 @@ def test_only_what_the_graphs_sampler_cannot_apply_leaves_it():
         return ModelRunner.samples_outside_graph([plain, BatchRow([1], 0, [0], True, SamplingParams(**params))])
     assert not leaves(temperature=0.0, min_p=0.2) and not leaves(temperature=1.0)
     assert leaves(temperature=1.0, min_p=0.2) and leaves(temperature=0.0, repetition_penalty=1.1)
-    assert leaves(temperature=0.0, presence_penalty=-0.5) and leaves(temperature=1.0, top_k=5)
+    assert leaves(temperature=0.0, presence_penalty=-0.5) and leaves(temperature=1.0, top_p=0.9)
+    assert leaves(temperature=1.0, top_k=TOP_K_MAX + 1) and leaves(temperature=1.0, top_k=5, min_p=0.1)
+    assert not leaves(temperature=1.0, top_k=5) and not leaves(temperature=0.6, top_k=20, top_p=0.95)
+    assert not leaves(temperature=1.0, top_k=TOP_K_MAX) and not leaves(temperature=0.0, top_k=100, top_p=0.5)
     assert leaves(temperature=0.0, allowed_token_ids=[3])
 
 
