@@ -37,7 +37,8 @@ TOP_K_MAX = 64
 CHUNK = 4096          # columns a first-stage program reads: 38 programs a row at Qwen3's vocabulary
 GROUP = 16            # keys a group; 256 groups a 4,096-key block
 SMALL = 128           # candidates sorted on the fast path (a block of logits without structure: ~74)
-_MIN_KEY = -(2**63)   # below every key: padding
+MIN_KEY = -(2**63)    # below every key: padding
+_MIN_KEY = tl.constexpr(MIN_KEY)
 
 
 def candidate_keys_ref(logits: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def candidate_keys_ref(logits: torch.Tensor) -> torch.Tensor:
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     keys = (ordered << 32) | (0x7FFFFFFF - cols)
     pad = TOP_K_MAX - keys.shape[1]
-    return torch.nn.functional.pad(keys, (0, pad), value=_MIN_KEY) if pad else keys
+    return torch.nn.functional.pad(keys, (0, pad), value=MIN_KEY) if pad else keys
 
 
 def sample_top_k_ref(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -104,11 +105,11 @@ def _write_top_keys(keys, scratch_ptr, out_ptr, N: tl.constexpr, GROUP: tl.const
         tl.store(scratch_ptr + slot, keys, mask=candidate)
         tl.debug_barrier()                      # every thread's candidates stored before any reads them
         slots = tl.arange(0, SMALL)
-        best = tl.sort(tl.load(scratch_ptr + slots, mask=slots < count, other=_MIN_KEY), descending=True)
-        tl.store(out_ptr + slots, best, mask=slots < K)
+        packed = tl.sort(tl.load(scratch_ptr + slots, mask=slots < count, other=_MIN_KEY), descending=True)
+        tl.store(out_ptr + slots, packed, mask=slots < K)
     else:
-        best = tl.sort(tl.where(candidate, keys, _MIN_KEY), descending=True)
-        tl.store(out_ptr + tl.arange(0, N), best, mask=tl.arange(0, N) < K)
+        ranked_keys = tl.sort(tl.where(candidate, keys, _MIN_KEY), descending=True)
+        tl.store(out_ptr + tl.arange(0, N), ranked_keys, mask=tl.arange(0, N) < K)
 
 
 @triton.jit
