@@ -1,6 +1,7 @@
 """The top-k sampler's kernels against their PyTorch references. Through Triton's interpreter a
-chunk of 4,096 columns is slow, so most tests shrink the blocks (chunks of 64 columns, the best 8
-kept): the same code, at small vocabularies."""
+chunk of 4,096 columns is slow, so most tests shrink the blocks (chunks of 64 columns in groups of
+16, the best 8 kept, lists of 64 sorted whole up to 16): the same code, each of its three ways
+to the best of a row reached at small vocabularies."""
 import pytest
 import torch
 
@@ -14,14 +15,15 @@ NOT_DRAWN = -5
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    for name, value in (("CHUNK", 64), ("TOP_K_MAX", 8)):
+    for name, value in (("CHUNK", 64), ("GROUP", 16), ("TOP_K_MAX", 8), ("SHORT_LIST", 16), ("LIST_SIZE", 64)):
         monkeypatch.setattr(top_k_sampling, name, value)
 
 
 def structured_rows(vocab: int) -> torch.Tensor:
-    """Plain noise, a constant row and one of -inf with a few finite columns (every value of a
-    chunk tied), logits on a coarse grid (ties within and across chunks), -0.0 beside 0.0, and a
-    row whose best lie in its last, partial chunk."""
+    """Plain noise, a constant row (every column a candidate: the list overflows, and the row is
+    searched whole), one of -inf with a few finite columns, logits on a coarse grid (ties within
+    and across chunks; a long list), -0.0 beside 0.0, and a row whose best lie in its last,
+    partial chunk."""
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(6, vocab, generator=gen)
     rows[1] = 0.25
@@ -37,26 +39,35 @@ def structured_rows(vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidates_are_the_stable_sorts_first(device, small_blocks, dtype):
     """The kernels' best keys of every drawn row equal the stable sort's first TOP_K_MAX, ties to the
-    lower column. 150 columns: chunks of 64, 64 and 22."""
+    lower column, -inf left out; through a short list, a long one and an overflowing one. 150
+    columns: chunks of 64, 64 and 22."""
     logits = structured_rows(150).to(dtype).to(device)
     n = logits.shape[0]
     out = torch.full((n,), NOT_DRAWN, device=device)
-    best = sample_top_k(logits, torch.ones(n, device=device), torch.full((n,), 3, dtype=torch.int32, device=device),
-                        torch.ones(n, device=device), torch.arange(n, device=device), out)
+    best, counts = sample_top_k(logits, torch.ones(n, device=device),
+                                torch.full((n,), 3, dtype=torch.int32, device=device), torch.ones(n, device=device),
+                                torch.arange(n, device=device), out)
     assert torch.equal(best.cpu(), candidate_keys_ref(logits.cpu()))
+    counts = counts.tolist()
+    assert counts[1] == 150 and counts[2] == 3 and any(16 < c <= 64 for c in counts)   # the three ways
     values, cols = decode_keys(best.cpu())
     sorted_values, sorted_cols = logits.cpu().float().sort(dim=-1, descending=True, stable=True)
-    assert torch.equal(cols, sorted_cols[:, :8]) and torch.equal(values, sorted_values[:, :8])
+    finite = best.cpu() != top_k_sampling.MIN_KEY
+    assert torch.equal(cols[finite], sorted_cols[:, :8][finite]) and torch.equal(values[finite],
+                                                                                sorted_values[:, :8][finite])
+    assert finite.sum(-1).tolist() == [8, 8, 3, 8, 8, 8]
 
 
 def test_candidates_at_the_default_blocks(device):
-    """The module's own blocks (chunks of 4,096, the best 64): two full chunks and a partial one."""
+    """The module's own blocks (chunks of 4,096 in groups of 1,024, the best 64): two full chunks and
+    a partial one."""
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 2 * 4096 + 400, generator=gen).to(torch.bfloat16).to(device)
     logits[1, 5000:5070] += 10.0                                # the best 64 in one chunk
     out = torch.full((2,), NOT_DRAWN, device=device)
-    best = sample_top_k(logits, torch.ones(2, device=device), torch.tensor([20, 64], dtype=torch.int32, device=device),
-                        torch.ones(2, device=device), torch.arange(2, device=device), out)
+    best, counts = sample_top_k(logits, torch.ones(2, device=device),
+                                torch.tensor([20, 64], dtype=torch.int32, device=device), torch.ones(2, device=device),
+                                torch.arange(2, device=device), out)
     assert torch.equal(best.cpu(), candidate_keys_ref(logits.cpu()))
     assert set(decode_keys(best.cpu())[1][1].tolist()) < set(range(5000, 5070))
 
