@@ -107,7 +107,7 @@ def _kth_largest(values, valid, K: tl.constexpr, BITS: tl.constexpr):
     valid values: the smallest value of the type."""
     low = tl.full([], -(2**(BITS - 1)), values.dtype)         # count(>= low) >= K, or low is the type's least
     high = tl.full([], 2**(BITS - 1) - 1, values.dtype)       # the K-th largest is <= high
-    for _ in range(BITS):
+    for _step in range(BITS):
         mid = (low >> 1) + (high >> 1) + ((low & 1) | (high & 1))     # ceil((low + high) / 2), without overflow
         enough = tl.sum((valid & (values >= mid)).to(tl.int32), axis=0) >= K
         low = tl.where(enough, mid, low)
@@ -116,16 +116,27 @@ def _kth_largest(values, valid, K: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _drawn(top_k_ptr, temperatures_ptr, row):
+    """Is the row this sampler's to draw: top_k >= 1 and a temperature above 0?"""
+    return (tl.load(top_k_ptr + row) > 0) & (tl.load(temperatures_ptr + row) > 0.0)
+
+
+@triton.jit
+def _tile(row_ptr, start, vocab_size, CHUNK: tl.constexpr):
+    """Columns [start, start + CHUNK) of a row, and their logits _ordered (-inf past the row's end)."""
+    cols = start + tl.arange(0, CHUNK)
+    return cols, _ordered(tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32))
+
+
+@triton.jit
 def _group_max_kernel(logits_ptr, top_k_ptr, temperatures_ptr, group_max_ptr, vocab_size, stride_logits,
                       num_groups, CHUNK: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    if (tl.load(top_k_ptr + row) > 0) & (tl.load(temperatures_ptr + row) > 0.0):
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(logits_ptr + row * stride_logits + cols, mask=cols < vocab_size, other=float("-inf"))
+    if _drawn(top_k_ptr, temperatures_ptr, row):
+        _, ordered = _tile(logits_ptr + row * stride_logits, chunk * CHUNK, vocab_size, CHUNK)
         groups = chunk * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
-        tl.store(group_max_ptr + row * num_groups + groups,
-                 _ordered(tl.max(tl.reshape(x.to(tl.float32), [CHUNK // GROUP, GROUP]), axis=1)),
+        tl.store(group_max_ptr + row * num_groups + groups, tl.max(tl.reshape(ordered, [CHUNK // GROUP, GROUP]), axis=1),
                  mask=groups < num_groups)
 
 
@@ -133,7 +144,7 @@ def _group_max_kernel(logits_ptr, top_k_ptr, temperatures_ptr, group_max_ptr, vo
 def _threshold_kernel(group_max_ptr, top_k_ptr, temperatures_ptr, threshold_ptr, num_groups,
                       BLOCK_GROUPS: tl.constexpr, K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if (tl.load(top_k_ptr + row) > 0) & (tl.load(temperatures_ptr + row) > 0.0):
+    if _drawn(top_k_ptr, temperatures_ptr, row):
         groups = tl.arange(0, BLOCK_GROUPS)
         group_max = tl.load(group_max_ptr + row * num_groups + groups, mask=groups < num_groups, other=_NEG_INF)
         # Groups of -inf alone hold no candidate. Fewer than K other groups: every finite logit is one.
@@ -145,10 +156,8 @@ def _gather_kernel(logits_ptr, top_k_ptr, temperatures_ptr, threshold_ptr, lists
                    stride_logits, CHUNK: tl.constexpr, LIST_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    if (tl.load(top_k_ptr + row) > 0) & (tl.load(temperatures_ptr + row) > 0.0):
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(logits_ptr + row * stride_logits + cols, mask=cols < vocab_size, other=float("-inf"))
-        ordered = _ordered(x.to(tl.float32))
+    if _drawn(top_k_ptr, temperatures_ptr, row):
+        cols, ordered = _tile(logits_ptr + row * stride_logits, chunk * CHUNK, vocab_size, CHUNK)
         candidate = (ordered >= tl.load(threshold_ptr + row)) & (ordered > _NEG_INF)
         slot = tl.atomic_add(counts_ptr + row + tl.zeros([CHUNK], tl.int64), 1, mask=candidate)
         tl.store(lists_ptr + row * LIST_SIZE + slot, _key(ordered, cols), mask=candidate & (slot < LIST_SIZE))
@@ -162,25 +171,22 @@ def _best_of_row(logits_ptr, vocab_size, out, CHUNK: tl.constexpr, K: tl.constex
     candidates overflowed their list (a row of many equal logits): slow, and rare."""
     low = tl.full([], -(2**31), tl.int32)
     high = tl.full([], 2**31 - 1, tl.int32)
-    for _ in range(32):
+    for _step in range(32):
         mid = (low >> 1) + (high >> 1) + ((low & 1) | (high & 1))
         count = tl.full([], 0, tl.int32)
         for start in range(0, vocab_size, CHUNK):
-            cols = start + tl.arange(0, CHUNK)
-            ordered = _ordered(tl.load(logits_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32))
+            _, ordered = _tile(logits_ptr, start, vocab_size, CHUNK)
             count += tl.sum(((ordered > _NEG_INF) & (ordered >= mid)).to(tl.int32), axis=0)
         low = tl.where(count >= K, mid, low)
         high = tl.where(count >= K, high, mid - 1)
     above = tl.full([], 0, tl.int32)
     for start in range(0, vocab_size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        ordered = _ordered(tl.load(logits_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32))
+        _, ordered = _tile(logits_ptr, start, vocab_size, CHUNK)
         above += tl.sum(((ordered > _NEG_INF) & (ordered > low)).to(tl.int32), axis=0)
     taken = tl.full([], 0, tl.int32)
     equal_taken = tl.full([], 0, tl.int32)
     for start in range(0, vocab_size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        ordered = _ordered(tl.load(logits_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32))
+        cols, ordered = _tile(logits_ptr, start, vocab_size, CHUNK)
         finite = ordered > _NEG_INF
         equal = finite & (ordered == low)
         equal_rank = equal_taken + tl.cumsum(equal.to(tl.int32), axis=0)
@@ -197,9 +203,9 @@ def _sample_candidates_kernel(lists_ptr, counts_ptr, best_ptr, logits_ptr, top_k
                               seeds_ptr, tokens_ptr, vocab_size, stride_logits, CHUNK: tl.constexpr, K: tl.constexpr,
                               SHORT_LIST: tl.constexpr, LIST_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    top_k = tl.load(top_k_ptr + row)
-    temperature = tl.load(temperatures_ptr + row)
-    if (top_k > 0) & (temperature > 0.0):
+    if _drawn(top_k_ptr, temperatures_ptr, row):
+        top_k = tl.load(top_k_ptr + row)
+        temperature = tl.load(temperatures_ptr + row)
         count = tl.load(counts_ptr + row)
         out = best_ptr + row * K
         rank = tl.arange(0, K)

@@ -1,0 +1,62 @@
+"""The top-k sampler's kernels compiled for the H200 (sm_90) on this machine, GPU or not.
+
+Triton's interpreter runs what a GPU compile refuses: a kernel that reads a global which is not a
+tl.constexpr, or an `if` whose branches bind one name to blocks of two shapes. Triton 3.6 on the
+H200 refused both in top_k_sampling.py after the interpreter's tests had passed
+(benchmarks/NOTES.md, entry 48). Triton's NVIDIA backend (ptxas included) ships with the CPU
+wheel, so the compile to PTX and cubin runs here too: in a child process, since the tests' own
+process runs every kernel through the interpreter (TRITON_INTERPRET=1), where a kernel cannot be
+compiled."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import triton  # noqa: E402
+from mini_engine.kernels import top_k_sampling as k  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+DRAWN = {"top_k_ptr": "*i32", "temperatures_ptr": "*fp32"}
+SHAPE = {"vocab_size": "i32", "stride_logits": "i32"}
+
+
+def kernels(logits: str):
+    """(kernel, signature, constexprs, warps) as sample_top_k launches each."""
+    return [
+        (k._group_max_kernel, {"logits_ptr": logits, **DRAWN, "group_max_ptr": "*i32", **SHAPE, "num_groups": "i32",
+                               "CHUNK": "constexpr", "GROUP": "constexpr"}, {"CHUNK": k.CHUNK, "GROUP": k.GROUP}, 8),
+        (k._threshold_kernel, {"group_max_ptr": "*i32", **DRAWN, "threshold_ptr": "*i32", "num_groups": "i32",
+                               "BLOCK_GROUPS": "constexpr", "K": "constexpr"}, {"BLOCK_GROUPS": 256, "K": k.TOP_K_MAX}, 1),
+        (k._gather_kernel, {"logits_ptr": logits, **DRAWN, "threshold_ptr": "*i32", "lists_ptr": "*i64",
+                            "counts_ptr": "*i32", **SHAPE, "CHUNK": "constexpr", "LIST_SIZE": "constexpr"},
+         {"CHUNK": k.CHUNK, "LIST_SIZE": k.LIST_SIZE}, 8),
+        (k._sample_candidates_kernel, {"lists_ptr": "*i64", "counts_ptr": "*i32", "best_ptr": "*i64",
+                                       "logits_ptr": logits, "top_k_ptr": "*i32", "top_p_ptr": "*fp32",
+                                       "temperatures_ptr": "*fp32", "seeds_ptr": "*i64", "tokens_ptr": "*i64", **SHAPE,
+                                       "CHUNK": "constexpr", "K": "constexpr", "SHORT_LIST": "constexpr",
+                                       "LIST_SIZE": "constexpr"},
+         {"CHUNK": k.CHUNK, "K": k.TOP_K_MAX, "SHORT_LIST": k.SHORT_LIST, "LIST_SIZE": k.LIST_SIZE}, 4),
+    ]
+
+
+def compile_all() -> None:
+    """Compiles every kernel for both logits dtypes; raises at the first that fails."""
+    for logits in ("*bf16", "*fp32"):
+        for kernel, signature, constexprs, warps in kernels(logits):
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER,
+                                      options={"num_warps": warps})
+            assert "cubin" in compiled.asm, kernel.fn.__name__
+
+
+def test_top_k_sampler_compiles_for_sm90():
+    pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.run([sys.executable, "-c", "from tests.kernels.test_compiles_for_hopper import compile_all; "
+                            "compile_all()"], cwd=root, env=env | {"PYTHONPATH": root}, capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-3000:]
