@@ -254,9 +254,9 @@ def main():
         results[f"graphs vs no graphs, batch {n}"]["identical"] = a == b
         teacher_forced(f"graphs, batch {n}, teacher-forced vs fp32", a, ps)
         if n == 13:
-            # A row restricted to its top-k is one the graph's sampler cannot take: such a step samples
-            # eagerly from the graph's logits. top_k=1 at temperature 1 is greedy (up to which of
-            # two tied logits it keeps), so it must agree with the greedy run as the others do.
+            # A row restricted to its top-k is drawn inside the graph (kernels/top_k_sampling.py).
+            # top_k=1 at temperature 1 is greedy (up to which of two tied logits it keeps), so it
+            # must agree with the greedy run as the others do.
             top1 = [SamplingParams(temperature=1.0, top_k=1, max_tokens=p.max_tokens, ignore_eos=True) for p in params]
             c, _, _ = run(f"graphs bs={n}, top_k=1", ps, top1, kernels="auto")
             compare(f"graphs, batch {n}: top_k=1 at T=1 vs greedy", c, a, 8)

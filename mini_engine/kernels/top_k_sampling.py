@@ -44,8 +44,8 @@ SHORT_LIST = 256      # a candidate list this long or shorter is sorted whole (~
 LIST_SIZE = 4096      # the list's room; a row whose candidates overflow it is searched whole
 MIN_KEY = -(2**63)    # below every key: padding
 _MIN_KEY = tl.constexpr(MIN_KEY) if HAS_TRITON else MIN_KEY    # (a kernel reads only constexpr globals)
-NEG_INF_ORDERED = -2139095041     # _ordered(-inf): below every finite logit's
-_NEG_INF = tl.constexpr(NEG_INF_ORDERED) if HAS_TRITON else NEG_INF_ORDERED
+ORDERED_NEG_INF = -2139095041     # _ordered(-inf): the int32 below every finite logit's
+_ORDERED_NEG_INF = tl.constexpr(ORDERED_NEG_INF) if HAS_TRITON else ORDERED_NEG_INF
 
 
 def candidate_keys_ref(logits: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,8 @@ def sample_top_k_ref(logits: torch.Tensor, temperatures: torch.Tensor, top_k: to
         if k <= 0 or temperature <= 0:
             continue
         v, c = values[row, :k], cols[row, :k]
-        weight = torch.exp((v - v[0]) / temperature) if v[0] > float("-inf") else torch.zeros_like(v)
+        finite_top = v[0] > float("-inf")
+        weight = torch.exp(torch.where(v == v[0], 0.0, v - v[0]) / temperature) if finite_top else torch.zeros_like(v)
         nucleus = (weight.cumsum(0) - weight) < float(top_p[row]) * weight.sum()
         nucleus[0] = True
         prefix = torch.where(nucleus, weight, 0.0).cumsum(0)
@@ -136,8 +137,8 @@ def _group_max_kernel(logits_ptr, top_k_ptr, temperatures_ptr, group_max_ptr, vo
     if _drawn(top_k_ptr, temperatures_ptr, row):
         _, ordered = _tile(logits_ptr + row * stride_logits, chunk * CHUNK, vocab_size, CHUNK)
         groups = chunk * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
-        tl.store(group_max_ptr + row * num_groups + groups, tl.max(tl.reshape(ordered, [CHUNK // GROUP, GROUP]), axis=1),
-                 mask=groups < num_groups)
+        group_max = tl.max(tl.reshape(ordered, [CHUNK // GROUP, GROUP]), axis=1)
+        tl.store(group_max_ptr + row * num_groups + groups, group_max, mask=groups < num_groups)
 
 
 @triton.jit
@@ -146,9 +147,10 @@ def _threshold_kernel(group_max_ptr, top_k_ptr, temperatures_ptr, threshold_ptr,
     row = tl.program_id(0).to(tl.int64)
     if _drawn(top_k_ptr, temperatures_ptr, row):
         groups = tl.arange(0, BLOCK_GROUPS)
-        group_max = tl.load(group_max_ptr + row * num_groups + groups, mask=groups < num_groups, other=_NEG_INF)
+        group_max = tl.load(group_max_ptr + row * num_groups + groups, mask=groups < num_groups,
+                            other=_ORDERED_NEG_INF)
         # Groups of -inf alone hold no candidate. Fewer than K other groups: every finite logit is one.
-        tl.store(threshold_ptr + row, _kth_largest(group_max, group_max > _NEG_INF, K, 32))
+        tl.store(threshold_ptr + row, _kth_largest(group_max, group_max > _ORDERED_NEG_INF, K, 32))
 
 
 @triton.jit
@@ -158,7 +160,7 @@ def _gather_kernel(logits_ptr, top_k_ptr, temperatures_ptr, threshold_ptr, lists
     chunk = tl.program_id(1)
     if _drawn(top_k_ptr, temperatures_ptr, row):
         cols, ordered = _tile(logits_ptr + row * stride_logits, chunk * CHUNK, vocab_size, CHUNK)
-        candidate = (ordered >= tl.load(threshold_ptr + row)) & (ordered > _NEG_INF)
+        candidate = (ordered >= tl.load(threshold_ptr + row)) & (ordered > _ORDERED_NEG_INF)
         slot = tl.atomic_add(counts_ptr + row + tl.zeros([CHUNK], tl.int64), 1, mask=candidate)
         tl.store(lists_ptr + row * LIST_SIZE + slot, _key(ordered, cols), mask=candidate & (slot < LIST_SIZE))
 
@@ -176,18 +178,18 @@ def _best_of_row(logits_ptr, vocab_size, out, CHUNK: tl.constexpr, K: tl.constex
         count = tl.full([], 0, tl.int32)
         for start in range(0, vocab_size, CHUNK):
             _, ordered = _tile(logits_ptr, start, vocab_size, CHUNK)
-            count += tl.sum(((ordered > _NEG_INF) & (ordered >= mid)).to(tl.int32), axis=0)
+            count += tl.sum(((ordered > _ORDERED_NEG_INF) & (ordered >= mid)).to(tl.int32), axis=0)
         low = tl.where(count >= K, mid, low)
         high = tl.where(count >= K, high, mid - 1)
     above = tl.full([], 0, tl.int32)
     for start in range(0, vocab_size, CHUNK):
         _, ordered = _tile(logits_ptr, start, vocab_size, CHUNK)
-        above += tl.sum(((ordered > _NEG_INF) & (ordered > low)).to(tl.int32), axis=0)
+        above += tl.sum(((ordered > _ORDERED_NEG_INF) & (ordered > low)).to(tl.int32), axis=0)
     taken = tl.full([], 0, tl.int32)
     equal_taken = tl.full([], 0, tl.int32)
     for start in range(0, vocab_size, CHUNK):
         cols, ordered = _tile(logits_ptr, start, vocab_size, CHUNK)
-        finite = ordered > _NEG_INF
+        finite = ordered > _ORDERED_NEG_INF
         equal = finite & (ordered == low)
         equal_rank = equal_taken + tl.cumsum(equal.to(tl.int32), axis=0)
         take = (finite & (ordered > low)) | (equal & (equal_rank <= K - above))
@@ -230,10 +232,10 @@ def _sample_candidates_kernel(lists_ptr, counts_ptr, best_ptr, logits_ptr, top_k
         x = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
         cols = 0x7FFFFFFF - (best & 0xFFFFFFFF)
         kept = (rank < top_k) & (best != _MIN_KEY)
-        # A row of -inf logits has no candidates: every weight 0, and the draw takes column 0.
+        # A row of -inf logits has no candidates: every weight 0, and the draw takes column 0. The
+        # best logit's own weight is 1 even where it is +inf (inf - inf would be NaN).
         top = tl.max(tl.where(rank == 0, x, float("-inf")), axis=0)
-        shift = tl.where(top == float("-inf"), 0.0, top)
-        weight = tl.where(kept, tl.exp2((x - shift) * (1.4426950408889634 / temperature)), 0.0)
+        weight = tl.where(kept, tl.exp2(tl.where(x == top, 0.0, x - top) * (1.4426950408889634 / temperature)), 0.0)
         mass_before = tl.cumsum(weight, axis=0) - weight
         nucleus = kept & ((mass_before < tl.load(top_p_ptr + row) * tl.sum(weight, axis=0)) | (rank == 0))
         prefix = tl.cumsum(tl.where(nucleus, weight, 0.0), axis=0)
@@ -245,9 +247,10 @@ def _sample_candidates_kernel(lists_ptr, counts_ptr, best_ptr, logits_ptr, top_k
 
 def sample_top_k(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  seeds: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draws, into out [B] int64, the token of every row with 1 <= top_k <= TOP_K_MAX and
-    temperature > 0 from its top-k and nucleus (top_p) sets; other rows of out are left as they
-    are. logits [B, V] fp32, bf16 or fp16; temperatures [B] fp32; top_k [B] int32 (0: not this
+    """Draws, into out [B] int64, the token of every row with top_k >= 1 and temperature > 0 from
+    its top-k and nucleus (top_p) sets; other rows of out are left as they are. A top_k above
+    TOP_K_MAX draws from the best TOP_K_MAX: callers pass candidate_top_k's, which are not. NaN
+    logits give no defined draw. logits [B, V] fp32, bf16 or fp16; temperatures [B] fp32; top_k [B] int32 (0: not this
     sampler's row); top_p [B] fp32; seeds [B] int64. Returns, for tests, the rows' TOP_K_MAX best
     keys ([B, TOP_K_MAX], best first, MIN_KEY past the row's finite logits) and their candidates'
     counts ([B]); rows not drawn have none written. No host synchronisation and a grid from

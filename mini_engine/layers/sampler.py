@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
-from mini_engine.kernels.top_k_sampling import TOP_K_MAX
+from mini_engine.kernels.top_k_sampling import TOP_K_MAX, sample_top_k
 from mini_engine.layers.penalties import (PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens,
                                          keep_allowed_tokens)
 
@@ -27,7 +27,8 @@ class SamplingTensors:
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, pair rows, tokens) of allowed_token_ids
     # The Triton sampler's rows with 1 <= top_k <= TOP_K_MAX (candidate_top_k; 0 elsewhere), drawn
-    # by sample_top_k with their top_p; top_k and top_p above leave those rows unrestricted.
+    # by sample_top_k with their top_p after the others. top_k and top_p above hold theirs only
+    # where another row needs a restriction (ModelRunner.sampling_tensors).
     candidate_top_k: torch.Tensor | None = None   # [B] int32
     candidate_top_p: torch.Tensor | None = None   # [B] fp32
 
@@ -121,11 +122,13 @@ class Sampler(nn.Module):
                 ban_tokens(logits, params.banned)
             if params.penalties is not None:
                 apply_penalties(logits, params.penalties, self.use_triton)
+                # A repetition penalty as small as vLLM allows (any above 0) can divide a logit past
+                # fp32's range, and +inf would give a row NaN weights (inf - inf) in every sampler.
+                logits.clamp_(max=torch.finfo(torch.float32).max)
             if params.min_p is not None:
                 apply_min_p(logits, params.min_p, params.temperatures)
         if self.use_triton and params.candidate_top_k is not None:
             # The other rows first, then the top-k rows redrawn from the same (modified) logits.
-            from mini_engine.kernels.top_k_sampling import sample_top_k
             tokens = self.draw(logits, params)
             sample_top_k(logits, params.temperatures, params.candidate_top_k, params.candidate_top_p, params.seeds,
                          out=tokens)

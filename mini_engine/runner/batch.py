@@ -47,7 +47,7 @@ class StepTensors:
     block_tables: torch.Tensor     # [R, W] int32
     temperatures: torch.Tensor     # [N] float32, 0 = greedy
     prefill_work: torch.Tensor     # [I, 4] int32: the varlen attention kernel's work items (eager steps with prefill)
-    top_k: torch.Tensor            # [N] int32: a row's top_k where the candidate sampler draws it (kernels/top_k_sampling.py), else 0
+    top_k: torch.Tensor            # [N] int32: the row's top_k where kernels/top_k_sampling.py draws it, else 0
     top_p: torch.Tensor            # [N] float32: that row's top_p
     logits_indices: torch.Tensor   # [S] int64: the token whose logits each sampling row uses
 

@@ -239,8 +239,9 @@ class ModelRunner:
 
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
-        max_model_len (then two one-row steps). Every row shares one block table: only memory use matters here. Their rows
-        sample with a logit bias, penalties, min_p and within a nucleus: the sampler's most
+        max_model_len (then two one-row steps for the top-k sampler's kernels). Every row shares
+        one block table: only memory use matters here. The two steps' rows sample with a logit
+        bias, penalties, min_p and within a nucleus: the sampler's most
         memory-hungry path (an fp32 copy of the logits, the penalty counts' fill, then a sort of
         every row's logits in fp32), which also compiles its fp32 kernels before any request needs
         them. The prefill rows fill penalty rows with their zeros, which the decode rows then read."""
@@ -458,11 +459,14 @@ class ModelRunner:
         top-p as prepare_inputs staged them; the rest (rare, so not staged) copied here when a row
         sets them."""
         params = [r.params for r in rows]
-        # The rows the Triton sampler draws from their best logits (their top_k and top_p staged
-        # in t.top_k and t.top_p) are left unrestricted here.
+        # The rows the Triton sampler draws from their best logits (their top_k and top_p staged in
+        # t.top_k and t.top_p) need no restriction here, and greedy rows none at all (the argmax is
+        # the same). Where another row needs one, the drawn rows keep theirs: apply_top_k_top_p
+        # takes a small top-k's group by torch.topk, but sorts the vocabulary for a row without one.
         drawn = ["sampler" in self.kernels and candidate_top_k(p) > 0 for p in params]
-        top_k = [0 if d or p.top_k <= 0 else p.top_k for p, d in zip(params, drawn)]
-        top_p = [1.0 if d else p.top_p for p, d in zip(params, drawn)]
+        restricted = [p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) and not d for p, d in zip(params, drawn)]
+        top_k = [max(p.top_k, 0) if any(restricted) and p.temperature > 0 else 0 for p in params]
+        top_p = [p.top_p if any(restricted) and p.temperature > 0 else 1.0 for p in params]
         min_p = [p.min_p for p in params]
         penalised = [i for i, p in enumerate(params) if p.penalized]
         penalties = None

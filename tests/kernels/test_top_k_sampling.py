@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("triton")
 from mini_engine.kernels import top_k_sampling  # noqa: E402
 from mini_engine.kernels.sampling import apply_top_k_top_p_ref, uniforms  # noqa: E402
-from mini_engine.kernels.top_k_sampling import candidate_keys_ref, decode_keys, sample_top_k, sample_top_k_ref  # noqa: E402
+from mini_engine.kernels.top_k_sampling import (candidate_keys_ref, decode_keys, sample_top_k,  # noqa: E402
+                                                sample_top_k_ref)
 
 NOT_DRAWN = -5
 

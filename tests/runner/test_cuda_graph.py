@@ -76,7 +76,7 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
                                                     ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
     staged, meta = runner.prepare_inputs(rows, graph_size=16, turn=0)
     for field in ("input_ids", "positions", "slot_mapping", "prev_index", "seeds", "seq_lens", "query_start_loc",
-                  "block_tables", "temperatures"):
+                  "block_tables", "temperatures", "top_k", "top_p"):
         s, c = getattr(staged, field), getattr(captured, field)
         assert s.data_ptr() == c.data_ptr() and s.shape == c.shape, field
     for s, c in ((meta.slot_mapping, staged.slot_mapping), (meta.seq_lens, staged.seq_lens),
@@ -98,6 +98,22 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
     assert staged.seeds[5] == 1234 and staged.seeds[13:].tolist() == [0] * 3
     assert staged.seeds[:13].unique().numel() == 13 and not torch.equal(staged.seeds[:13], eager.seeds)
     assert staged.logits_indices.tolist() == eager.logits_indices.tolist() == list(range(13))
+
+
+def test_top_k_rows_stage_their_top_k_and_top_p(tiny_checkpoint):
+    """The top-k sampler's inputs, staged with the step's: a sampling row's top_k where
+    kernels/top_k_sampling.py draws it (1 to 64, temperature above 0), else 0, and its top_p;
+    padding rows 0 and 1.0, so that the graph's top-k kernels skip them."""
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
+                                      max_num_seqs=24, block_size=4))
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8), SamplingParams(temperature=0, top_k=20),
+              SamplingParams(temperature=1.0, top_k=65), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=64)]
+    rows = [BatchRow([1], 3, [0], True, p) for p in params]
+    for graph_size, pad in ((None, 0), (8, 3)):
+        t, _ = runner.prepare_inputs(rows, graph_size=graph_size, turn=0)
+        assert t.top_k.tolist() == [20, 0, 0, 0, 64] + [0] * pad
+        assert t.top_p.tolist() == pytest.approx([0.8, 1.0, 1.0, 0.5, 1.0] + [1.0] * pad)
 
 
 def test_tokens_from_the_previous_launch_fill_the_staged_ids(tiny_checkpoint):
