@@ -1,7 +1,9 @@
-"""Top-k sampling through the engine with the Triton sampler (Triton's interpreter on CPU). The
-rows with 1 <= top_k <= 64 are drawn by kernels/top_k_sampling.py, in the eager sampler as in the
-CUDA graphs: here, what their tokens are, and that a seeded row's do not depend on the rows beside
-it, whichever way those send the step's other rows."""
+"""Top-k sampling through the engine with the Triton sampler (on the GPU where there is one, else
+through Triton's interpreter on CPU; in fp32 either way, so that a prefill's logits and a decode
+step's agree on every top-k set). The rows with 1 <= top_k <= 64 are drawn by
+kernels/top_k_sampling.py, in the eager sampler as in the CUDA graphs: here, what their tokens
+are, and that a seeded row's do not depend on the rows beside it, whichever way those send the
+step's other rows."""
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from mini_engine.kernels import top_k_sampling  # noqa: E402
 from mini_engine.kernels.sampling import apply_top_k_top_p_ref  # noqa: E402
 from mini_engine.runner.batch import BatchRow  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = [5, 17, 33, 2, 9]
 SEEDED = SamplingParams(temperature=0.8, top_k=3, top_p=0.9, max_tokens=6, seed=42, ignore_eos=True)
 
@@ -20,7 +23,7 @@ def llm(tiny_checkpoint, monkeypatch):
     # 256-column chunks: the interpreter is slow at the module's 4,096 (the vocabulary is 256).
     monkeypatch.setattr(top_k_sampling, "CHUNK", 256)
     monkeypatch.setattr(top_k_sampling, "GROUP", 16)
-    return LLM(tiny_checkpoint, device="cpu", num_kv_blocks=128, kernels="sampler")
+    return LLM(tiny_checkpoint, device=DEVICE, dtype="float32", num_kv_blocks=128, kernels="sampler")
 
 
 @torch.inference_mode()
