@@ -36,7 +36,8 @@ def allowed_sets(llm, prompt: list[int], tokens: list[int], params: SamplingPara
         seq = prompt + tokens[:j]
         blocks = list(range(-(-len(seq) // runner.block_size)))
         t, meta = runner.prepare_inputs([BatchRow(seq, 0, blocks, True, greedy)])
-        logits = runner.model.compute_logits(runner.model(t.input_ids, t.positions, meta)[t.logits_indices]).float()
+        hidden = runner.model(t.input_ids, t.positions, meta)[t.logits_indices]
+        logits = runner.model.compute_logits(hidden).float().cpu()
         restricted = apply_top_k_top_p_ref(logits / params.temperature, torch.tensor([params.top_k]),
                                            torch.tensor([params.top_p]))
         sets.append(set(torch.nonzero(restricted[0] > float("-inf")).flatten().tolist()))
