@@ -248,13 +248,13 @@ def _sample_candidates_kernel(lists_ptr, counts_ptr, best_ptr, logits_ptr, top_k
 def sample_top_k(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  seeds: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Draws, into out [B] int64, the token of every row with top_k >= 1 and temperature > 0 from
-    its top-k and nucleus (top_p) sets; other rows of out are left as they are. A top_k above
-    TOP_K_MAX draws from the best TOP_K_MAX: callers pass candidate_top_k's, which are not. NaN
-    logits give no defined draw. logits [B, V] fp32, bf16 or fp16; temperatures [B] fp32; top_k [B] int32 (0: not this
-    sampler's row); top_p [B] fp32; seeds [B] int64. Returns, for tests, the rows' TOP_K_MAX best
-    keys ([B, TOP_K_MAX], best first, MIN_KEY past the row's finite logits) and their candidates'
-    counts ([B]); rows not drawn have none written. No host synchronisation and a grid from
-    shapes alone: capturable in a CUDA graph."""
+    its top-k and nucleus (top_p) sets; other rows of out are left as they are. logits [B, V]
+    fp32, bf16 or fp16; temperatures [B] fp32; top_k [B] int32 (0: not this sampler's row; a
+    top_k above TOP_K_MAX draws from the best TOP_K_MAX, so callers pass candidate_top_k's);
+    top_p [B] fp32; seeds [B] int64. NaN logits give no defined draw. Returns, for tests, the
+    rows' TOP_K_MAX best keys ([B, TOP_K_MAX], best first, MIN_KEY past the row's finite logits)
+    and their candidates' counts ([B]); rows not drawn have none written. No host
+    synchronisation and a grid from shapes alone: capturable in a CUDA graph."""
     assert logits.stride(-1) == 1 and CHUNK % GROUP == 0
     num_rows, vocab_size = logits.shape
     num_chunks, num_groups = triton.cdiv(vocab_size, CHUNK), triton.cdiv(vocab_size, GROUP)

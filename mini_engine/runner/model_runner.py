@@ -464,9 +464,9 @@ class ModelRunner:
         # the same). Where another row needs one, the drawn rows keep theirs: apply_top_k_top_p
         # takes a small top-k's group by torch.topk, but sorts the vocabulary for a row without one.
         drawn = ["sampler" in self.kernels and candidate_top_k(p) > 0 for p in params]
-        restricted = [p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) and not d for p, d in zip(params, drawn)]
-        top_k = [max(p.top_k, 0) if any(restricted) and p.temperature > 0 else 0 for p in params]
-        top_p = [p.top_p if any(restricted) and p.temperature > 0 else 1.0 for p in params]
+        restricting = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) and not d for p, d in zip(params, drawn))
+        top_k = [max(p.top_k, 0) if restricting and p.temperature > 0 else 0 for p in params]
+        top_p = [p.top_p if restricting and p.temperature > 0 else 1.0 for p in params]
         min_p = [p.min_p for p in params]
         penalised = [i for i, p in enumerate(params) if p.penalized]
         penalties = None
