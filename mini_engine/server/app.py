@@ -248,6 +248,18 @@ class OpenAIServer:
                            if tokens else [],
         }
 
+    def chat_logprobs(self, delta: RequestDelta) -> dict | None:
+        """OpenAI's chat logprobs for a delta's tokens: each token's text, its log-probability and
+        its UTF-8 bytes, and its row's top_logprobs best likewise (-inf as vLLM's -9999.0)."""
+        if delta.logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+        return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(u, v) for u, v in lp.top]}
+                            for t, lp in zip(delta.token_ids, delta.logprobs)]}
+
     def prompt_logprobs_json(self, prompt_token_ids: list[int], values: list) -> list[dict | None]:
         """vLLM's: for each prompt position, None (the first), or the prompt token and the top
         ones, by token id, each with its logprob, rank and text."""
@@ -267,7 +279,7 @@ class OpenAIServer:
         if not chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         key, message = ("delta", {"content": text}) if chunk else ("message", {"role": "assistant", "content": text})
-        return {"index": index, key: message, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
     def usage_of(last: list[RequestDelta]) -> dict:
@@ -290,8 +302,11 @@ class OpenAIServer:
                     break
                 if not delta.token_ids and delta.finish_reason is None:
                     continue
-                logprobs = self.completion_logprobs(delta, offsets[k])
-                offsets[k] = end_offset(logprobs, offsets[k])
+                if chat:
+                    logprobs = self.chat_logprobs(delta)
+                else:
+                    logprobs = self.completion_logprobs(delta, offsets[k])
+                    offsets[k] = end_offset(logprobs, offsets[k])
                 choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
             if failed is not None:
                 yield sse(error_body(failed, 500))
@@ -317,8 +332,11 @@ class OpenAIServer:
                 if delta.finish_reason == "error":
                     return error_response(delta.error or "the request failed", 500)
                 if delta.logprobs is not None:
-                    lp = self.completion_logprobs(delta, offsets[k])
-                    offsets[k] = end_offset(lp, offsets[k])
+                    if chat:
+                        lp = self.chat_logprobs(delta)
+                    else:
+                        lp = self.completion_logprobs(delta, offsets[k])
+                        offsets[k] = end_offset(lp, offsets[k])
                     logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
                 texts[k].append(delta.text)
         if echo is not None:
@@ -419,7 +437,13 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self.remaining_tokens(prompt_token_ids)
-        params = self.sampling_params(req, max_tokens, None)
+        # As OpenAI's and vLLM's: top_logprobs asks for the best of each token's row, and needs logprobs.
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                                param="top_logprobs")
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, prompt_token_ids, params)
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage, prompt_token_ids)

@@ -121,8 +121,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | None = None              # "none" (or "auto" with no tools)
 
     def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs"
         if self.tools:
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):

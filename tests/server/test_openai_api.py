@@ -81,6 +81,37 @@ def test_chat_streamed_equals_unstreamed_equals_llm(served, client, llm, tiny_mo
     assert full.usage.prompt_tokens == len(llm.engine.tokenize(prompt))
 
 
+def test_chat_logprobs(served, client, llm, tiny_model):
+    """OpenAI's chat logprobs (logprobs=true, top_logprobs=n): an entry a generated token, its
+    text, log-probability and UTF-8 bytes and its row's n best; streamed as unstreamed, and the
+    offline engine's values."""
+    params = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**params).choices[0].logprobs.content
+    prompt = ChatTemplate.from_pretrained(tiny_model).render(MESSAGES)
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3),
+                           use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.engine.tokenizer
+    assert [e.token for e in full] == [tokenizer.decode([t], skip_special_tokens=False) for t in offline.token_ids]
+    assert [e.logprob for e in full] == pytest.approx([lp.logprob for lp in offline.logprobs], abs=1e-5)
+    for e in full:
+        assert e.bytes == list(e.token.encode("utf-8")) and len(e.top_logprobs) == 3
+        assert e.logprob == pytest.approx(max(t.logprob for t in e.top_logprobs), abs=1e-5), "greedy takes the best"
+        assert all(t.bytes == list(t.token.encode("utf-8")) for t in e.top_logprobs)
+    chunks = list(client.chat.completions.create(stream=True, **params))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    # (The second request reads the prompt's KV from the prefix cache: its values may differ in the
+    # last bits.)
+    assert [e.token for e in streamed] == [e.token for e in full]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in full], abs=1e-5)
+    # logprobs=true alone: each token's own, no alternatives; and none without logprobs.
+    alone = client.chat.completions.create(**(params | {"top_logprobs": None})).choices[0].logprobs.content
+    assert [e.logprob for e in alone] == pytest.approx([e.logprob for e in full]) and all(
+        e.top_logprobs == [] for e in alone)
+    assert client.chat.completions.create(**(params | {"logprobs": False, "top_logprobs": None})).choices[0].logprobs \
+        is None
+
+
 def test_chat_default_max_tokens_fills_the_context(served, client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0,
                                        extra_body={"ignore_eos": True})

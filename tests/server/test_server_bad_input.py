@@ -55,7 +55,8 @@ BAD_COMPLETIONS = {
 BAD_CHAT = {
     "image content": (CHAT_OK | {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "text content"),
-    "chat logprobs": (CHAT_OK | {"logprobs": True}, 400, "logprobs"),
+    "chat top_logprobs without logprobs": (CHAT_OK | {"top_logprobs": 2}, 400, "needs logprobs=true"),
+    "chat too many top_logprobs": (CHAT_OK | {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     "missing messages": ({"model": MODEL_NAME}, 400, "messages"),
     "chat negative n": (CHAT_OK | {"n": -1}, 400, "n must be"),
     "chat unknown model": (CHAT_OK | {"model": "nope"}, 404, "does not exist"),
