@@ -260,6 +260,14 @@ class OpenAIServer:
         return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(u, v) for u, v in lp.top]}
                             for t, lp in zip(delta.token_ids, delta.logprobs)]}
 
+    def delta_logprobs(self, delta: RequestDelta, chat: bool, offset: int) -> tuple[dict | None, int]:
+        """A delta's logprobs as its endpoint returns them, and the text offset after its tokens
+        (which only completions' logprobs count)."""
+        if chat:
+            return self.chat_logprobs(delta), offset
+        logprobs = self.completion_logprobs(delta, offset)
+        return logprobs, end_offset(logprobs, offset)
+
     def prompt_logprobs_json(self, prompt_token_ids: list[int], values: list) -> list[dict | None]:
         """vLLM's: for each prompt position, None (the first), or the prompt token and the top
         ones, by token id, each with its logprob, rank and text."""
@@ -302,11 +310,7 @@ class OpenAIServer:
                     break
                 if not delta.token_ids and delta.finish_reason is None:
                     continue
-                if chat:
-                    logprobs = self.chat_logprobs(delta)
-                else:
-                    logprobs = self.completion_logprobs(delta, offsets[k])
-                    offsets[k] = end_offset(logprobs, offsets[k])
+                logprobs, offsets[k] = self.delta_logprobs(delta, chat, offsets[k])
                 choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
             if failed is not None:
                 yield sse(error_body(failed, 500))
@@ -332,11 +336,7 @@ class OpenAIServer:
                 if delta.finish_reason == "error":
                     return error_response(delta.error or "the request failed", 500)
                 if delta.logprobs is not None:
-                    if chat:
-                        lp = self.chat_logprobs(delta)
-                    else:
-                        lp = self.completion_logprobs(delta, offsets[k])
-                        offsets[k] = end_offset(lp, offsets[k])
+                    lp, offsets[k] = self.delta_logprobs(delta, chat, offsets[k])
                     logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
                 texts[k].append(delta.text)
         if echo is not None:
