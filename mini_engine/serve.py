@@ -9,6 +9,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from mini_engine.config import EngineConfig
+from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
 
 SKIPPED_FIELDS = {"model", "model_config"}
 
@@ -45,8 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # As vLLM's flags (and off by default, as there): `vllm serve Qwen/Qwen3-0.6B --reasoning-parser qwen3
+    # --enable-auto-tool-choice --tool-call-parser hermes` runs here as it is.
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="chat responses give Qwen3's <think> text apart, in `reasoning`")
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="chat responses give Hermes-style <tool_call> blocks (Qwen3's) as `tool_calls`")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accept requests with tools (tool_choice \"auto\"); needs --tool-call-parser")
     add_engine_options(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or args.model or "qwen3-0.6b-random"
     options = {f.name: getattr(args, f.name) for f in engine_option_fields()}
     config = EngineConfig.from_kwargs(model, **options)
-    app = build_app(config, name)
+    parsers = ParserOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
+    app = build_app(config, name, parsers)
     limits = app.state.server.async_engine.limits
     logging.getLogger("mini_engine.server").info(
         "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,

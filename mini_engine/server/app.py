@@ -26,9 +26,10 @@ from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.chat_template import ChatTemplate
 from mini_engine.server.metrics import ServerMetrics
-from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ProtocolError,
-                                         SamplingRequest, completion_body, error_body, model_card, random_id,
-                                         usage)
+from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
+from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                         ProtocolError, SamplingRequest, completion_body, error_body, model_card,
+                                         random_id, usage)
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -112,15 +113,39 @@ async def interleaved(streams: list[RequestStream]) -> AsyncIterator[list[tuple[
             task.cancel()
 
 
+def template_message(message: ChatMessage) -> dict:
+    """A request's message as chat templates read it (as vLLM's entrypoints/chat_utils.py gives it
+    them): text parts joined, a tool call's JSON arguments as an object (Qwen3's template writes
+    them back with tojson), and the reasoning of an earlier turn also as `reasoning_content`, the
+    name Qwen3's template reads."""
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        if any(part.type != "text" for part in message.content):
+            raise ProtocolError("only text content parts are supported", param="messages")
+        # The parts' texts on lines of their own, a part without text left out.
+        out["content"] = "\n".join(part.text for part in message.content if part.text is not None)
+    for call in out.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass                # not JSON: the template gets the string
+    if "reasoning" in out and "reasoning_content" not in out:
+        out["reasoning_content"] = out["reasoning"]
+    return out
+
+
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
 class OpenAIServer:
-    def __init__(self, config: EngineConfig, model_name: str):
+    def __init__(self, config: EngineConfig, model_name: str, parsers: ParserOptions | None = None):
         self.config = config
         self.model_name = model_name
+        self.parsers = parsers or ParserOptions()
         self.metrics = ServerMetrics(model_name)
         self.async_engine = AsyncEngine(config, self.metrics)
         self.tokenizer = load_tokenizer(config.model)
@@ -204,28 +229,40 @@ class OpenAIServer:
                                 f"{limits.num_blocks * limits.block_size} tokens", param="messages")
         return left
 
-    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt's text and its token ids."""
         if self.chat_template is None:
             raise ProtocolError("this model has no chat template (tokenizer_config.json): use /v1/completions")
-        messages = []
-        for m in req.messages:
-            message = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                if any(part.type != "text" for part in m.content):
-                    raise ProtocolError("only text content parts are supported", param="messages")
-                # As vLLM for a template that takes string content (entrypoints/chat_utils.py): the
-                # parts' texts on lines of their own, a part without text left out.
-                message["content"] = "\n".join(part.text for part in m.content if part.text is not None)
-            messages.append(message)
+        messages = [template_message(m) for m in req.messages]
         kwargs = req.chat_template_kwargs or {}
         if reserved := {"messages", "add_generation_prompt"} & kwargs.keys():
             raise ProtocolError(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own",
                                 param="chat_template_kwargs")
+        if req.tools:       # shown to the model whatever the tool_choice, as vLLM's default
+            kwargs = kwargs | {"tools": [tool.model_dump(exclude_none=True) for tool in req.tools]}
         try:
             text = self.chat_template.render(messages, req.add_generation_prompt, **kwargs)
         except (ValueError, TypeError) as e:     # the template failed on these messages
             raise ProtocolError(f"the chat template cannot render these messages: {e}", param="messages") from None
-        return self.tokenize(text)
+        return text, self.tokenize(text)
+
+    def check_tools(self, req: ChatCompletionRequest) -> None:
+        if req.tool_choice not in (None, "none", "auto"):
+            raise ProtocolError(f"tool_choice={req.tool_choice!r} is not supported: only \"auto\" and \"none\" "
+                                "(\"required\" and a named function need the output constrained to a tool call, "
+                                "which this server does not do)", param="tool_choice")
+        if req.parses_tool_calls and not self.parsers.auto_tool_choice:
+            raise ProtocolError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                'set (or send tool_choice "none")', param="tool_choice")
+
+    def output_parsers(self, req: ChatCompletionRequest, prompt: str, n: int) -> list[ChatOutputParser] | None:
+        """A parser for each of the n completions, where the server parses reasoning or the request's
+        tool calls; None where neither (the text goes out as it is)."""
+        reasoning = self.parsers.reasoning_parser is not None
+        if not reasoning and not req.parses_tool_calls:
+            return None
+        return [ChatOutputParser(prompt, reasoning, req.parses_tool_calls, req.parallel_tool_calls is not False)
+                for _ in range(n)]
 
     # ---- from the engine's deltas to OpenAI's responses ----
 
@@ -290,12 +327,33 @@ class OpenAIServer:
         return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
+    def parsed_choice(index: int, parsed: ParsedText, parser: ChatOutputParser, finish_reason: str | None,
+                      logprobs: dict | None, chunk: bool = False) -> dict:
+        """A chat choice whose text went through the output parsers: as vLLM's, the reasoning in
+        `reasoning`, the calls in `tool_calls` and finish_reason "tool_calls" once a call was made;
+        a streamed delta holds only what it adds."""
+        if finish_reason is not None and parser.called_tools:
+            finish_reason = "tool_calls"
+        if chunk:
+            message = {key: value for key, value in (("reasoning", parsed.reasoning), ("content", parsed.content))
+                       if value}
+            if parsed.tool_calls:
+                message["tool_calls"] = [call.to_json(streamed=True) for call in parsed.tool_calls]
+            return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": parsed.content or None}
+        if parser.reasoning is not None:
+            message["reasoning"] = parsed.reasoning or None
+        if parser.tool_calls is not None:
+            message["tool_calls"] = [call.to_json() for call in parsed.tool_calls]
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    @staticmethod
     def usage_of(last: list[RequestDelta]) -> dict:
         """The prompt once, however many completions share it, and every completion's tokens."""
         return usage(last[0].num_prompt_tokens, sum(delta.num_output_tokens for delta in last))
 
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                            include_usage: bool) -> AsyncIterator[str]:
+                            include_usage: bool, parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[str]:
         if chat:
             first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(streams))]
@@ -311,7 +369,13 @@ class OpenAIServer:
                 if not delta.token_ids and delta.finish_reason is None:
                     continue
                 logprobs, offsets[k] = self.delta_logprobs(delta, chat, offsets[k])
-                choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
+                if parsers is None:
+                    choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
+                    continue
+                choice = self.parsed_choice(k, parsers[k].feed(delta.text, final=delta.finish_reason is not None),
+                                            parsers[k], delta.finish_reason, logprobs, chunk=True)
+                if choice["delta"] or logprobs is not None or delta.finish_reason is not None:
+                    choices.append(choice)
             if failed is not None:
                 yield sse(error_body(failed, 500))
                 break
@@ -323,7 +387,8 @@ class OpenAIServer:
         yield sse("[DONE]")
 
     async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                      prompt_token_ids: list[int], echo: Echo | None = None) -> JSONResponse:
+                      prompt_token_ids: list[int], echo: Echo | None = None,
+                      parsers: list[ChatOutputParser] | None = None) -> JSONResponse:
         texts, logprobs = [[] for _ in streams], [None] * len(streams)
         # Echoed, a completion's tokens start where the prompt's token strings end.
         start = sum(map(len, echo.token_strings)) if echo else 0
@@ -341,8 +406,12 @@ class OpenAIServer:
                 texts[k].append(delta.text)
         if echo is not None:
             texts, logprobs, last = self.echoed(echo, texts, logprobs, last, prompt_logprobs)
-        choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
-                   for k in range(len(streams))]
+        if parsers is None:
+            choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
+                       for k in range(len(streams))]
+        else:
+            choices = [self.parsed_choice(k, parsers[k].feed("".join(texts[k]), final=True), parsers[k],
+                                          last[k].finish_reason, logprobs[k]) for k in range(len(streams))]
         body = completion_body(request_id, created, self.model_name, choices, self.usage_of(last), chat=chat)
         if prompt_logprobs is not None:       # where vLLM puts them: the chat response's, each completion's
             values = self.prompt_logprobs_json(prompt_token_ids, prompt_logprobs)
@@ -373,8 +442,9 @@ class OpenAIServer:
 
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
                       streaming: bool, include_usage: bool, prompt_token_ids: list[int],
-                      echo: Echo | None = None) -> Response:
-        """streams: one for each completion (choice) asked for (add's)."""
+                      echo: Echo | None = None, parsers: list[ChatOutputParser] | None = None) -> Response:
+        """streams: one for each completion (choice) asked for (add's); parsers: a chat response's
+        output parsers, one for each (output_parsers')."""
 
         def abort():
             for stream in streams:
@@ -382,9 +452,11 @@ class OpenAIServer:
                     self.async_engine.abort(stream.request_id)
         created = int(time.time())
         if streaming:
-            return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage), abort)
+            return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage, parsers),
+                                        abort)
         # Not streaming: nothing is written until the end, so watch for the client leaving.
-        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompt_token_ids, echo))
+        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompt_token_ids, echo,
+                                                       parsers))
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -433,7 +505,8 @@ class OpenAIServer:
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
-        prompt_token_ids = self.render_chat(req)
+        self.check_tools(req)
+        prompt, prompt_token_ids = self.render_chat(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self.remaining_tokens(prompt_token_ids)
@@ -446,12 +519,13 @@ class OpenAIServer:
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage, prompt_token_ids)
+        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage, prompt_token_ids,
+                                  parsers=self.output_parsers(req, prompt, len(streams)))
 
 
-def build_app(config: EngineConfig, model_name: str) -> FastAPI:
+def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None) -> FastAPI:
     """Starts the engine process (and waits for it) before it returns."""
-    server = OpenAIServer(config, model_name)
+    server = OpenAIServer(config, model_name, parsers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -6,7 +6,7 @@ gets a 400, never a silently different answer.
 """
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -110,6 +110,20 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema, shown to the model by the chat template
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -117,15 +131,16 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True          # extension
     chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. {"enable_thinking": false}
-    tools: list[dict[str, Any]] | None = None   # none, or an empty list
-    tool_choice: str | None = None              # "none" (or "auto" with no tools)
+    tools: list[ToolDefinition] | None = None
+    # "auto" (the default with tools): the model chooses, and the server's tool call parser finds
+    # its calls; "none": the tools are shown to the model but its output is not parsed. "required"
+    # and a named function would need the output constrained to a call (vLLM's structured outputs).
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None     # False: the first call only
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
-        return super().unsupported()
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
 class Usage(BaseModel):

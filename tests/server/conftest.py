@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from bench_serving import wait_healthy
 from mini_engine.model.random_checkpoint import write_random_checkpoint
@@ -47,8 +47,11 @@ def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
     return tok
 
 
-def write_tiny_model(path: str) -> str:
+def write_tiny_model(path: str, chat_template: str = CHATML_TEMPLATE, added_tokens: tuple[str, ...] = ()) -> str:
+    """added_tokens: texts that become one (not special) token each, so that a test can make the
+    model write one by allowing it alone (allowed_token_ids)."""
     tok = train_tokenizer()
+    tok.add_tokens([AddedToken(text, special=False, normalized=False) for text in added_tokens])
     tok.save(os.path.join(path, "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
     config = {
@@ -61,7 +64,7 @@ def write_tiny_model(path: str) -> str:
     # A larger std than the default, so that greedy outputs vary instead of repeating one token.
     write_random_checkpoint(path, config, dtype=torch.float32, std=0.3)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        json.dump({"chat_template": chat_template, "eos_token": "<|im_end|>", "bos_token": None,
                    "pad_token": "<|endoftext|>"}, f)
     return path
 
@@ -108,13 +111,13 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def launched_server(model: str, log_dir, num_kv_blocks: int = NUM_KV_BLOCKS):
+def launched_server(model: str, log_dir, num_kv_blocks: int = NUM_KV_BLOCKS, options: tuple[str, ...] = ()):
     """`python -m mini_engine.serve` on a free loopback port, healthy, stopped on exit. Blocks of 16
-    slots on any device, so that the pool holds what the tests reckon."""
+    slots on any device, so that the pool holds what the tests reckon. options: more flags."""
     port = free_port()
     cmd = [sys.executable, "-m", "mini_engine.serve", "--model", model, "--served-model-name", MODEL_NAME,
            "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(num_kv_blocks), "--block-size", "16",
-           "--max-num-seqs", "128", "--log-level", "warning"]
+           "--max-num-seqs", "128", "--log-level", "warning", *options]
     log_path = log_dir / "server.log"
     log = open(log_path, "w")      # a file, not a pipe: nobody reads a pipe while tests run
     process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)

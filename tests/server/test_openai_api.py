@@ -296,6 +296,17 @@ def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
     assert r.status_code == 200, r.text
 
 
+def test_without_parsers_tools_are_shown_only_with_tool_choice_none(served):
+    """A server started without --enable-auto-tool-choice: tools go to the template when the
+    request says tool_choice "none" (and are refused otherwise: test_server_bad_input), and the
+    message is as ever, without the parsers' fields."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3, "tools": tools, "tool_choice": "none"}
+    r = httpx.post(served.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert set(r.json()["choices"][0]["message"]) == {"role", "content"}
+
+
 def test_null_sampling_fields_take_their_defaults(served):
     body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": None, "top_p": None, "n": None,
             "seed": 3}

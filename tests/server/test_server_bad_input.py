@@ -10,6 +10,7 @@ from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME
 
 OK = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4}
 CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
 BAD_COMPLETIONS = {
     "prompt beyond max_model_len": (OK | {"prompt": [1] * (MAX_MODEL_LEN + 10)}, 400, "max_model_len"),
@@ -62,7 +63,12 @@ BAD_CHAT = {
     "chat unknown model": (CHAT_OK | {"model": "nope"}, 404, "does not exist"),
     "bad stream_options": (CHAT_OK | {"stream": True, "stream_options": {"bogus": 1}}, 400, "bogus"),
     "a message the template cannot render": (CHAT_OK | {"messages": [{"role": "user"}]}, 400, "chat template"),
-    "tools": (CHAT_OK | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    "tools without --enable-auto-tool-choice": (CHAT_OK | {"tools": TOOLS}, 400, "requires --enable-auto-tool-choice"),
+    "tool_choice required": (CHAT_OK | {"tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice='required'"),
+    "a named tool_choice": (CHAT_OK | {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                            400, "is not supported"),
+    "a tool that is not a function": (CHAT_OK | {"tools": [{"type": "retrieval"}], "tool_choice": "none"}, 400,
+                                      "tools.0.type"),
     "json response_format": (CHAT_OK | {"response_format": {"type": "json_object"}}, 400, "response_format"),
     "stream_options without stream": (CHAT_OK | {"stream_options": {"include_usage": True}}, 400, "stream=true"),
     "template kwargs that set a request field": (CHAT_OK | {"chat_template_kwargs": {"add_generation_prompt": False}},

@@ -1,0 +1,198 @@
+"""A chat completion's text split into what OpenAI's clients read apart: Qwen3's reasoning (between
+<think> and </think>), the answer's content, and its tool calls (Hermes-style <tool_call> blocks of
+JSON, which Qwen3's chat template teaches the model to write). vLLM's `--reasoning-parser qwen3` and
+`--tool-call-parser hermes` do this job there.
+
+Both parsers read text as it streams, one delta at a time, and give the same parts whatever the
+deltas' boundaries: a delta that ends with what may be the start of a tag is held back until the
+next one says (`final` flushes it). A response that is not streamed is the same parser fed once.
+Nothing is lost: a tool call that is not valid JSON stays in the content as the model wrote it.
+"""
+import json
+from dataclasses import dataclass, field
+
+from mini_engine.server.protocol import random_id
+
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+REASONING_PARSERS = ("qwen3",)
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def partial_tag_length(text: str, tag: str) -> int:
+    """How many of text's last characters begin tag: those may be completed by the next delta."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass
+class ParserOptions:
+    """The server's choice, as vLLM's flags: --reasoning-parser, --tool-call-parser and
+    --enable-auto-tool-choice (without which a request's tools are refused unless its tool_choice
+    is "none")."""
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    def __post_init__(self):
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes)")
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        return self.enable_auto_tool_choice and self.tool_call_parser is not None
+
+
+@dataclass
+class ToolCall:
+    index: int              # its place among the completion's calls: streamed deltas are put together by it
+    name: str
+    arguments: str          # JSON text, as OpenAI's function.arguments
+    id: str = field(default_factory=lambda: random_id("chatcmpl-tool"))
+
+    def to_json(self, streamed: bool = False) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {"index": self.index} | out if streamed else out
+
+
+@dataclass
+class ParsedText:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class ReasoningParser:
+    """Qwen3's thinking: an output that starts with <think> (after whitespace) reasons until
+    </think>, and everything after it is content. Where the prompt already opened the thought (the
+    Thinking-2507 templates end it with <think>) the output starts in it; where the prompt closed
+    it (enable_thinking=False writes an empty <think></think>) the output is all content; a
+    <think> after other text is content too. A thought cut short by max_tokens is reasoning."""
+
+    def __init__(self, prompt: str):
+        tail = prompt.rstrip()
+        self.state = "reasoning" if tail.endswith(THINK_START) else "content" if tail.endswith(THINK_END) \
+            else "start"
+        self.held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of the text so far that is no longer held back."""
+        text, self.held = self.held + text, ""
+        if self.state == "start":
+            rest = text.lstrip()
+            if rest.startswith(THINK_START):
+                self.state, text = "reasoning", rest[len(THINK_START):]
+            elif not final and THINK_START.startswith(rest):      # whitespace, or a tag begun
+                self.held = text
+                return "", ""
+            else:
+                self.state = "content"
+        if self.state == "content":
+            return "", text
+        end = text.find(THINK_END)
+        if end >= 0:
+            self.state = "content"
+            return text[:end], text[end + len(THINK_END):]
+        keep = 0 if final else partial_tag_length(text, THINK_END)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+
+class ToolCallParser:
+    """Hermes-style tool calls in the content: each <tool_call>{"name": ..., "arguments": {...}}
+    </tool_call> becomes an OpenAI tool call. The text between calls stays content as written,
+    except where it is only whitespace (the model's separators): the content before the first call
+    is what vLLM's parser returns. A call whose body is not such JSON stays in the content as
+    written, tags and all; an unclosed one at the end is read as if closed (max_tokens cut its
+    tag off)."""
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel    # False: calls after the first are read and dropped (parallel_tool_calls)
+        self.held = ""              # text that may begin a tag
+        self.blank = ""             # the text since the last call, held while it is only whitespace
+        self.in_text = False        # that text has more than whitespace: it goes out as it comes
+        self.call: list[str] | None = None      # the open call's body so far
+        self.num_calls = 0
+
+    def content(self, text: str) -> str:
+        if self.in_text:
+            return text
+        self.blank += text
+        if not self.blank.strip():
+            return ""
+        text, self.blank, self.in_text = self.blank, "", True
+        return text
+
+    def close_call(self) -> tuple[str, ToolCall | None]:
+        body, self.call = "".join(self.call), None
+        try:
+            parsed = json.loads(body)
+            name, arguments = parsed["name"], parsed.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError(name)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return self.content(TOOL_CALL_START + body + TOOL_CALL_END), None
+        self.num_calls += 1
+        self.blank, self.in_text = "", False            # whitespace before the call was a separator
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return "", ToolCall(self.num_calls - 1, name, arguments) if self.parallel or self.num_calls == 1 else None
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        text, self.held = self.held + text, ""
+        content, calls = [], []
+        while text:
+            tag = TOOL_CALL_END if self.call is not None else TOOL_CALL_START
+            at = text.find(tag)
+            if at < 0:
+                keep = 0 if final else partial_tag_length(text, tag)
+                text, self.held = text[:len(text) - keep], text[len(text) - keep:]
+                if self.call is not None:
+                    self.call.append(text)
+                else:
+                    content.append(self.content(text))
+                break
+            if self.call is None:
+                content.append(self.content(text[:at]))
+                self.call = []
+            else:
+                self.call.append(text[:at])
+                before, call = self.close_call()
+                content.append(before)
+                calls += [call] if call else []
+            text = text[at + len(tag):]
+        if final:
+            if self.call is not None:
+                before, call = self.close_call()
+                content.append(before)
+                calls += [call] if call else []
+            if not self.num_calls:          # whitespace alone is content, unless it is a call's separator
+                content.append(self.blank)
+            self.blank = ""
+        return "".join(content), calls
+
+
+class ChatOutputParser:
+    """One completion's text through the reasoning parser (if on), then its content through the
+    tool call parser (if the request's tools are parsed)."""
+
+    def __init__(self, prompt: str, reasoning: bool, tool_calls: bool, parallel_tool_calls: bool = True):
+        self.reasoning = ReasoningParser(prompt) if reasoning else None
+        self.tool_calls = ToolCallParser(parallel_tool_calls) if tool_calls else None
+
+    @property
+    def called_tools(self) -> bool:
+        return self.tool_calls is not None and self.tool_calls.num_calls > 0
+
+    def feed(self, text: str, final: bool = False) -> ParsedText:
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        calls = []
+        if self.tool_calls:
+            content, calls = self.tool_calls.feed(content, final)
+        return ParsedText(reasoning, content, calls)
