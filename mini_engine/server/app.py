@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_engine.config import EngineConfig
+from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.chat_template import ChatTemplate
@@ -279,11 +280,17 @@ class OpenAIServer:
         tokens = [self.token_text(t) for t in delta.token_ids]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in delta.logprobs],
-            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in delta.logprobs],
+            "token_logprobs": [max(lp.logprob, -9999.0) for lp in delta.logprobs],
+            "top_logprobs": [self.top_logprobs(token, lp) for token, lp in zip(tokens, delta.logprobs)],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=text_offset))
                            if tokens else [],
         }
+
+    def top_logprobs(self, token: str, lp: SampleLogprobs) -> dict[str, float]:
+        """OpenAI's legacy top_logprobs of one token: "the API will always return the logprob of
+        the sampled token, so there may be up to logprobs+1 elements", so the token first, as
+        vLLM's, then its row's best, by text (-inf as vLLM's -9999.0)."""
+        return {token: max(lp.logprob, -9999.0)} | {self.token_text(t): max(v, -9999.0) for t, v in lp.top}
 
     def chat_logprobs(self, delta: RequestDelta) -> dict | None:
         """OpenAI's chat logprobs for a delta's tokens: each token's text, its log-probability and
@@ -433,9 +440,9 @@ class OpenAIServer:
         tokens = echo.token_strings
         prompt = {
             "tokens": tokens,
-            "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_logprobs],
-            "top_logprobs": [None if lp is None else {self.token_text(t): v for t, v in lp.top} |
-                             {token: lp.logprob} for token, lp in zip(tokens, prompt_logprobs)],
+            "token_logprobs": [None if lp is None else max(lp.logprob, -9999.0) for lp in prompt_logprobs],
+            "top_logprobs": [None if lp is None else self.top_logprobs(token, lp)
+                             for token, lp in zip(tokens, prompt_logprobs)],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
         }
         return texts, [None if lp is None else {key: prompt[key] + lp[key] for key in prompt} for lp in logprobs], last

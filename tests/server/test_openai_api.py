@@ -193,9 +193,18 @@ def test_logprobs(served, client, llm):
     streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
                 for lp in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(full.token_logprobs, abs=1e-5)
-    # logprobs=0: the sampled token's log-probability alone.
+    # logprobs=0: the sampled token's log-probability alone, in top_logprobs too (OpenAI's "up to
+    # logprobs+1 elements", as vLLM's).
     zero = client.completions.create(model=MODEL_NAME, **(params | {"logprobs": 0})).choices[0].logprobs
-    assert len(zero.token_logprobs) == 8 and all(top == {} for top in zero.top_logprobs)
+    assert len(zero.token_logprobs) == 8
+    assert zero.top_logprobs == [{token: lp} for token, lp in zip(zero.tokens, zero.token_logprobs)]
+    # Sampled, a token outside its row's best comes first, beside them.
+    sampled = client.completions.create(model=MODEL_NAME, **(params | {"temperature": 1.5, "seed": 3,
+                                                                        "logprobs": 1, "max_tokens": 32}))
+    lp = sampled.choices[0].logprobs
+    assert all(list(top)[0] == token and top[token] == value and len(top) <= 2
+               for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs), "some sampled token was not its row's best"
 
 
 def test_seeded_sampling_is_reproducible(served, client, llm):
