@@ -239,8 +239,8 @@ class OpenAIServer:
         if reserved := {"messages", "add_generation_prompt"} & kwargs.keys():
             raise ProtocolError(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own",
                                 param="chat_template_kwargs")
-        if req.tools:       # shown to the model whatever the tool_choice, as vLLM's default
-            kwargs = kwargs | {"tools": [tool.model_dump(exclude_none=True) for tool in req.tools]}
+        if req.tools:       # shown to the model whatever the tool_choice, as vLLM's default, nulls too
+            kwargs = kwargs | {"tools": [tool.model_dump() for tool in req.tools]}
         try:
             text = self.chat_template.render(messages, req.add_generation_prompt, **kwargs)
         except (ValueError, TypeError) as e:     # the template failed on these messages
@@ -248,6 +248,8 @@ class OpenAIServer:
         return text, self.tokenize(text)
 
     def check_tools(self, req: ChatCompletionRequest) -> None:
+        if req.tool_choice is not None and req.tools is None:       # as OpenAI's and vLLM's
+            raise ProtocolError("tool_choice is only allowed when tools are set", param="tool_choice")
         if req.tool_choice not in (None, "none", "auto"):
             raise ProtocolError(f"tool_choice={req.tool_choice!r} is not supported: only \"auto\" and \"none\" "
                                 "(\"required\" and a named function need the output constrained to a tool call, "

@@ -19,6 +19,11 @@ REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("hermes",)
 
 
+def not_json(constant: str):
+    """json.loads reads NaN and Infinity, which JSON (and so a tool call's arguments) has not."""
+    raise ValueError(f"{constant} is not JSON")
+
+
 def partial_tag_length(text: str, tag: str) -> int:
     """How many of text's last characters begin tag: those may be completed by the next delta."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -71,14 +76,17 @@ class ParsedText:
 class ReasoningParser:
     """Qwen3's thinking: an output that starts with <think> (after whitespace) reasons until
     </think>, and everything after it is content. Where the prompt already opened the thought (the
-    Thinking-2507 templates end it with <think>) the output starts in it; where the prompt closed
-    it (enable_thinking=False writes an empty <think></think>) the output is all content; a
-    <think> after other text is content too. A thought cut short by max_tokens is reasoning."""
+    Thinking-2507 templates end it with <think>) the output starts in it (a <think> the model
+    writes again is dropped, as vLLM drops it); where the prompt closed it (enable_thinking=False
+    writes an empty <think></think>) the output is all content. Otherwise an output that does not
+    start with <think> is all content, tags included: vLLM's non-streamed parser says the same
+    unless a </think> comes later (its streamed one then calls the text before it reasoning, and
+    a stream cannot wait to know). A thought cut short by max_tokens is reasoning."""
 
     def __init__(self, prompt: str):
         tail = prompt.rstrip()
-        self.state = "reasoning" if tail.endswith(THINK_START) else "content" if tail.endswith(THINK_END) \
-            else "start"
+        self.opened = tail.endswith(THINK_START)
+        self.state = "content" if tail.endswith(THINK_END) else "start"
         self.held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -92,7 +100,7 @@ class ReasoningParser:
                 self.held = text
                 return "", ""
             else:
-                self.state = "content"
+                self.state = "reasoning" if self.opened else "content"
         if self.state == "content":
             return "", text
         end = text.find(THINK_END)
@@ -106,11 +114,12 @@ class ReasoningParser:
 
 class ToolCallParser:
     """Hermes-style tool calls in the content: each <tool_call>{"name": ..., "arguments": {...}}
-    </tool_call> becomes an OpenAI tool call. The text between calls stays content as written,
-    except where it is only whitespace (the model's separators): the content before the first call
-    is what vLLM's parser returns. A call whose body is not such JSON stays in the content as
-    written, tags and all; an unclosed one at the end is read as if closed (max_tokens cut its
-    tag off)."""
+    </tool_call> becomes an OpenAI tool call, its arguments as JSON text (as vLLM's hermes parser
+    writes them). The text between calls stays content as written, except where it is only
+    whitespace (the model's separators; vLLM keeps whitespace before the first call). A call whose
+    body is not such JSON stays in the content as written, tags and all; an unclosed one at the
+    end is read as if closed (max_tokens cut its tag off). Text after a <tool_call> is held until
+    its end tag, or the output's end, says whether it was a call."""
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel    # False: calls after the first are read and dropped (parallel_tool_calls)
@@ -129,19 +138,19 @@ class ToolCallParser:
         text, self.blank, self.in_text = self.blank, "", True
         return text
 
-    def close_call(self) -> tuple[str, ToolCall | None]:
+    def close_call(self, closed: bool = True) -> tuple[str, ToolCall | None]:
+        """closed: the end tag came (else the output ended inside the call)."""
         body, self.call = "".join(self.call), None
         try:
-            parsed = json.loads(body)
+            parsed = json.loads(body, parse_constant=not_json)
             name, arguments = parsed["name"], parsed.get("arguments", {})
             if not isinstance(name, str):
                 raise TypeError(name)
         except (ValueError, TypeError, KeyError, AttributeError):
-            return self.content(TOOL_CALL_START + body + TOOL_CALL_END), None
+            return self.content(TOOL_CALL_START + body + (TOOL_CALL_END if closed else "")), None
         self.num_calls += 1
         self.blank, self.in_text = "", False            # whitespace before the call was a separator
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+        arguments = json.dumps(arguments, ensure_ascii=False)
         return "", ToolCall(self.num_calls - 1, name, arguments) if self.parallel or self.num_calls == 1 else None
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
@@ -169,7 +178,7 @@ class ToolCallParser:
             text = text[at + len(tag):]
         if final:
             if self.call is not None:
-                before, call = self.close_call()
+                before, call = self.close_call(closed=False)
                 content.append(before)
                 calls += [call] if call else []
             if not self.num_calls:          # whitespace alone is content, unless it is a call's separator

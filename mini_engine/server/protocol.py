@@ -111,16 +111,16 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Other keys (OpenAI's strict, ...) go to the chat template with the rest, as vLLM passes them.
+    model_config = ConfigDict(extra="allow")
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None    # a JSON schema, shown to the model by the chat template
-    strict: bool | None = None
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
     function: FunctionDefinition
 
 

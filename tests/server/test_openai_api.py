@@ -306,9 +306,9 @@ def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
 
 
 def test_without_parsers_tools_are_shown_only_with_tool_choice_none(served):
-    """A server started without --enable-auto-tool-choice: tools go to the template when the
-    request says tool_choice "none" (and are refused otherwise: test_server_bad_input), and the
-    message is as ever, without the parsers' fields."""
+    """A server started without --enable-auto-tool-choice takes tools with tool_choice "none" (and
+    refuses them otherwise: test_server_bad_input), and its message is as ever, without the
+    parsers' fields. (That the template gets them: test_reasoning_and_tool_calls.)"""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3, "tools": tools, "tool_choice": "none"}
     r = httpx.post(served.base_url + "/v1/chat/completions", json=body, timeout=60)

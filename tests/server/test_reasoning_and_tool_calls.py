@@ -175,6 +175,17 @@ def test_the_template_gets_the_tools_and_earlier_calls(client, model):
     assert "<think>\nAsk the tool.\n</think>" in prompt and '"description": "The weather in a city."' in prompt
     assert response.usage.prompt_tokens == len(tokenizer.encode(prompt).ids)
     assert response.usage.prompt_tokens > len(tokenizer.encode(template.render(rendered)).ids)
+    # tool_choice "none" shows the model the same tools.
+    none = client.chat.completions.create(model=MODEL_NAME, messages=turns, tools=TOOLS, tool_choice="none",
+                                          max_tokens=1)
+    assert none.usage.prompt_tokens == response.usage.prompt_tokens
+    # As vLLM gives them: a function's unset fields as nulls, and keys of its own (OpenAI's strict).
+    bare = [{"type": "function", "function": {"name": "now", "strict": True}}]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=bare, max_tokens=1)
+    shown = [{"type": "function", "function": {"name": "now", "description": None, "parameters": None, "strict": True}}]
+    prompt = template.render(MESSAGES, tools=shown)
+    assert '"description": null, "parameters": null, "strict": true' in prompt
+    assert response.usage.prompt_tokens == len(tokenizer.encode(prompt).ids)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -185,13 +196,14 @@ def test_each_completion_has_its_own_parser(client, token_id, stream):
                   extra_body={"allowed_token_ids": [token_id[CALL]]})
     if not stream:
         choices = client.chat.completions.create(**kwargs).choices
-        calls = {c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in choices}
+        calls = {c.index: [(k, t.function.name, t.function.arguments) for k, t in enumerate(c.message.tool_calls)]
+                 for c in choices}
         finishes = {c.index: c.finish_reason for c in choices}
-    else:
+    else:   # each choice's calls are numbered from 0 (a parser shared by both would count to 3)
         calls, finishes = {0: [], 1: []}, {}
         for chunk in client.chat.completions.create(stream=True, **kwargs):
             for c in chunk.choices:
-                calls[c.index] += [(t.function.name, t.function.arguments) for t in c.delta.tool_calls or []]
+                calls[c.index] += [(t.index, t.function.name, t.function.arguments) for t in c.delta.tool_calls or []]
                 finishes[c.index] = c.finish_reason or finishes.get(c.index)
-    assert calls == {k: [("get_weather", CALL_ARGUMENTS)] * 2 for k in (0, 1)}
+    assert calls == {k: [(0, "get_weather", CALL_ARGUMENTS), (1, "get_weather", CALL_ARGUMENTS)] for k in (0, 1)}
     assert finishes == {0: "tool_calls", 1: "tool_calls"}
