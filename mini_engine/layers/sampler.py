@@ -40,6 +40,14 @@ def candidate_top_k(params) -> int:
     return params.top_k if params.temperature > 0 and 1 <= params.top_k <= TOP_K_MAX else 0
 
 
+def needs_top_k_top_p(params, candidates: bool = True) -> bool:
+    """Does a row need apply_top_k_top_p: a sampling row with a top-k or a top-p that the Triton
+    sampler does not draw from its best logits (candidates: that sampler is on)? Greedy rows never
+    do: the argmax is the same."""
+    return params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0) and \
+        not (candidates and candidate_top_k(params))
+
+
 @dataclass(slots=True)
 class SampleLogprobs:
     """A token's log-probability and its row's most likely tokens, best first (and, for a prompt

@@ -16,7 +16,7 @@ from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
 from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, early_stop_tokens, logit_bias_tensors,
                                          penalty_tensors)
-from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors,
+from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors, needs_top_k_top_p,
                                        prompt_logprob_tensors, prompt_logprobs_by_row, sample_logprobs)
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
@@ -357,10 +357,8 @@ class ModelRunner:
         without top-k, min_p, a penalty, a logit bias, allowed_token_ids or, while its output is
         shorter than min_tokens, no stop token? (A greedy row's argmax is the same under top-k,
         top-p and min_p.)"""
-        def restricted(p: SamplingParams) -> bool:
-            return p.temperature > 0 and (p.min_p > 0 or ((p.top_k > 0 or p.top_p < 1.0) and not candidate_top_k(p)))
-        return any(restricted(r.params) or r.params.penalized or r.params.logit_bias or r.params.allowed_token_ids
-                   or r.num_output_tokens < r.params.min_tokens for r in rows)
+        return any(needs_top_k_top_p(p := r.params) or (p.temperature > 0 and p.min_p > 0) or p.penalized
+                   or p.logit_bias or p.allowed_token_ids or r.num_output_tokens < p.min_tokens for r in rows)
 
     def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
                        turn: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
@@ -464,7 +462,7 @@ class ModelRunner:
         # the same). Where another row needs one, the drawn rows keep theirs: apply_top_k_top_p
         # takes a small top-k's group by torch.topk, but sorts the vocabulary for a row without one.
         drawn = ["sampler" in self.kernels and candidate_top_k(p) > 0 for p in params]
-        restricting = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) and not d for p, d in zip(params, drawn))
+        restricting = any(needs_top_k_top_p(p, "sampler" in self.kernels) for p in params)
         top_k = [max(p.top_k, 0) if restricting and p.temperature > 0 else 0 for p in params]
         top_p = [p.top_p if restricting and p.temperature > 0 else 1.0 for p in params]
         min_p = [p.min_p for p in params]
