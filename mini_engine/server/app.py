@@ -61,6 +61,15 @@ class Echo:
     drop_output: bool
 
 
+@dataclasses.dataclass
+class Prompts:
+    """A request's prompts (a completion request may send several) and their choices: choice k is
+    completion k % n of prompt k // n, as vLLM numbers them; echoes: each prompt's, with echo=true."""
+    token_ids: list[list[int]]
+    n: int
+    echoes: list[Echo] | None = None
+
+
 def end_offset(logprobs: dict | None, offset: int) -> int:
     """The text offset after a delta's tokens (completion_logprobs), or offset without them."""
     if not logprobs or not logprobs["tokens"]:
@@ -192,27 +201,36 @@ class OpenAIServer:
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
-    def tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ProtocolError("a list of several prompts is not supported: send one request per prompt",
-                                    param="prompt")
-            prompt = prompt[0]
+    @staticmethod
+    def prompt_list(prompt: str | list) -> list[str | list[int]]:
+        """A completion request's prompt as OpenAI's API takes it: a text, token ids, or a batch of
+        either."""
+        return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+
+    def tokenize(self, prompt: str | list[int], where: str = "prompt") -> list[int]:
         try:
             return encode_prompt(self.tokenizer, prompt)
         except ValueError as e:
-            raise ProtocolError(str(e), param="prompt") from None
+            raise ProtocolError(f"{where}: {e}" if where != "prompt" else str(e), param="prompt") from None
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[RequestStream]:
-        """A stream for each of the params.n completions: one request, or n as vLLM makes them
-        (ids "{index}_{request_id}", seeds seed + index), whose shared prompt the prefix cache
-        computes once. All are validated before any is sent."""
-        completions = [(request_id, params)] if params.n == 1 else \
-            [(f"{k}_{request_id}", params.completion(k)) for k in range(params.n)]
+    def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        """A stream for each of the params.n completions of each prompt, in that order: one request
+        for one prompt and n = 1; else vLLM's ids ("{request_id}-{prompt}" for a batch of prompts,
+        "{index}_..." for each of n, seeded seed + index), and the n of a prompt share it, which the
+        prefix cache computes once. All are validated before any is sent: one bad prompt of a
+        batch refuses the request."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        for i, prompt in enumerate(prompts):        # the children differ in seed alone
+            try:
+                self.async_engine.limits.validate(prompt, params)
+            except (ValueError, TypeError) as e:
+                raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        completions = [(prompt, child_id, child) for prompt_id, prompt in zip(ids, prompts)
+                       for child_id, child in ([(prompt_id, params)] if params.n == 1 else
+                                               [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
-            self.async_engine.limits.validate(prompt_token_ids, params)      # the children differ in seed alone
-            return [self.async_engine.add_request(child_id, prompt_token_ids, child, validated=True)
-                    for child_id, child in completions]
+            return [self.async_engine.add_request(child_id, prompt, child, validated=True)
+                    for prompt, child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
         except RuntimeError as e:        # the engine process is gone
@@ -357,12 +375,13 @@ class OpenAIServer:
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
-    def usage_of(last: list[RequestDelta]) -> dict:
-        """The prompt once, however many completions share it, and every completion's tokens."""
-        return usage(last[0].num_prompt_tokens, sum(delta.num_output_tokens for delta in last))
+    def usage_of(last: list[RequestDelta], n: int) -> dict:
+        """Each prompt once, however many (n) completions share it, and every completion's tokens."""
+        return usage(sum(delta.num_prompt_tokens for delta in last[::n]), sum(delta.num_output_tokens for delta in last))
 
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                            include_usage: bool, parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[str]:
+                            include_usage: bool, n: int,
+                            parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[str]:
         if chat:
             first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(streams))]
@@ -391,54 +410,58 @@ class OpenAIServer:
             if choices:
                 yield sse(completion_body(request_id, created, self.model_name, choices, None, chunk=True, chat=chat))
         if include_usage and failed is None:
-            u = self.usage_of(last)
+            u = self.usage_of(last, n)
             yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
         yield sse("[DONE]")
 
     async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                      prompt_token_ids: list[int], echo: Echo | None = None,
-                      parsers: list[ChatOutputParser] | None = None) -> JSONResponse:
+                      prompts: Prompts, parsers: list[ChatOutputParser] | None = None) -> JSONResponse:
+        n, echoes = prompts.n, prompts.echoes
         texts, logprobs = [[] for _ in streams], [None] * len(streams)
-        # Echoed, a completion's tokens start where the prompt's token strings end.
-        start = sum(map(len, echo.token_strings)) if echo else 0
-        offsets, last = [start] * len(streams), [None] * len(streams)
-        prompt_logprobs = None          # the prompt's, which its first completion computes
+        # Echoed, a completion's tokens start where its prompt's token strings end.
+        offsets = [sum(map(len, echoes[k // n].token_strings)) if echoes else 0 for k in range(len(streams))]
+        last = [None] * len(streams)
+        prompt_logprobs = [None] * len(prompts.token_ids)       # each prompt's, which its first completion computes
         async for ready in interleaved(streams):
             for k, delta in ready:
                 last[k] = delta
-                prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
+                prompt_logprobs[k // n] = prompt_logprobs[k // n] or delta.prompt_logprobs
                 if delta.finish_reason == "error":
                     return error_response(delta.error or "the request failed", 500)
                 if delta.logprobs is not None:
                     lp, offsets[k] = self.delta_logprobs(delta, chat, offsets[k])
                     logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
                 texts[k].append(delta.text)
-        if echo is not None:
-            texts, logprobs, last = self.echoed(echo, texts, logprobs, last, prompt_logprobs)
+        if echoes is not None:
+            for k in range(len(streams)):
+                texts[k], logprobs[k], last[k] = self.echoed(echoes[k // n], texts[k], logprobs[k], last[k],
+                                                             prompt_logprobs[k // n])
         if parsers is None:
             choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
                        for k in range(len(streams))]
         else:
             choices = [self.parsed_choice(k, parsers[k].feed("".join(texts[k]), final=True), parsers[k],
                                           last[k].finish_reason, logprobs[k]) for k in range(len(streams))]
-        body = completion_body(request_id, created, self.model_name, choices, self.usage_of(last), chat=chat)
-        if prompt_logprobs is not None:       # where vLLM puts them: the chat response's, each completion's
-            values = self.prompt_logprobs_json(prompt_token_ids, prompt_logprobs)
-            for place in [body] if chat else choices:
-                place["prompt_logprobs"] = values
+        body = completion_body(request_id, created, self.model_name, choices, self.usage_of(last, n), chat=chat)
+        # Where vLLM puts them: the chat response's, each completion's (its prompt's).
+        values = [None if lp is None else self.prompt_logprobs_json(ids, lp)
+                  for ids, lp in zip(prompts.token_ids, prompt_logprobs)]
+        for k, place in enumerate([body] if chat else choices):
+            if values[k // n] is not None:
+                place["prompt_logprobs"] = values[k // n]
         return JSONResponse(body)
 
-    def echoed(self, echo: Echo, texts: list[list[str]], logprobs: list[dict | None], last: list[RequestDelta],
-               prompt_logprobs: list | None) -> tuple[list[list[str]], list[dict | None], list[RequestDelta]]:
-        """Each completion with the prompt before it (and, where echo.drop_output, the prompt alone,
+    def echoed(self, echo: Echo, text: list[str], logprobs: dict | None, last: RequestDelta,
+               prompt_logprobs: list | None) -> tuple[list[str], dict | None, RequestDelta]:
+        """A completion with its prompt before it (and, where echo.drop_output, the prompt alone,
         no completion tokens counted); logprobs with the prompt's first, from its prompt_logprobs."""
         if echo.drop_output:
-            texts = [[] for _ in texts]
-            logprobs = [None if lp is None else {key: [] for key in lp} for lp in logprobs]
-            last = [dataclasses.replace(delta, num_output_tokens=0) for delta in last]
-        texts = [[echo.text, *text] for text in texts]
-        if prompt_logprobs is None:
-            return texts, logprobs, last
+            text = []
+            logprobs = None if logprobs is None else {key: [] for key in logprobs}
+            last = dataclasses.replace(last, num_output_tokens=0)
+        text = [echo.text, *text]
+        if prompt_logprobs is None or logprobs is None:
+            return text, logprobs, last
         tokens = echo.token_strings
         prompt = {
             "tokens": tokens,
@@ -447,11 +470,11 @@ class OpenAIServer:
                              for token, lp in zip(tokens, prompt_logprobs)],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
         }
-        return texts, [None if lp is None else {key: prompt[key] + lp[key] for key in prompt} for lp in logprobs], last
+        return text, {key: prompt[key] + logprobs[key] for key in prompt}, last
 
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
-                      streaming: bool, include_usage: bool, prompt_token_ids: list[int],
-                      echo: Echo | None = None, parsers: list[ChatOutputParser] | None = None) -> Response:
+                      streaming: bool, include_usage: bool, prompts: Prompts,
+                      parsers: list[ChatOutputParser] | None = None) -> Response:
         """streams: one for each completion (choice) asked for (add's); parsers: a chat response's
         output parsers, one for each (output_parsers')."""
 
@@ -461,11 +484,10 @@ class OpenAIServer:
                     self.async_engine.abort(stream.request_id)
         created = int(time.time())
         if streaming:
-            return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage, parsers),
-                                        abort)
+            return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage,
+                                                           prompts.n, parsers), abort)
         # Not streaming: nothing is written until the end, so watch for the client leaving.
-        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompt_token_ids, echo,
-                                                       parsers))
+        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompts, parsers))
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -483,34 +505,37 @@ class OpenAIServer:
         self.check(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
-        prompt_token_ids = self.tokenize(req.prompt)
+        inputs = self.prompt_list(req.prompt)
+        several = len(inputs) > 1
+        prompts = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        echo = None
+        echoes = None
         if req.echo:
             if req.stream:
                 raise ProtocolError("echo is not supported with stream=true", param="echo")
-            # As vLLM's: the prompt's text before each completion's and, with logprobs, its
-            # tokens' (prompt_logprobs); max_tokens 0 returns the prompt alone (one token is
-            # generated, and dropped).
-            if not prompt_token_ids:
-                raise ProtocolError("the prompt is empty", param="prompt")
-            prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
-            # Token ids decode with their special tokens, as the token strings of logprobs show them.
-            text = prompt if isinstance(prompt, str) else \
-                self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False) if self.tokenizer else ""
-            echo = Echo(text, prompt_token_ids, [self.token_text(t) for t in prompt_token_ids], max_tokens == 0)
-            if max_tokens == 0:
-                limit = self.async_engine.limits.max_model_len
-                if len(prompt_token_ids) >= limit:
-                    raise ProtocolError(f"echo with max_tokens=0 needs a prompt shorter than max_model_len={limit} "
-                                        f"(one token is generated, and dropped), got {len(prompt_token_ids)} tokens",
-                                        param="prompt")
+            echoes = [self.echo(prompt, ids, max_tokens) for prompt, ids in zip(inputs, prompts)]
+            if max_tokens == 0:     # one token is generated, and dropped
                 max_tokens = 1
-        params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echo else None)
+        params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echoes else None)
         request_id = random_id("cmpl")
-        streams = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage, prompt_token_ids,
-                                  echo)
+        streams = self.add(request_id, prompts, params)
+        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
+                                  Prompts(prompts, params.n, echoes))
+
+    def echo(self, prompt: str | list[int], prompt_token_ids: list[int], max_tokens: int) -> Echo:
+        """As vLLM's echo: the prompt's text before each completion's and, with logprobs, its tokens'
+        (prompt_logprobs); max_tokens 0 returns the prompt alone."""
+        if not prompt_token_ids:
+            raise ProtocolError("the prompt is empty", param="prompt")
+        # Token ids decode with their special tokens, as the token strings of logprobs show them.
+        text = prompt if isinstance(prompt, str) else \
+            self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False) if self.tokenizer else ""
+        limit = self.async_engine.limits.max_model_len
+        if max_tokens == 0 and len(prompt_token_ids) >= limit:
+            raise ProtocolError(f"echo with max_tokens=0 needs a prompt shorter than max_model_len={limit} "
+                                f"(one token is generated, and dropped), got {len(prompt_token_ids)} tokens",
+                                param="prompt")
+        return Echo(text, prompt_token_ids, [self.token_text(t) for t in prompt_token_ids], max_tokens == 0)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
@@ -527,9 +552,9 @@ class OpenAIServer:
                                 param="top_logprobs")
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
-        streams = self.add(request_id, prompt_token_ids, params)
-        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage, prompt_token_ids,
-                                  parsers=self.output_parsers(req, prompt, len(streams)))
+        streams = self.add(request_id, [prompt_token_ids], params)
+        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
+                                  Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, len(streams)))
 
 
 def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None) -> FastAPI:

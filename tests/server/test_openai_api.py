@@ -288,6 +288,34 @@ def test_n_completions_streamed_and_not_equal_llms(served, client, llm):
     assert served.wait_idle()["mini_engine:kv_cache_blocks_used"] == 0
 
 
+def test_a_batch_of_prompts(served, client, llm):
+    """OpenAI's batch: a list of prompts (texts, or token ids), choice i * n + k answering prompt i
+    with completion k, each what LLM.generate gives it, streamed or not; usage counts each prompt
+    once; echo puts each choice's own prompt before it."""
+    prompts = ["Hello world", "Größe 你好 😀"]
+    params = dict(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=2,
+                  extra_body={"ignore_eos": True})
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    expected = [o.text for out in outs for o in out.outputs]
+    r = client.completions.create(**params)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and [c.text for c in r.choices] == expected
+    prompt_tokens = sum(len(llm.tokenizer.encode(p).ids) for p in prompts)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 24)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **params))
+    streamed = [""] * 4
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == expected and chunks[-1].usage.prompt_tokens == prompt_tokens
+    ids = [[5, 17, 300, 42, 7], [9, 8, 7]]
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == [llm.tokenizer.decode(prompt, skip_special_tokens=False) +
+                                           reference(llm, prompt, temperature=0, max_tokens=4, ignore_eos=True)[0]
+                                           for prompt in ids]
+
+
 def test_streams_end_with_usage_only_when_asked(served, client):
     """As OpenAI: without stream_options.include_usage every chunk has a choice, so a client that
     reads chunk.choices[0] of each one works."""
