@@ -29,8 +29,8 @@ from mini_engine.server.chat_template import ChatTemplate
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                         ProtocolError, SamplingRequest, completion_body, error_body, model_card,
-                                         random_id, usage)
+                                         DetokenizeRequest, ProtocolError, SamplingRequest, TokenizeRequest,
+                                         completion_body, error_body, model_card, random_id, usage)
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -163,10 +163,13 @@ class OpenAIServer:
 
     # ---- from an OpenAI request to the engine's ----
 
-    def check(self, req: SamplingRequest) -> None:
-        if req.model != self.model_name:
-            raise ProtocolError(f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ProtocolError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                 404, "model", "model_not_found")
+
+    def check(self, req: SamplingRequest) -> None:
+        self.check_model(req.model)
         param = req.unsupported()
         if param is not None:
             raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)
@@ -501,6 +504,33 @@ class OpenAIServer:
 
     # ---- routes ----
 
+    def tokenize_route(self, req: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: what the completion or chat endpoint would make of this prompt."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ProtocolError("give either prompt or messages", param="prompt")
+        if self.tokenizer is None:
+            raise ProtocolError("this checkpoint has no tokenizer.json")
+        text = req.prompt
+        if req.messages is not None:
+            chat = ChatCompletionRequest(model=self.model_name, messages=req.messages, tools=req.tools,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         chat_template_kwargs=req.chat_template_kwargs)
+            text, _ = self.render_chat(chat)
+        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
+        return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                "token_strs": [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None}
+
+    def detokenize_route(self, req: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise ProtocolError("this checkpoint has no tokenizer.json")
+        vocab = self.tokenizer.get_vocab_size()
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise ProtocolError(f"tokens outside the vocabulary (0 to {vocab - 1}): {bad[:8]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -598,6 +628,14 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await server.chat_completions(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        return server.tokenize_route(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return server.detokenize_route(req)
 
     @app.get("/v1/models")
     async def models():

@@ -143,6 +143,25 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt's token ids, or those of chat messages through the chat template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False            # as the completion endpoints tokenize (Qwen3's adds none)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    return_token_strs: bool = False             # the vocabulary's own strings (byte-level pieces)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

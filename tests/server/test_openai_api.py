@@ -316,6 +316,36 @@ def test_a_batch_of_prompts(served, client, llm):
                                            for prompt in ids]
 
 
+def test_tokenize_and_detokenize(served, client, llm):
+    """vLLM's /tokenize and /detokenize: a prompt's ids as the completion endpoint counts them, chat
+    messages' as the chat endpoint does, and the text of ids back."""
+    def post(route, body):
+        return httpx.post(served.base_url + route, json=body, timeout=60)
+    text = "Größe 你好 😀"
+    r = post("/tokenize", {"model": MODEL_NAME, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = llm.tokenizer.encode(text).ids
+    assert r.json() == {"count": len(ids), "max_model_len": 512, "tokens": ids,
+                        "token_strs": [llm.tokenizer.id_to_token(t) for t in ids]}
+    completion = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1)
+    assert completion.usage.prompt_tokens == len(ids)
+    counted = post("/tokenize", {"messages": MESSAGES}).json()
+    assert counted["token_strs"] is None
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1)
+    assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+    assert post("/detokenize", {"model": MODEL_NAME, "tokens": ids}).json() == {"prompt": text}
+    special = llm.tokenizer.token_to_id("<|im_end|>")
+    assert post("/detokenize", {"tokens": [special]}).json() == {"prompt": "<|im_end|>"}
+    for route, body, status, words in [
+            ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "either prompt or messages"),
+            ("/tokenize", {}, 400, "either prompt or messages"),
+            ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "does not exist"),
+            ("/detokenize", {"tokens": [10 ** 7]}, 400, "outside the vocabulary"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")]:
+        r = post(route, body)
+        assert r.status_code == status and words in r.json()["error"]["message"], (body, r.text)
+
+
 def test_streams_end_with_usage_only_when_asked(served, client):
     """As OpenAI: without stream_options.include_usage every chunk has a choice, so a client that
     reads chunk.choices[0] of each one works."""
