@@ -39,6 +39,7 @@ class Admission:
 class LLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self.chat_template = None       # the checkpoint's, read on the first chat()
 
     @property
     def tokenizer(self):
@@ -115,6 +116,26 @@ class LLM:
             i, k = completion_of[seq.request_id]
             groups[i].append((k, seq))
         return [self.to_output(prompt, group, stoppers) for prompt, group in zip(prompts, groups)]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: a conversation (OpenAI's messages), or a list of them, rendered by the
+        checkpoint's chat template (as the server's chat endpoint renders it: tools, earlier tool
+        calls and reasoning included; chat_template_kwargs such as Qwen3's enable_thinking), then
+        generated; each RequestOutput's prompt is the rendered text."""
+        from mini_engine.chat_template import ChatTemplate, template_message      # jinja2: the server's extra
+        if self.chat_template is None:
+            self.chat_template = ChatTemplate.from_pretrained(self.engine.config.model)
+            if self.chat_template is None:
+                raise ValueError("this checkpoint has no chat template (tokenizer_config.json's chat_template): "
+                                 "use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
+        prompts = [self.chat_template.render([template_message(m) for m in conversation], add_generation_prompt,
+                                             **kwargs) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def add_requests(self, requests: Iterator[tuple[int, int, int, object, SamplingParams]], seqs: list[Sequence],
                      completion_of: dict[str, tuple[int, int]], stoppers: dict[str, IncrementalDetokenizer],

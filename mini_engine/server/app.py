@@ -25,10 +25,10 @@ from mini_engine.config import EngineConfig
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
-from mini_engine.server.chat_template import ChatTemplate
+from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
-from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
                                          DetokenizeRequest, ProtocolError, SamplingRequest, TokenizeRequest,
                                          completion_body, error_body, model_card, random_id, usage)
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
@@ -121,29 +121,6 @@ async def interleaved(streams: list[RequestStream]) -> AsyncIterator[list[tuple[
     finally:
         for task in waiting:
             task.cancel()
-
-
-def template_message(message: ChatMessage) -> dict:
-    """A request's message as chat templates read it (as vLLM's entrypoints/chat_utils.py gives it
-    them): text parts joined, a tool call's JSON arguments as an object (Qwen3's template writes
-    them back with tojson), and the reasoning of an earlier turn also as `reasoning_content`, the
-    name Qwen3's template reads."""
-    out = message.model_dump(exclude_none=True)
-    if isinstance(message.content, list):
-        if any(part.type != "text" for part in message.content):
-            raise ProtocolError("only text content parts are supported", param="messages")
-        # The parts' texts on lines of their own, a part without text left out.
-        out["content"] = "\n".join(part.text for part in message.content if part.text is not None)
-    for call in out.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except ValueError:
-                pass                # not JSON: the template gets the string
-    if "reasoning" in out and "reasoning_content" not in out:
-        out["reasoning_content"] = out["reasoning"]
-    return out
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -255,7 +232,10 @@ class OpenAIServer:
         """The prompt's text and its token ids."""
         if self.chat_template is None:
             raise ProtocolError("this model has no chat template (tokenizer_config.json): use /v1/completions")
-        messages = [template_message(m) for m in req.messages]
+        try:
+            messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
+        except ValueError as e:
+            raise ProtocolError(str(e), param="messages") from None
         kwargs = req.chat_template_kwargs or {}
         if reserved := {"messages", "add_generation_prompt"} & kwargs.keys():
             raise ProtocolError(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own",

@@ -61,3 +61,32 @@ def test_cumulative_logprob_is_the_sum_of_the_token_logprobs(llm):
                         for lp in (0, None))
     assert asked.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in asked.logprobs))
     assert asked.cumulative_logprob < 0 and not_asked.cumulative_logprob is None
+
+
+def test_chat_renders_the_template_then_generates(llm):
+    """vLLM's LLM.chat: one conversation or a list of them, each rendered by the checkpoint's chat
+    template and generated as that text would be."""
+    from mini_engine.chat_template import ChatTemplate
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = [{"role": "user", "content": "Hello"}]
+    second = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": [{"type": "text", "text": "Größe"}, {"type": "text", "text": "?"}]}]
+    template = ChatTemplate.from_pretrained(llm.engine.config.model)
+    texts = [template.render(first), template.render([second[0], {"role": "user", "content": "Größe\n?"}])]
+    expected = [o.outputs[0].text for o in llm.generate(texts, params, use_tqdm=False)]
+    outputs = llm.chat([first, second], params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == texts and [o.outputs[0].text for o in outputs] == expected
+    alone = llm.chat(first, params, use_tqdm=False)
+    assert len(alone) == 1 and alone[0].outputs[0].text == expected[0]
+    assert second[1]["content"][0] == {"type": "text", "text": "Größe"}, "the caller's messages are left as they were"
+    continuing = llm.chat(first + [{"role": "assistant", "content": "Hi"}], params, use_tqdm=False,
+                          add_generation_prompt=False)
+    assert continuing[0].prompt == template.render(first + [{"role": "assistant", "content": "Hi"}], False)
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+
+
+def test_chat_without_a_template_says_so(tiny_checkpoint):
+    from mini_engine import LLM
+    with pytest.raises(ValueError, match="no chat template"):
+        LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16).chat([{"role": "user", "content": "Hi"}])

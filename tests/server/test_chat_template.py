@@ -1,7 +1,7 @@
 """Our jinja2 rendering of the checkpoint's chat template agrees with transformers'."""
 import pytest
 
-from mini_engine.server.chat_template import ChatTemplate
+from mini_engine.chat_template import ChatTemplate
 from tests.server.conftest import CHATML_TEMPLATE
 
 MESSAGES = [

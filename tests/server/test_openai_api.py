@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from mini_engine import LLM, SamplingParams
-from mini_engine.server.chat_template import ChatTemplate
+from mini_engine.chat_template import ChatTemplate
 from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, launched_server
 
 PROMPTS = ["Hello world", "Größe 你好 😀", [5, 17, 300, 42, 7]]

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from mini_engine import LLM, SamplingParams
-from mini_engine.server.chat_template import ChatTemplate
+from mini_engine.chat_template import ChatTemplate
 from mini_engine.tokenizer import load_tokenizer
 from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, launched_server, write_tiny_model
 

@@ -1,7 +1,9 @@
 """The checkpoint's chat template (tokenizer_config.json's `chat_template`), rendered with jinja2
 the way transformers' apply_chat_template renders it: a sandboxed, immutable environment with
 trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
-keeps non-ASCII text, and the special tokens (bos_token, eos_token, ...) as variables."""
+keeps non-ASCII text, and the special tokens (bos_token, eos_token, ...) as variables. LLM.chat and
+the server's chat endpoint both render through it."""
+import copy
 import json
 from datetime import datetime
 
@@ -24,6 +26,29 @@ def tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort
 
 def strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def template_message(message: dict) -> dict:
+    """An OpenAI message as chat templates read it (as vLLM's entrypoints/chat_utils.py gives it
+    them): text parts joined, a tool call's JSON arguments as an object (Qwen3's template writes
+    them back with tojson), and the reasoning of an earlier turn also as `reasoning_content`, the
+    name Qwen3's template reads. Raises ValueError for content parts other than text."""
+    out = copy.deepcopy(message)
+    if isinstance(out.get("content"), list):
+        if any(not isinstance(part, dict) or part.get("type") != "text" for part in out["content"]):
+            raise ValueError("only text content parts are supported")
+        # The parts' texts on lines of their own, a part without text left out.
+        out["content"] = "\n".join(part["text"] for part in out["content"] if part.get("text") is not None)
+    for call in out.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass                # not JSON: the template gets the string
+    if "reasoning" in out and "reasoning_content" not in out:
+        out["reasoning_content"] = out["reasoning"]
+    return out
 
 
 def token_text(token) -> str | None:
