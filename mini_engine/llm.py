@@ -125,7 +125,10 @@ class LLM:
         checkpoint's chat template (as the server's chat endpoint renders it: tools, earlier tool
         calls and reasoning included; chat_template_kwargs such as Qwen3's enable_thinking), then
         generated; each RequestOutput's prompt is the rendered text."""
-        from mini_engine.chat_template import ChatTemplate, template_message      # jinja2: the server's extra
+        try:
+            from mini_engine.chat_template import ChatTemplate, template_message
+        except ModuleNotFoundError as e:        # jinja2 comes with the server's extra
+            raise ImportError(f"LLM.chat renders chat templates with jinja2: pip install jinja2 ({e})") from None
         if self.chat_template is None:
             self.chat_template = ChatTemplate.from_pretrained(self.engine.config.model)
             if self.chat_template is None:
