@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mini_engine.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): dividing the logits by
 # one overflows them to inf, and the softmax of those is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -51,6 +53,9 @@ class SamplingParams:
     # Completions of the prompt to return (vLLM's parallel sampling): n sequences, whose prompt
     # the prefix cache computes once; with a seed, completion i draws from seed + i.
     n: int = 1
+    # vLLM's: the output held to a JSON schema, a regex, a choice of strings or a grammar (a
+    # StructuredOutputsParams, or a dict of its fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
@@ -105,6 +110,10 @@ class SamplingParams:
         if self.logit_bias:
             self.logit_bias_arrays = (np.array(list(self.logit_bias.keys()), dtype=np.int64),
                                       np.array(list(self.logit_bias.values()), dtype=np.float32))
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got {self.structured_outputs!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.n > 1 and self.temperature == 0:

@@ -14,6 +14,7 @@ from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
+from mini_engine.structured_outputs import GrammarCompiler
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 # Engines freeze the heap they start with (LLMEngine.__init__); unfrozen at exit, so that the
@@ -65,6 +66,8 @@ class LLMEngine:
                           f"fewer than one max_model_len={config.max_model_len} sequence: longer requests will "
                           "be refused. Raise gpu_memory_utilization (cpu_kv_blocks on CPU) or lower max_model_len")
         self.in_flight: InFlightStep | None = None
+        self.grammar_compiler: GrammarCompiler | None = None     # made at the first structured request
+        self.structured: set[str] = set()       # the unfinished requests with structured outputs
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.request_counter = itertools.count()
@@ -100,6 +103,13 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                self.grammar_compiler = GrammarCompiler(self.tokenizer, self.config.model_config.vocab_size,
+                                                        sorted(self.eos_token_ids))
+            seq.grammar = self.grammar_compiler.matcher(params.structured_outputs,
+                                                        sorted(self.eos_token_ids | set(params.stop_token_ids)))
+            self.structured.add(request_id)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -117,6 +127,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
+        self.structured.discard(request_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             while seq.token_ids[-1] == PENDING_TOKEN:     # tokens still in flight are dropped
@@ -136,12 +147,13 @@ class LLMEngine:
         n-1 ends by a stop token has computed one token too many in step n, which is dropped; one
         that reaches its length is not scheduled again. Without async_scheduling each step waits
         for its own tokens before returning."""
+        early = self.wait_for_grammars()
         batch = self.scheduler.schedule()
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
         try:
             launched = self.launch(batch) if not batch.is_empty else None
             previous, self.in_flight = self.in_flight, launched
-            outputs = self.resolve(previous) if previous else []
+            outputs = early + (self.resolve(previous) if previous else [])
             if not self.config.async_scheduling and launched is not None:
                 self.in_flight = None
                 outputs += self.resolve(launched)
@@ -149,6 +161,11 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()     # what the failed step hashed may hold no KV
             raise
         return outputs
+
+    def wait_for_grammars(self) -> list[StepOutput]:
+        """While a request with structured outputs runs, the step in flight's tokens first: its
+        grammar's mask for the next token needs the one in flight (the runner cannot feed it)."""
+        return self.wait_in_flight() if self.in_flight is not None and self.structured else []
 
     def wait_in_flight(self) -> list[StepOutput]:
         """Waits for the step in flight, if one is, and returns its outputs."""
@@ -194,10 +211,15 @@ class LLMEngine:
             if lp is not None:
                 seq.logprobs.append(lp)
             reason = self.finish_reason(seq, token, position + 1)
+            if seq.grammar is not None and (not seq.grammar.accept(token) or seq.grammar.is_terminated):
+                # The grammar is complete (it took a stop token, even one ignore_eos ignores), or
+                # allowed no token at all (min_tokens banned the stop it needed).
+                reason = reason or "stop"
             if reason:
                 del seq.token_ids[position + 1:]     # a token computed past a stop is dropped
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
+                self.structured.discard(seq.request_id)
             outputs.append(StepOutput(seq, [token], reason is not None, None if lp is None else [lp]))
         return outputs
 
@@ -226,6 +248,9 @@ class LLMEngine:
                     row.history, row.num_prompt_tokens = seq.tokens_before_newest(), seq.num_prompt_tokens
             if sample and p.min_tokens:
                 row.num_output_tokens = seq.num_output_tokens
+            if sample and seq.grammar is not None:
+                assert row.token_ids[-1] != PENDING_TOKEN, "a grammar's row waits for its tokens (wait_for_grammars)"
+                row.grammar_bitmask = seq.grammar.next_token_bitmask()
             # Only a row inside the prompt predicts prompt tokens (and so a decode row never scans
             # the request's prompt log-probabilities).
             if start < seq.num_prompt_tokens - 1 and seq.needs_prompt_logprobs:

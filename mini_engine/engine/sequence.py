@@ -38,6 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     pending_sample_index: int = -1      # where the in-flight step's samples hold this seq's token
     logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
+    grammar: object | None = None       # with structured outputs: its OutputGrammar
     # Where prompt_logprobs asks: a SampleLogprobs per prompt position, filled as its chunks run
     # (by position, so a chunk computed again after a preemption writes the same values); [0] stays None.
     prompt_logprobs: list | None = None

@@ -140,6 +140,23 @@ def keep_allowed_tokens(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch
     logits[pair_rows, tokens] = kept
 
 
+def grammar_bitmask_tensors(rows: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sampling rows with a grammar, and their bitmasks stacked [R, words] int32), on the device."""
+    masked = [i for i, row in enumerate(rows) if row.grammar_bitmask is not None]
+    bitmasks = torch.stack([rows[i].grammar_bitmask for i in masked])
+    return to_device(torch.tensor(masked, dtype=torch.int64), device), to_device(bitmasks, device)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """In place on fp32 logits: -inf in the grammar rows at every token their bitmask leaves out
+    (bit t % 32 of word t // 32 of a row is token t's; the words' padding past the vocabulary is
+    dropped)."""
+    rows, bitmasks = grammar
+    shifts = torch.arange(32, device=bitmasks.device, dtype=torch.int32)
+    allowed = ((bitmasks.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :logits.shape[1]].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def logit_bias_tensors(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sampling rows, token ids, biases) of every entry of the rows' logit_bias, on the device,
     from the arrays each SamplingParams made of its dict once."""

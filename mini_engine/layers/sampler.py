@@ -5,8 +5,8 @@ from torch import nn
 
 from mini_engine.kernels.sampling import apply_top_k_top_p, exponential_noise_ref, sample_ref
 from mini_engine.kernels.top_k_sampling import TOP_K_MAX, sample_top_k
-from mini_engine.layers.penalties import (PenaltyTensors, apply_logit_bias, apply_min_p, apply_penalties, ban_tokens,
-                                         keep_allowed_tokens)
+from mini_engine.layers.penalties import (PenaltyTensors, apply_grammar_bitmask, apply_logit_bias, apply_min_p,
+                                         apply_penalties, ban_tokens, keep_allowed_tokens)
 
 
 @dataclass
@@ -26,6 +26,7 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, tokens) that min_tokens holds back
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, pair rows, tokens) of allowed_token_ids
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, their bitmasks) of structured outputs
     # The Triton sampler's rows with 1 <= top_k <= TOP_K_MAX (candidate_top_k; 0 elsewhere), drawn
     # by sample_top_k with their top_p after the others. top_k and top_p above hold theirs only
     # where another row needs a restriction (ModelRunner.sampling_tensors).
@@ -116,12 +117,15 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        if any(x is not None for x in (params.allowed, params.logit_bias, params.banned, params.penalties,
-                                       params.min_p)):
+        if any(x is not None for x in (params.grammar, params.allowed, params.logit_bias, params.banned,
+                                       params.penalties, params.min_p)):
             # One fp32 copy, changed in place from here on (the raw logits stay, for logprobs), in
-            # vLLM's order: allowed_token_ids, then logit_bias and min_tokens' ban, then penalties
-            # (greedy rows too), then min_p at the row's temperature, then top-k and top-p.
+            # vLLM's order: a grammar's mask, allowed_token_ids, then logit_bias and min_tokens'
+            # ban, then penalties (greedy rows too), then min_p at the row's temperature, then
+            # top-k and top-p.
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            if params.grammar is not None:
+                apply_grammar_bitmask(logits, params.grammar)
             if params.allowed is not None:
                 keep_allowed_tokens(logits, params.allowed)
             if params.logit_bias is not None:

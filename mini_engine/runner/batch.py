@@ -32,6 +32,9 @@ class BatchRow:
     # predict (token_ids[1:], and the next chunk's first; only a prompt's), and how many top ones.
     prompt_logprob_targets: np.ndarray | None = None
     num_prompt_logprobs: int = 0
+    # For a sampling row with structured outputs: the tokens its grammar allows next, as a bitmask
+    # (structured_outputs.OutputGrammar's).
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

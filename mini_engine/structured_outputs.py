@@ -1,0 +1,156 @@
+"""Structured outputs (vLLM's StructuredOutputsParams): a request's output held to a JSON schema,
+any JSON object, a regular expression, one of a list of strings, or an EBNF grammar.
+
+The grammar work is xgrammar's, a well-kept library: a matcher walks the grammar token by token
+and fills a bitmask of the tokens that may come next. What is the engine's: a matcher per
+sequence, advanced by each token it samples (LLMEngine.resolve), its bitmask set on the row
+(LLMEngine.build_rows) and applied to the row's logits before anything else
+(layers/penalties.py's apply_grammar_bitmask). A step with such a row samples outside the CUDA
+graph, and while such a request runs the engine waits for each step's tokens before it schedules
+the next: the mask needs the token that the step in flight samples.
+"""
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+def xgrammar():
+    try:
+        import xgrammar as xgr
+    except ModuleNotFoundError as e:
+        raise ImportError(f"structured outputs need xgrammar: pip install xgrammar ({e})") from None
+    return xgr
+
+
+XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+MAX_COMPILED_GRAMMARS = 256     # a server's distinct schemas, kept compiled (the oldest goes first)
+
+
+def grammar_error(e: Exception) -> ValueError:
+    """xgrammar's C++ errors start with a time and a source line: the message is what follows."""
+    return ValueError("structured_outputs: " + XGRAMMAR_ERROR_PREFIX.sub("", str(e)).strip())
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: json (a JSON schema, as a dict or its text), regex, choice (the output is
+    one of these strings), grammar (EBNF as xgrammar reads it, GBNF's dialect, rule `root` first),
+    json_object (any JSON object: OpenAI's response_format json_object). disable_any_whitespace
+    (vLLM's): JSON without whitespace between its tokens, where otherwise any is allowed (a model
+    may write it forever)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar and "
+                             f"json_object, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or its text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
+                    or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): what the compiler compiles, and caches its result by."""
+        if self.json_object:
+            # Any object: the schema that allows one, so that disable_any_whitespace holds for it too.
+            return "json" + ("" if self.disable_any_whitespace else " any whitespace"), '{"type": "object"}'
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json" + ("" if self.disable_any_whitespace else " any whitespace"), text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        # Each choice a string literal of the grammar: JSON's escapes are EBNF's for " \ and controls.
+        return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+
+    def check(self) -> None:
+        """Raises ValueError where the schema, regex or grammar is not one (no tokenizer needed:
+        the server checks requests with it before they reach the engine)."""
+        xgr = xgrammar()
+        kind, text = self.spec()
+        try:
+            if kind.startswith("json"):
+                xgr.Grammar.from_json_schema(text, any_whitespace=kind != "json")
+            elif kind == "regex":
+                xgr.Grammar.from_regex(text)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(text)
+        except RuntimeError as e:
+            raise grammar_error(e) from None
+
+
+class OutputGrammar:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher, bitmask_words: int):
+        self.matcher = matcher
+        self.bitmask = torch.zeros((1, bitmask_words), dtype=torch.int32)
+
+    def next_token_bitmask(self) -> torch.Tensor:
+        """[bitmask_words] int32: bit t % 32 of word t // 32 is set where token t may come next.
+        The sequence's own buffer, refilled by the next call."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        return self.bitmask[0]
+
+    def accept(self, token: int) -> bool:
+        """False where the grammar does not allow the token (it is not taken)."""
+        return self.matcher.accept_token(token)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token ended it: nothing may follow."""
+        return self.matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """The engine's: grammars compiled against its tokenizer (TokenizerInfo takes a second at
+    Qwen3's 151k tokens, so it is made at the first structured request), each kept once compiled."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        xgr = xgrammar()
+        from transformers import PreTrainedTokenizerFast
+        # Added special tokens (<|im_start|>, ...) are the tokenizer's control tokens: named, so
+        # that xgrammar never lets one stand for its text inside a string.
+        special = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, additional_special_tokens=special)
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=4)
+        self.bitmask_words = (vocab_size + 31) // 32
+        self.compiled: dict[tuple[str, str], object] = {}
+
+    def compile(self, params: StructuredOutputsParams):
+        key = params.spec()
+        if key not in self.compiled:
+            kind, text = key
+            try:
+                self.compiled[key] = (
+                    self.compiler.compile_json_schema(text, any_whitespace=kind != "json") if kind.startswith("json")
+                    else self.compiler.compile_regex(text) if kind == "regex" else self.compiler.compile_grammar(text))
+            except RuntimeError as e:
+                raise grammar_error(e) from None
+            if len(self.compiled) > MAX_COMPILED_GRAMMARS:
+                del self.compiled[next(iter(self.compiled))]
+        return self.compiled[key]
+
+    def matcher(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> OutputGrammar:
+        """stop_token_ids: the tokens that may end the output once the grammar is complete (EOS and
+        the request's own)."""
+        matcher = xgrammar().GrammarMatcher(self.compile(params), override_stop_tokens=stop_token_ids)
+        return OutputGrammar(matcher, self.bitmask_words)
