@@ -26,6 +26,9 @@ def xgrammar():
 
 XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 MAX_COMPILED_GRAMMARS = 256     # a server's distinct schemas, kept compiled (the oldest goes first)
+# JSON's whitespace between two tokens, at most (vLLM lets xgrammar allow any): models, small ones
+# above all, can write whitespace forever once the grammar allows it; 16 still indents 7 levels.
+MAX_WHITESPACE = 16
 
 
 def grammar_error(e: Exception) -> ValueError:
@@ -37,9 +40,9 @@ def grammar_error(e: Exception) -> ValueError:
 class StructuredOutputsParams:
     """Exactly one of: json (a JSON schema, as a dict or its text), regex, choice (the output is
     one of these strings), grammar (EBNF as xgrammar reads it, GBNF's dialect, rule `root` first),
-    json_object (any JSON object: OpenAI's response_format json_object). disable_any_whitespace
-    (vLLM's): JSON without whitespace between its tokens, where otherwise any is allowed (a model
-    may write it forever)."""
+    json_object (any JSON object: OpenAI's response_format json_object). JSON may hold up to
+    MAX_WHITESPACE characters of whitespace between two of its tokens, or none with
+    disable_any_whitespace (vLLM's)."""
     json: dict | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
@@ -140,9 +143,14 @@ class GrammarCompiler:
         if key not in self.compiled:
             kind, text = key
             try:
-                self.compiled[key] = (
-                    self.compiler.compile_json_schema(text, any_whitespace=kind != "json") if kind.startswith("json")
-                    else self.compiler.compile_regex(text) if kind == "regex" else self.compiler.compile_grammar(text))
+                if kind.startswith("json"):
+                    whitespace = kind != "json"
+                    compiled = self.compiler.compile_json_schema(
+                        text, any_whitespace=whitespace, max_whitespace_cnt=MAX_WHITESPACE if whitespace else None)
+                else:
+                    compiled = self.compiler.compile_regex(text) if kind == "regex" else \
+                        self.compiler.compile_grammar(text)
+                self.compiled[key] = compiled
             except RuntimeError as e:
                 raise grammar_error(e) from None
             if len(self.compiled) > MAX_COMPILED_GRAMMARS:

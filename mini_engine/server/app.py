@@ -21,16 +21,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.config import EngineConfig
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
-from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
                                          DetokenizeRequest, ProtocolError, SamplingRequest, TokenizeRequest,
                                          completion_body, error_body, model_card, random_id, usage)
+from mini_engine.structured_outputs import StructuredOutputsParams
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -123,6 +124,21 @@ async def interleaved(streams: list[RequestStream]) -> AsyncIterator[list[tuple[
             task.cancel()
 
 
+def forced_tool_schema(req: ChatCompletionRequest, name: str) -> dict:
+    """vLLM's schemas for a forced tool_choice: a named function's parameters (its arguments are
+    the output); for "required" ("" here), an array of at least one {"name", "parameters"} of the
+    request's tools (one at most where parallel_tool_calls is false)."""
+    def parameters(tool) -> dict:
+        return tool.function.parameters or {"type": "object", "properties": {}}
+    if name:
+        return parameters(next(tool for tool in req.tools if tool.function.name == name))
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                          "parameters": parameters(tool)},
+         "required": ["name", "parameters"]} for tool in req.tools]}}
+    return calls | ({"maxItems": 1} if req.parallel_tool_calls is False else {})
+
+
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -177,7 +193,7 @@ class OpenAIServer:
                 min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                 allowed_token_ids=req.allowed_token_ids,
                 prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
-                **set_by_client)
+                structured_outputs=self.structured_outputs(req), **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -251,21 +267,65 @@ class OpenAIServer:
     def check_tools(self, req: ChatCompletionRequest) -> None:
         if req.tool_choice is not None and req.tools is None:       # as OpenAI's and vLLM's
             raise ProtocolError("tool_choice is only allowed when tools are set", param="tool_choice")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise ProtocolError(f"tool_choice={req.tool_choice!r} is not supported: only \"auto\" and \"none\" "
-                                "(\"required\" and a named function need the output constrained to a tool call, "
-                                "which this server does not do)", param="tool_choice")
+        self.forced_tool(req)
         if req.parses_tool_calls and not self.parsers.auto_tool_choice:
             raise ProtocolError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 'set (or send tool_choice "none")', param="tool_choice")
+
+    @staticmethod
+    def forced_tool(req: ChatCompletionRequest) -> str | None:
+        """The call tool_choice forces: a function's name, "" for "required" (any of the tools), or
+        None where it forces none."""
+        choice = req.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice != "required" and not isinstance(name, str):
+            raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                                f'{{"name": ...}}}}, got {choice!r}', param="tool_choice")
+        if not req.tools:
+            raise ProtocolError(f"tool_choice={choice!r} needs tools", param="tool_choice")
+        if name is not None and name not in {tool.function.name for tool in req.tools}:
+            raise ProtocolError(f"tool_choice names {name!r}, which is not one of the request's tools",
+                                param="tool_choice")
+        return name or ""
+
+    def structured_outputs(self, req: SamplingRequest) -> StructuredOutputsParams | None:
+        """What the request holds its output to, if anything: vLLM's structured_outputs, OpenAI's
+        response_format json_object or json_schema, or a chat's forced tool_choice (at most one)."""
+        given = {}
+        if req.structured_outputs is not None:
+            given["structured_outputs"] = dict(req.structured_outputs)
+        kind = (req.response_format or {}).get("type")
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            schema = (req.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ProtocolError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                                    f'{{...}}}}}}, got {req.response_format!r}', param="response_format")
+            given["response_format"] = {"json": schema}
+        if isinstance(req, ChatCompletionRequest) and (tool := self.forced_tool(req)) is not None:
+            given["tool_choice"] = {"json": forced_tool_schema(req, tool)}
+        if len(given) > 1:
+            raise ProtocolError(f"{' and '.join(given)} both constrain the output: send one", param=next(iter(given)))
+        if not given:
+            return None
+        (param, spec), = given.items()
+        try:
+            return StructuredOutputsParams(**spec)
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"{param}: {e}", param=param) from None
 
     def output_parsers(self, req: ChatCompletionRequest, prompt: str, n: int) -> list[ChatOutputParser] | None:
         """A parser for each of the n completions, where the server parses reasoning or the request's
         tool calls; None where neither (the text goes out as it is)."""
         reasoning = self.parsers.reasoning_parser is not None
-        if not reasoning and not req.parses_tool_calls:
+        forced = self.forced_tool(req)
+        if not reasoning and not req.parses_tool_calls and forced is None:
             return None
-        return [ChatOutputParser(prompt, reasoning, req.parses_tool_calls, req.parallel_tool_calls is not False)
+        return [ChatOutputParser(prompt, reasoning, req.parses_tool_calls, req.parallel_tool_calls is not False, forced)
                 for _ in range(n)]
 
     # ---- from the engine's deltas to OpenAI's responses ----
@@ -342,8 +402,7 @@ class OpenAIServer:
         """A chat choice whose text went through the output parsers: as vLLM's, the reasoning in
         `reasoning`, the calls in `tool_calls` and finish_reason "tool_calls" once a call was made;
         a streamed delta holds only what it adds."""
-        if finish_reason is not None and parser.called_tools:
-            finish_reason = "tool_calls"
+        finish_reason = parser.finish_reason(finish_reason)
         if chunk:
             message = {key: value for key, value in (("reasoning", parsed.reasoning), ("content", parsed.content))
                        if value}

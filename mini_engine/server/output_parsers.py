@@ -60,8 +60,11 @@ class ToolCall:
     name: str
     arguments: str          # JSON text, as OpenAI's function.arguments
     id: str = field(default_factory=lambda: random_id("chatcmpl-tool"))
+    continued: bool = False     # more of an earlier delta's call: its arguments go on, nothing else is said
 
     def to_json(self, streamed: bool = False) -> dict:
+        if self.continued:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
         out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return {"index": self.index} | out if streamed else out
 
@@ -187,17 +190,57 @@ class ToolCallParser:
         return "".join(content), calls
 
 
+class ForcedToolCallParser:
+    """tool_choice "required" or a named function, which structured outputs hold the content to:
+    for a named function the content is its arguments, a call that streams as it comes; for
+    "required", a JSON array of {"name", "parameters"} (vLLM's schema), read whole at the end. An
+    array cut short by max_tokens stays content, as written."""
+
+    def __init__(self, function: str | None):
+        self.function = function        # None: "required"
+        self.text: list[str] = []
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        if self.function is not None:
+            if not text and (self.num_calls or not final):
+                return "", []
+            call = ToolCall(0, self.function, text, continued=self.num_calls > 0)
+            self.num_calls = 1
+            return "", [call]
+        self.text.append(text)
+        if not final:
+            return "", []
+        body = "".join(self.text)
+        try:
+            calls = [ToolCall(i, item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                     for i, item in enumerate(json.loads(body, parse_constant=not_json))]
+        except (ValueError, TypeError, KeyError):
+            return body, []
+        self.num_calls = len(calls)
+        return "", calls
+
+
 class ChatOutputParser:
     """One completion's text through the reasoning parser (if on), then its content through the
-    tool call parser (if the request's tools are parsed)."""
+    tool call parser: Hermes-style calls where the request's tools are parsed (tool_calls), or
+    the calls structured outputs forced (forced_tool: a function's name, or "" for "required")."""
 
-    def __init__(self, prompt: str, reasoning: bool, tool_calls: bool, parallel_tool_calls: bool = True):
+    def __init__(self, prompt: str, reasoning: bool, tool_calls: bool, parallel_tool_calls: bool = True,
+                 forced_tool: str | None = None):
         self.reasoning = ReasoningParser(prompt) if reasoning else None
-        self.tool_calls = ToolCallParser(parallel_tool_calls) if tool_calls else None
+        self.tool_calls = ToolCallParser(parallel_tool_calls) if tool_calls else \
+            ForcedToolCallParser(forced_tool or None) if forced_tool is not None else None
+        self.named_tool = bool(forced_tool)
 
     @property
     def called_tools(self) -> bool:
         return self.tool_calls is not None and self.tool_calls.num_calls > 0
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """As OpenAI's: "tool_calls" once the model called a tool, except a function the request
+        named (then the call was not the model's choice, and the engine's reason stands)."""
+        return "tool_calls" if reason is not None and self.called_tools and not self.named_tool else reason
 
     def feed(self, text: str, final: bool = False) -> ParsedText:
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)

@@ -61,6 +61,9 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False    # extension (vLLM's)
     prompt_logprobs: int | None = None          # extension (vLLM's; not with stream)
     allowed_token_ids: list[int] | None = None  # extension (vLLM's)
+    # extension (vLLM's): {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} |
+    # {"json_object": true}, and disable_any_whitespace
+    structured_outputs: dict[str, Any] | None = None
     n: int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,10 +71,13 @@ class SamplingRequest(BaseModel):
     # Accepted only at their neutral values (checked in unsupported()).
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None       # {"type": "text"} only
+    # OpenAI's {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}}}: the last two held to by structured outputs.
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
-        if self.response_format not in (None, {"type": "text"}):
+        if self.response_format is not None and self.response_format.get("type") not in \
+                ("text", "json_object", "json_schema"):
             return "response_format"
         if self.best_of not in (None, 1):
             return "best_of"
@@ -133,8 +139,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. {"enable_thinking": false}
     tools: list[ToolDefinition] | None = None
     # "auto" (the default with tools): the model chooses, and the server's tool call parser finds
-    # its calls; "none": the tools are shown to the model but its output is not parsed. "required"
-    # and a named function would need the output constrained to a call (vLLM's structured outputs).
+    # its calls; "none": the tools are shown to the model but its output is not parsed; "required"
+    # and a named function ({"type": "function", "function": {"name": ...}}): structured outputs
+    # hold the output to calls, as vLLM's.
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None     # False: the first call only
 

@@ -1,6 +1,8 @@
 """The server through the official openai client: completions and chat, streamed and not,
 against each other and against LLM.generate; stop strings, stop tokens, logprobs, seeds."""
 import itertools
+import json
+import re
 
 import httpx
 import openai
@@ -344,6 +346,39 @@ def test_tokenize_and_detokenize(served, client, llm):
             ("/detokenize", {"tokens": "abc"}, 400, "tokens")]:
         r = post(route, body)
         assert r.status_code == status and words in r.json()["error"]["message"], (body, r.text)
+
+
+UNIT_SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
+               "additionalProperties": False}
+
+
+def test_structured_outputs(served, client, llm):
+    """OpenAI's response_format json_schema and vLLM's structured_outputs (choice, regex), in both
+    endpoints, streamed or not, each what LLM.generate gives with the same StructuredOutputsParams."""
+    from mini_engine.structured_outputs import StructuredOutputsParams
+    json_schema = {"type": "json_schema", "json_schema": {"name": "unit", "schema": UNIT_SCHEMA}}
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=60, temperature=0,
+                                          response_format=json_schema)
+    assert json.loads(chat.choices[0].message.content)["unit"] in ("C", "F")
+    assert chat.choices[0].finish_reason == "stop"
+    prompt = ChatTemplate.from_pretrained(llm.engine.config.model).render(MESSAGES)
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        json=UNIT_SCHEMA)), use_tqdm=False)[0].outputs[0].text
+    assert chat.choices[0].message.content == offline
+    for spec, valid in [({"choice": ["yes", "no", "Größe"]}, lambda t: t in ("yes", "no", "Größe")),
+                        ({"regex": "[0-9]{2}-[a-c]{3}"}, lambda t: re.fullmatch("[0-9]{2}-[a-c]{3}", t))]:
+        params = dict(model=MODEL_NAME, prompt="Hello", max_tokens=20, temperature=1.0, seed=4,
+                      extra_body={"structured_outputs": spec})
+        text = client.completions.create(**params).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **params) if c.choices)
+        assert valid(text) and streamed == text
+        expected = llm.generate("Hello", SamplingParams(temperature=1.0, seed=4, max_tokens=20,
+                                                        structured_outputs=StructuredOutputsParams(**spec)),
+                                use_tqdm=False)[0].outputs[0].text
+        assert text == expected
+    anything = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=30,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")
 
 
 def test_streams_end_with_usage_only_when_asked(served, client):

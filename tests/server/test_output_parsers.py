@@ -137,3 +137,31 @@ def test_parser_options_are_checked():
         ParserOptions(enable_auto_tool_choice=True)
     assert ParserOptions("qwen3", "hermes", True).auto_tool_choice
     assert not ParserOptions(tool_call_parser="hermes").auto_tool_choice
+
+
+def test_a_named_tool_streams_its_arguments_as_one_call():
+    """tool_choice naming a function: the content is its arguments; the first delta opens the
+    call (id, name), the rest only add arguments, whatever the deltas."""
+    arguments = '{"city": "Paris", "unit": "°C"}'
+    rng = random.Random(0)
+    for pieces in [[arguments], list(arguments), *(random_pieces(arguments, rng) for _ in range(20))]:
+        parser = ChatOutputParser(GENERATION_PROMPT, True, False, forced_tool="get_weather")
+        deltas = [call.to_json(streamed=True) for k, piece in enumerate(pieces)
+                  for call in parser.feed(piece, final=k == len(pieces) - 1).tool_calls]
+        assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["id"].startswith("chatcmpl-tool-")
+        assert all(d.keys() == {"index", "function"} and d["function"].keys() == {"arguments"} for d in deltas[1:])
+        assert "".join(d["function"]["arguments"] for d in deltas) == arguments
+        assert {d["index"] for d in deltas} == {0} and parser.finish_reason("stop") == "stop"
+
+
+def test_tool_choice_required_reads_the_array_at_the_end():
+    text = '[{"name": "get_weather", "parameters": {"city": "Lyon"}}, {"name": "now", "parameters": {}}]'
+    parser = ChatOutputParser(GENERATION_PROMPT, False, False, forced_tool="")
+    assert parser.feed(text[:30]).tool_calls == [] and parser.feed(text[30:]).tool_calls == []
+    part = parser.feed("", final=True)
+    assert [(c.index, c.name, c.arguments) for c in part.tool_calls] == [(0, "get_weather", '{"city": "Lyon"}'),
+                                                                          (1, "now", "{}")]
+    assert part.content == "" and parser.finish_reason("stop") == "tool_calls"
+    cut = ChatOutputParser(GENERATION_PROMPT, False, False, forced_tool="")
+    part = cut.feed(text[:40], final=True)
+    assert (part.content, part.tool_calls) == (text[:40], []) and cut.finish_reason("length") == "length"

@@ -207,3 +207,31 @@ def test_each_completion_has_its_own_parser(client, token_id, stream):
                 finishes[c.index] = c.finish_reason or finishes.get(c.index)
     assert calls == {k: [(0, "get_weather", CALL_ARGUMENTS), (1, "get_weather", CALL_ARGUMENTS)] for k in (0, 1)}
     assert finishes == {0: "tool_calls", 1: "tool_calls"}
+
+
+UNIT_TOOL = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+NOW_TOOL = {"type": "function", "function": {"name": "now"}}       # no parameters: {} is its call's
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_calls_it(client, stream):
+    """Structured outputs hold the output to the function's parameters: the output is its
+    arguments, streamed as they come; finish_reason is the engine's, as OpenAI's for a named one."""
+    message, finish = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL], max_tokens=80,
+                           tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    assert finish == "stop" and message["content"] is None and message["reasoning"] is None
+    (call_id, name, arguments), = message["tool_calls"]
+    assert call_id.startswith("chatcmpl-tool-") and name == "set_unit" and json.loads(arguments)["unit"] in "CF"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_required_calls_one_of_the_tools(client, stream):
+    """vLLM's schema for "required": an array of {"name", "parameters"}, here of one call at most
+    (parallel_tool_calls false)."""
+    message, finish = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL], tool_choice="required", max_tokens=170,
+                           parallel_tool_calls=False)
+    assert finish == "tool_calls" and message["content"] is None
+    (_, name, arguments), = message["tool_calls"]
+    assert (name, json.loads(arguments)) in [("now", {}), ("set_unit", {"unit": "C"}), ("set_unit", {"unit": "F"})]
