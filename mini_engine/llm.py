@@ -222,7 +222,7 @@ class LLM:
         if stopper is None:
             stopper = IncrementalDetokenizer(self.engine.tokenizer,
                                              include_stop=seq.sampling_params.include_stop_str_in_output)
-            stopper.update(seq.output_token_ids, finished=True, stop_token=seq.finish_reason == "stop")
+            stopper.update(seq.output_token_ids, finished=True, stop_token=seq.ended_on_stop_token)
         text = stopper.text
         logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None
         return CompletionOutput(index, text, seq.output_token_ids, seq.finish_reason, logprobs,

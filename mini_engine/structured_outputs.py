@@ -9,6 +9,7 @@ sequence, advanced by each token it samples (LLMEngine.resolve), its bitmask set
 graph, and while such a request runs the engine waits for each step's tokens before it schedules
 the next: the mask needs the token that the step in flight samples.
 """
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar and "
                              f"json_object, got {given or 'none'}")
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or its text), got {self.json!r}")
         for name in ("regex", "grammar"):
@@ -74,7 +78,8 @@ class StructuredOutputsParams:
             # Any object: the schema that allows one, so that disable_any_whitespace holds for it too.
             return "json" + ("" if self.disable_any_whitespace else " any whitespace"), '{"type": "object"}'
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            # The schema's own key order: xgrammar writes an object's properties in it.
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return "json" + ("" if self.disable_any_whitespace else " any whitespace"), text
         if self.regex is not None:
             return "regex", self.regex
@@ -86,17 +91,23 @@ class StructuredOutputsParams:
     def check(self) -> None:
         """Raises ValueError where the schema, regex or grammar is not one (no tokenizer needed:
         the server checks requests with it before they reach the engine)."""
-        xgr = xgrammar()
-        kind, text = self.spec()
-        try:
-            if kind.startswith("json"):
-                xgr.Grammar.from_json_schema(text, any_whitespace=kind != "json")
-            elif kind == "regex":
-                xgr.Grammar.from_regex(text)
-            elif kind == "grammar":
-                xgr.Grammar.from_ebnf(text)
-        except RuntimeError as e:
-            raise grammar_error(e) from None
+        check_spec(*self.spec())
+
+
+@functools.lru_cache(maxsize=MAX_COMPILED_GRAMMARS)
+def check_spec(kind: str, text: str) -> None:
+    """StructuredOutputsParams.check's work, done once a spec (a request's n completions, or a
+    client that sends one schema again and again, check it once)."""
+    xgr = xgrammar()
+    try:
+        if kind.startswith("json"):
+            xgr.Grammar.from_json_schema(text, any_whitespace=kind != "json")
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(text)
+    except RuntimeError as e:
+        raise grammar_error(e) from None
 
 
 class OutputGrammar:
@@ -128,19 +139,27 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         xgr = xgrammar()
-        from transformers import PreTrainedTokenizerFast
-        # Added special tokens (<|im_start|>, ...) are the tokenizer's control tokens: named, so
-        # that xgrammar never lets one stand for its text inside a string.
-        special = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
-        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, additional_special_tokens=special)
-        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # The vocabulary as xgrammar reads it: each token's own string, decoded by the tokenizer's
+        # scheme (byte-level for Qwen3). Special tokens (<|im_start|>, ...) are the tokenizer's
+        # control tokens, not text: written "" so that xgrammar never lets one stand for its text
+        # inside a string (ids past the tokenizer's, up to the model's vocab_size, are never allowed).
+        special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        vocab = ["" if i in special else tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size())]
+        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        vocab_type = xgr.VocabType.BYTE_LEVEL if "ByteLevel" in kinds else \
+            xgr.VocabType.BYTE_FALLBACK if "ByteFallback" in kinds else xgr.VocabType.RAW
+        info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                 add_prefix_space="Metaspace" in kinds)
         self.compiler = xgr.GrammarCompiler(info, max_threads=4)
         self.bitmask_words = (vocab_size + 31) // 32
         self.compiled: dict[tuple[str, str], object] = {}
 
     def compile(self, params: StructuredOutputsParams):
         key = params.spec()
-        if key not in self.compiled:
+        if key in self.compiled:
+            self.compiled[key] = self.compiled.pop(key)         # the newest now: the oldest goes first
+        else:
             kind, text = key
             try:
                 if kind.startswith("json"):

@@ -9,7 +9,7 @@ from mini_engine.config import EngineConfig
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
-from mini_engine.engine.sequence import PENDING_TOKEN, Sequence
+from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
@@ -43,7 +43,7 @@ class StepOutput:
     @property
     def ended_on_stop_token(self) -> bool:
         """The last new token is a stop token (stop_token_ids or EOS): the engine's only "stop"."""
-        return self.finished and self.seq.finish_reason == "stop"
+        return self.finished and self.seq.ended_on_stop_token
 
 
 class LLMEngine:
@@ -147,10 +147,10 @@ class LLMEngine:
         n-1 ends by a stop token has computed one token too many in step n, which is dropped; one
         that reaches its length is not scheduled again. Without async_scheduling each step waits
         for its own tokens before returning."""
-        early = self.wait_for_grammars()
-        batch = self.scheduler.schedule()
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
         try:
+            early = self.wait_for_grammars()
+            batch = self.scheduler.schedule()
             launched = self.launch(batch) if not batch.is_empty else None
             previous, self.in_flight = self.in_flight, launched
             outputs = early + (self.resolve(previous) if previous else [])
@@ -164,8 +164,12 @@ class LLMEngine:
 
     def wait_for_grammars(self) -> list[StepOutput]:
         """While a request with structured outputs runs, the step in flight's tokens first: its
-        grammar's mask for the next token needs the one in flight (the runner cannot feed it)."""
-        return self.wait_in_flight() if self.in_flight is not None and self.structured else []
+        grammar's mask for the next token needs the one in flight (the runner cannot feed it). One
+        still waiting to run has no token in flight, and holds nobody up."""
+        if self.in_flight is None or not any(self.requests[r].status == SequenceStatus.RUNNING
+                                             for r in self.structured):
+            return []
+        return self.wait_in_flight()
 
     def wait_in_flight(self) -> list[StepOutput]:
         """Waits for the step in flight, if one is, and returns its outputs."""
@@ -207,21 +211,30 @@ class LLMEngine:
         for (seq, position), token, lp in zip(step.samples, tokens, logprobs):
             if seq.is_finished:
                 continue                          # aborted, or ended by the step before
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                # Every token the grammar allowed was banned (min_tokens' stop tokens, or
+                # allowed_token_ids), so the draw is not one: it is dropped, and the output ends.
+                del seq.token_ids[position:]
+                seq.grammar_dead_end = True
+                self.end(seq, "stop")
+                outputs.append(StepOutput(seq, [], True, None))
+                continue
             seq.token_ids[position] = token
             if lp is not None:
                 seq.logprobs.append(lp)
             reason = self.finish_reason(seq, token, position + 1)
-            if seq.grammar is not None and (not seq.grammar.accept(token) or seq.grammar.is_terminated):
-                # The grammar is complete (it took a stop token, even one ignore_eos ignores), or
-                # allowed no token at all (min_tokens banned the stop it needed).
-                reason = reason or "stop"
+            if seq.grammar is not None and seq.grammar.is_terminated:
+                reason = reason or "stop"       # complete: it took a stop token, even one ignore_eos ignores
             if reason:
                 del seq.token_ids[position + 1:]     # a token computed past a stop is dropped
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
-                self.structured.discard(seq.request_id)
+                self.end(seq, reason)
             outputs.append(StepOutput(seq, [token], reason is not None, None if lp is None else [lp]))
         return outputs
+
+    def end(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+        self.structured.discard(seq.request_id)
 
     def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
         """Rows in the runner's order, and the batch indices in it: single-token rows first, the

@@ -39,6 +39,9 @@ class Sequence:
     pending_sample_index: int = -1      # where the in-flight step's samples hold this seq's token
     logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
     grammar: object | None = None       # with structured outputs: its OutputGrammar
+    # Ended "stop" with no stop token of its own: its grammar allowed nothing the request permits
+    # (min_tokens' banned stop tokens, allowed_token_ids), and that last draw was dropped.
+    grammar_dead_end: bool = False
     # Where prompt_logprobs asks: a SampleLogprobs per prompt position, filled as its chunks run
     # (by position, so a chunk computed again after a preemption writes the same values); [0] stays None.
     prompt_logprobs: list | None = None
@@ -52,6 +55,12 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def ended_on_stop_token(self) -> bool:
+        """The output's last token is a stop token (stop_token_ids or EOS), whose text, as in
+        vLLM, is not part of the output: the engine's only "stop" but a grammar's dead end."""
+        return self.finish_reason == "stop" and not self.grammar_dead_end
 
     @property
     def needs_prompt_logprobs(self) -> bool:

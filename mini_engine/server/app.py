@@ -179,6 +179,7 @@ class OpenAIServer:
         # Only what the client set: the defaults belong to the config (the checkpoint's
         # generation_config.json) and to SamplingParams.
         set_by_client = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+        structured_outputs = self.structured_outputs(req)
         if req.logit_bias:               # OpenAI's keys are token ids written as strings
             try:      # and, as vLLM's server does, biases clamped to [-100, 100] (NaN refused below)
                 set_by_client["logit_bias"] = {int(token): bias if math.isnan(bias) else min(100.0, max(-100.0, bias))
@@ -193,7 +194,7 @@ class OpenAIServer:
                 min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                 allowed_token_ids=req.allowed_token_ids,
                 prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
-                structured_outputs=self.structured_outputs(req), **set_by_client)
+                structured_outputs=structured_outputs, **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -301,7 +302,8 @@ class OpenAIServer:
         if kind == "json_object":
             given["response_format"] = {"json_object": True}
         elif kind == "json_schema":
-            schema = (req.response_format.get("json_schema") or {}).get("schema")
+            json_schema = req.response_format.get("json_schema")
+            schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
             if not isinstance(schema, dict):
                 raise ProtocolError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
                                     f'{{...}}}}}}, got {req.response_format!r}', param="response_format")
@@ -321,8 +323,12 @@ class OpenAIServer:
     def output_parsers(self, req: ChatCompletionRequest, prompt: str, n: int) -> list[ChatOutputParser] | None:
         """A parser for each of the n completions, where the server parses reasoning or the request's
         tool calls; None where neither (the text goes out as it is)."""
-        reasoning = self.parsers.reasoning_parser is not None
+        # An output that structured outputs hold from its first token cannot think first (vLLM lets
+        # it, and holds only what follows the thought): none of it is reasoning.
+        constrained = req.structured_outputs is not None or (req.response_format or {}).get("type") in \
+            ("json_object", "json_schema")
         forced = self.forced_tool(req)
+        reasoning = self.parsers.reasoning_parser is not None and not constrained and forced is None
         if not reasoning and not req.parses_tool_calls and forced is None:
             return None
         return [ChatOutputParser(prompt, reasoning, req.parses_tool_calls, req.parallel_tool_calls is not False, forced)

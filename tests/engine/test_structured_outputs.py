@@ -69,11 +69,10 @@ def test_outputs_are_what_the_grammar_asks(llm, kind, temperature):
 
 
 def test_a_grammar_cut_short_has_only_allowed_tokens(llm):
-    """JSON with any whitespace: a random model writes whitespace until max_tokens, every token of
-    which the grammar allows."""
-    params = structured("any json", max_tokens=30)
+    """Any JSON object, cut short by max_tokens: every token written is one the grammar allows."""
+    params = structured("any json", max_tokens=5)
     completion = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
-    assert completion.text.startswith("{") and len(completion.token_ids) <= 30
+    assert completion.text.startswith("{") and completion.finish_reason == "length"
     assert tokens_allowed(llm, params.structured_outputs, completion.token_ids)
 
 
@@ -129,17 +128,65 @@ def test_a_stop_token_of_the_request_ends_the_grammar(llm, model):
     (dict(json={"type": "object", "properties": 5}), "properties must be an object"),
     (dict(regex="(ab"), "parenthesis"),
     (dict(grammar='root ::= "a" |'), "EBNF"),
-    (dict(choice=[]), "non-empty list"),
-    (dict(choice="yes"), "non-empty list"),
-    (dict(regex="a", choice=["b"]), "exactly one"),
-    (dict(), "exactly one"),
 ])
 def test_bad_specs_are_refused_before_anything_runs(llm, spec, match):
+    """What only the grammar's parser finds: the whole batch refused, nothing left running."""
+    params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, structured_outputs=spec)]
     with pytest.raises(ValueError, match=match):
-        llm.generate(["Hello", "Hi"], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4,
-                                                                                     structured_outputs=spec)],
-                     use_tqdm=False)
+        llm.generate(["Hello", "Hi"], params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("spec, match", [
+    (dict(choice=[]), "non-empty list"), (dict(choice="yes"), "non-empty list"),
+    (dict(regex="a", choice=["b"]), "exactly one"), (dict(), "exactly one"),
+    (dict(json_object="no"), "true or false"), (dict(json=5), "JSON schema"),
+])
+def test_bad_params_are_refused_when_made(spec, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**spec)
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured_outputs=spec)
+
+
+def test_a_schema_keeps_its_key_order(llm):
+    """xgrammar writes an object's properties in the schema's order: a reasoning field before the
+    answer stays before it, given as a dict or as text."""
+    schema = {"type": "object", "properties": {"reasoning": {"const": "r"}, "answer": {"const": 1}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    for given in (schema, json.dumps(schema)):
+        params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+            json=given, disable_any_whitespace=True))
+        assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].text == '{"reasoning": "r", "answer": 1}'
+
+
+def test_special_tokens_and_ids_past_the_tokenizer_are_never_text(model):
+    """Inside a JSON string any text may come, but not a special token (<|im_start|>, ...: control
+    tokens, which the output's text leaves out), nor an id past the tokenizer's (the model's vocab
+    may be larger: Qwen3's 151,936 against 151,669)."""
+    from mini_engine.structured_outputs import GrammarCompiler
+    from mini_engine.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(model)
+    size = tokenizer.get_vocab_size()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    end = tokenizer.token_to_id("<|im_end|>")
+    compiler = GrammarCompiler(tokenizer, size + 40, [end])
+    grammar = compiler.matcher(StructuredOutputsParams(json={"type": "string"}), [end])
+    assert all(grammar.accept(t) for t in tokenizer.encode('"ab').ids)
+    bitmask = grammar.next_token_bitmask()
+    allowed = {t for t in range(size + 40) if (int(bitmask[t // 32]) >> (t % 32)) & 1}
+    assert len(allowed) > size // 2 and special and not allowed & special and max(allowed) < size
+
+
+def test_a_grammar_whose_end_the_request_bans_ends_without_a_stray_token(llm):
+    """min_tokens bans EOS, the grammar's only way on once a choice is written: nothing is left to
+    sample, so that draw is dropped and the output ends on the choice (its text whole)."""
+    params = structured("choice", min_tokens=8, logprobs=1)
+    completion = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
+    assert completion.text in CHOICES and completion.finish_reason == "stop"
+    assert llm.tokenizer.decode(completion.token_ids) == completion.text
+    assert len(completion.logprobs) == len(completion.token_ids)
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
 
 

@@ -223,7 +223,17 @@ def test_a_named_tool_choice_calls_it(client, stream):
                            tool_choice={"type": "function", "function": {"name": "set_unit"}})
     assert finish == "stop" and message["content"] is None and message["reasoning"] is None
     (call_id, name, arguments), = message["tool_calls"]
-    assert call_id.startswith("chatcmpl-tool-") and name == "set_unit" and json.loads(arguments)["unit"] in "CF"
+    assert call_id.startswith("chatcmpl-tool-") and name == "set_unit" and json.loads(arguments)["unit"] in ("C", "F")
+    # A template that opens the thought in the prompt: the output is still the call (a held
+    # output cannot think), never reasoning.
+    message, _ = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL], max_tokens=80,
+                      tool_choice={"type": "function", "function": {"name": "set_unit"}},
+                      chat_template_kwargs={"think_in_prompt": True})
+    assert message["reasoning"] is None and json.loads(message["tool_calls"][0][2])["unit"] in ("C", "F")
+    message, _ = chat(client, stream, max_tokens=80, chat_template_kwargs={"think_in_prompt": True},
+                      response_format={"type": "json_schema", "json_schema": {"name": "unit", "schema": UNIT_TOOL[
+                          "function"]["parameters"]}})
+    assert message["reasoning"] is None and json.loads(message["content"])["unit"] in ("C", "F")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

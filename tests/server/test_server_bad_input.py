@@ -80,6 +80,8 @@ BAD_CHAT = {
     "an unknown response_format": (CHAT_OK | {"response_format": {"type": "xml"}}, 400, "response_format"),
     "json_schema without a schema": (CHAT_OK | {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x"}}}, 400, "needs"),
+    "json_schema that is not an object": (CHAT_OK | {"response_format": {"type": "json_schema", "json_schema": "x"}},
+                                          400, "needs"),
     "a schema that is not one": (CHAT_OK | {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": 5}}}}, 400, "properties must be an object"),
     "response_format and structured_outputs": (CHAT_OK | {"response_format": {"type": "json_object"},
