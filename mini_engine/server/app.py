@@ -124,6 +124,54 @@ async def interleaved(streams: list[RequestStream]) -> AsyncIterator[list[tuple[
             task.cancel()
 
 
+def forced_tool(req: ChatCompletionRequest) -> str | None:
+    """The call tool_choice forces: a function's name, "" for "required" (any of the tools), or
+    None where it forces none."""
+    choice = req.tool_choice
+    if choice in (None, "none", "auto"):
+        return None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice != "required" and not isinstance(name, str):
+        raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                            f'{{"name": ...}}}}, got {choice!r}', param="tool_choice")
+    if not req.tools:
+        raise ProtocolError(f"tool_choice={choice!r} needs tools", param="tool_choice")
+    if name is not None and name not in {tool.function.name for tool in req.tools}:
+        raise ProtocolError(f"tool_choice names {name!r}, which is not one of the request's tools",
+                            param="tool_choice")
+    return name or ""
+
+
+def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """What the request holds its output to, if anything: vLLM's structured_outputs, OpenAI's
+    response_format json_object or json_schema, or a chat's forced tool_choice (at most one)."""
+    given = {}
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = dict(req.structured_outputs)
+    kind = (req.response_format or {}).get("type")
+    if kind == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif kind == "json_schema":
+        json_schema = req.response_format.get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+        if not isinstance(schema, dict):
+            raise ProtocolError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                                f'{{...}}}}}}, got {req.response_format!r}', param="response_format")
+        given["response_format"] = {"json": schema}
+    if isinstance(req, ChatCompletionRequest) and (tool := forced_tool(req)) is not None:
+        given["tool_choice"] = {"json": forced_tool_schema(req, tool)}
+    if len(given) > 1:
+        raise ProtocolError(f"{' and '.join(given)} both constrain the output: send one", param=next(iter(given)))
+    if not given:
+        return None
+    (param, spec), = given.items()
+    try:
+        return StructuredOutputsParams(**spec)
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(f"{param}: {e}", param=param) from None
+
+
 def forced_tool_schema(req: ChatCompletionRequest, name: str) -> dict:
     """vLLM's schemas for a forced tool_choice: a named function's parameters (its arguments are
     the output); for "required" ("" here), an array of at least one {"name", "parameters"} of the
@@ -179,7 +227,7 @@ class OpenAIServer:
         # Only what the client set: the defaults belong to the config (the checkpoint's
         # generation_config.json) and to SamplingParams.
         set_by_client = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
-        structured_outputs = self.structured_outputs(req)
+        constraint = structured_outputs(req)
         if req.logit_bias:               # OpenAI's keys are token ids written as strings
             try:      # and, as vLLM's server does, biases clamped to [-100, 100] (NaN refused below)
                 set_by_client["logit_bias"] = {int(token): bias if math.isnan(bias) else min(100.0, max(-100.0, bias))
@@ -194,7 +242,7 @@ class OpenAIServer:
                 min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                 allowed_token_ids=req.allowed_token_ids,
                 prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
-                structured_outputs=structured_outputs, **set_by_client)
+                structured_outputs=constraint, **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -268,57 +316,10 @@ class OpenAIServer:
     def check_tools(self, req: ChatCompletionRequest) -> None:
         if req.tool_choice is not None and req.tools is None:       # as OpenAI's and vLLM's
             raise ProtocolError("tool_choice is only allowed when tools are set", param="tool_choice")
-        self.forced_tool(req)
+        forced_tool(req)
         if req.parses_tool_calls and not self.parsers.auto_tool_choice:
             raise ProtocolError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 'set (or send tool_choice "none")', param="tool_choice")
-
-    @staticmethod
-    def forced_tool(req: ChatCompletionRequest) -> str | None:
-        """The call tool_choice forces: a function's name, "" for "required" (any of the tools), or
-        None where it forces none."""
-        choice = req.tool_choice
-        if choice in (None, "none", "auto"):
-            return None
-        function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice != "required" and not isinstance(name, str):
-            raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                                f'{{"name": ...}}}}, got {choice!r}', param="tool_choice")
-        if not req.tools:
-            raise ProtocolError(f"tool_choice={choice!r} needs tools", param="tool_choice")
-        if name is not None and name not in {tool.function.name for tool in req.tools}:
-            raise ProtocolError(f"tool_choice names {name!r}, which is not one of the request's tools",
-                                param="tool_choice")
-        return name or ""
-
-    def structured_outputs(self, req: SamplingRequest) -> StructuredOutputsParams | None:
-        """What the request holds its output to, if anything: vLLM's structured_outputs, OpenAI's
-        response_format json_object or json_schema, or a chat's forced tool_choice (at most one)."""
-        given = {}
-        if req.structured_outputs is not None:
-            given["structured_outputs"] = dict(req.structured_outputs)
-        kind = (req.response_format or {}).get("type")
-        if kind == "json_object":
-            given["response_format"] = {"json_object": True}
-        elif kind == "json_schema":
-            json_schema = req.response_format.get("json_schema")
-            schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
-            if not isinstance(schema, dict):
-                raise ProtocolError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
-                                    f'{{...}}}}}}, got {req.response_format!r}', param="response_format")
-            given["response_format"] = {"json": schema}
-        if isinstance(req, ChatCompletionRequest) and (tool := self.forced_tool(req)) is not None:
-            given["tool_choice"] = {"json": forced_tool_schema(req, tool)}
-        if len(given) > 1:
-            raise ProtocolError(f"{' and '.join(given)} both constrain the output: send one", param=next(iter(given)))
-        if not given:
-            return None
-        (param, spec), = given.items()
-        try:
-            return StructuredOutputsParams(**spec)
-        except (ValueError, TypeError) as e:
-            raise ProtocolError(f"{param}: {e}", param=param) from None
 
     def output_parsers(self, req: ChatCompletionRequest, prompt: str, n: int) -> list[ChatOutputParser] | None:
         """A parser for each of the n completions, where the server parses reasoning or the request's
@@ -327,7 +328,7 @@ class OpenAIServer:
         # it, and holds only what follows the thought): none of it is reasoning.
         constrained = req.structured_outputs is not None or (req.response_format or {}).get("type") in \
             ("json_object", "json_schema")
-        forced = self.forced_tool(req)
+        forced = forced_tool(req)
         reasoning = self.parsers.reasoning_parser is not None and not constrained and forced is None
         if not reasoning and not req.parses_tool_calls and forced is None:
             return None
