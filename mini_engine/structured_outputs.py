@@ -61,7 +61,8 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or its text), got {self.json!r}")
+            raise ValueError("structured_outputs.json must be a JSON schema (an object, or its text), "
+                             f"got {self.json!r}")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")

@@ -7,7 +7,6 @@ goes away gets its request aborted, which frees its KV blocks before the engine'
 """
 import asyncio
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -23,15 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.config import EngineConfig
-from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
+from mini_engine.server.constraints import forced_tool, structured_outputs
+from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
                                          DetokenizeRequest, ProtocolError, SamplingRequest, TokenizeRequest,
                                          completion_body, error_body, model_card, random_id, usage)
-from mini_engine.structured_outputs import StructuredOutputsParams
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -69,13 +68,6 @@ class Prompts:
     token_ids: list[list[int]]
     n: int
     echoes: list[Echo] | None = None
-
-
-def end_offset(logprobs: dict | None, offset: int) -> int:
-    """The text offset after a delta's tokens (completion_logprobs), or offset without them."""
-    if not logprobs or not logprobs["tokens"]:
-        return offset
-    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def sse(data: dict | str) -> str:
@@ -124,69 +116,6 @@ async def interleaved(streams: list[RequestStream]) -> AsyncIterator[list[tuple[
             task.cancel()
 
 
-def forced_tool(req: ChatCompletionRequest) -> str | None:
-    """The call tool_choice forces: a function's name, "" for "required" (any of the tools), or
-    None where it forces none."""
-    choice = req.tool_choice
-    if choice in (None, "none", "auto"):
-        return None
-    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if choice != "required" and not isinstance(name, str):
-        raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                            f'{{"name": ...}}}}, got {choice!r}', param="tool_choice")
-    if not req.tools:
-        raise ProtocolError(f"tool_choice={choice!r} needs tools", param="tool_choice")
-    if name is not None and name not in {tool.function.name for tool in req.tools}:
-        raise ProtocolError(f"tool_choice names {name!r}, which is not one of the request's tools",
-                            param="tool_choice")
-    return name or ""
-
-
-def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """What the request holds its output to, if anything: vLLM's structured_outputs, OpenAI's
-    response_format json_object or json_schema, or a chat's forced tool_choice (at most one)."""
-    given = {}
-    if req.structured_outputs is not None:
-        given["structured_outputs"] = dict(req.structured_outputs)
-    kind = (req.response_format or {}).get("type")
-    if kind == "json_object":
-        given["response_format"] = {"json_object": True}
-    elif kind == "json_schema":
-        json_schema = req.response_format.get("json_schema")
-        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
-        if not isinstance(schema, dict):
-            raise ProtocolError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
-                                f'{{...}}}}}}, got {req.response_format!r}', param="response_format")
-        given["response_format"] = {"json": schema}
-    if isinstance(req, ChatCompletionRequest) and (tool := forced_tool(req)) is not None:
-        given["tool_choice"] = {"json": forced_tool_schema(req, tool)}
-    if len(given) > 1:
-        raise ProtocolError(f"{' and '.join(given)} both constrain the output: send one", param=next(iter(given)))
-    if not given:
-        return None
-    (param, spec), = given.items()
-    try:
-        return StructuredOutputsParams(**spec)
-    except (ValueError, TypeError) as e:
-        raise ProtocolError(f"{param}: {e}", param=param) from None
-
-
-def forced_tool_schema(req: ChatCompletionRequest, name: str) -> dict:
-    """vLLM's schemas for a forced tool_choice: a named function's parameters (its arguments are
-    the output); for "required" ("" here), an array of at least one {"name", "parameters"} of the
-    request's tools (one at most where parallel_tool_calls is false)."""
-    def parameters(tool) -> dict:
-        return tool.function.parameters or {"type": "object", "properties": {}}
-    if name:
-        return parameters(next(tool for tool in req.tools if tool.function.name == name))
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                          "parameters": parameters(tool)},
-         "required": ["name", "parameters"]} for tool in req.tools]}}
-    return calls | ({"maxItems": 1} if req.parallel_tool_calls is False else {})
-
-
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -200,6 +129,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(model_name)
         self.async_engine = AsyncEngine(config, self.metrics)
         self.tokenizer = load_tokenizer(config.model)
+        self.logprobs_json = LogprobsJSON(self.tokenizer)
         self.chat_template = ChatTemplate.from_pretrained(config.model)
 
     # ---- from an OpenAI request to the engine's ----
@@ -337,65 +267,6 @@ class OpenAIServer:
 
     # ---- from the engine's deltas to OpenAI's responses ----
 
-    def token_text(self, token_id: int) -> str:
-        tok = self.tokenizer
-        return tok.decode([token_id], skip_special_tokens=False) if tok else f"token_id:{token_id}"
-
-    def completion_logprobs(self, delta: RequestDelta, text_offset: int) -> dict | None:
-        """text_offset: where the delta's first token starts. Each token's offset counts the
-        characters of the token strings before it, as vLLM counts them: the text a stop string
-        holds back, or deltas merged under load, do not move them."""
-        if delta.logprobs is None:
-            return None
-        tokens = [self.token_text(t) for t in delta.token_ids]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [max(lp.logprob, -9999.0) for lp in delta.logprobs],
-            "top_logprobs": [self.top_logprobs(token, lp) for token, lp in zip(tokens, delta.logprobs)],
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=text_offset))
-                           if tokens else [],
-        }
-
-    def top_logprobs(self, token: str, lp: SampleLogprobs) -> dict[str, float]:
-        """OpenAI's legacy top_logprobs of one token: "the API will always return the logprob of
-        the sampled token, so there may be up to logprobs+1 elements", so the token first, as
-        vLLM's, then its row's best, by text (-inf as vLLM's -9999.0)."""
-        return {token: max(lp.logprob, -9999.0)} | {self.token_text(t): max(v, -9999.0) for t, v in lp.top}
-
-    def chat_logprobs(self, delta: RequestDelta) -> dict | None:
-        """OpenAI's chat logprobs for a delta's tokens: each token's text, its log-probability and
-        its UTF-8 bytes, and its row's top_logprobs best likewise (-inf as vLLM's -9999.0)."""
-        if delta.logprobs is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
-        return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(u, v) for u, v in lp.top]}
-                            for t, lp in zip(delta.token_ids, delta.logprobs)]}
-
-    def delta_logprobs(self, delta: RequestDelta, chat: bool, offset: int) -> tuple[dict | None, int]:
-        """A delta's logprobs as its endpoint returns them, and the text offset after its tokens
-        (which only completions' logprobs count)."""
-        if chat:
-            return self.chat_logprobs(delta), offset
-        logprobs = self.completion_logprobs(delta, offset)
-        return logprobs, end_offset(logprobs, offset)
-
-    def prompt_logprobs_json(self, prompt_token_ids: list[int], values: list) -> list[dict | None]:
-        """vLLM's: for each prompt position, None (the first), or the prompt token and the top
-        ones, by token id, each with its logprob, rank and text."""
-        def entry(logprob: float, rank: int, token_id: int) -> dict:
-            return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
-        out = []
-        for token_id, lp in zip(prompt_token_ids, values):
-            if lp is None:
-                out.append(None)
-                continue
-            top = {t: entry(v, rank, t) for rank, (t, v) in enumerate(lp.top, start=1)}
-            out.append(top | {token_id: entry(lp.logprob, lp.rank, token_id)})
-        return out
-
     def choice(self, index: int, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None,
                chunk: bool = False) -> dict:
         if not chat:
@@ -426,7 +297,8 @@ class OpenAIServer:
     @staticmethod
     def usage_of(last: list[RequestDelta], n: int) -> dict:
         """Each prompt once, however many (n) completions share it, and every completion's tokens."""
-        return usage(sum(delta.num_prompt_tokens for delta in last[::n]), sum(delta.num_output_tokens for delta in last))
+        return usage(sum(delta.num_prompt_tokens for delta in last[::n]),
+                     sum(delta.num_output_tokens for delta in last))
 
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
                             include_usage: bool, n: int,
@@ -445,7 +317,7 @@ class OpenAIServer:
                     break
                 if not delta.token_ids and delta.finish_reason is None:
                     continue
-                logprobs, offsets[k] = self.delta_logprobs(delta, chat, offsets[k])
+                logprobs, offsets[k] = self.logprobs_json.delta_logprobs(delta, chat, offsets[k])
                 if parsers is None:
                     choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
                     continue
@@ -478,7 +350,7 @@ class OpenAIServer:
                 if delta.finish_reason == "error":
                     return error_response(delta.error or "the request failed", 500)
                 if delta.logprobs is not None:
-                    lp, offsets[k] = self.delta_logprobs(delta, chat, offsets[k])
+                    lp, offsets[k] = self.logprobs_json.delta_logprobs(delta, chat, offsets[k])
                     logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
                 texts[k].append(delta.text)
         if echoes is not None:
@@ -493,7 +365,7 @@ class OpenAIServer:
                                           last[k].finish_reason, logprobs[k]) for k in range(len(streams))]
         body = completion_body(request_id, created, self.model_name, choices, self.usage_of(last, n), chat=chat)
         # Where vLLM puts them: the chat response's, each completion's (its prompt's).
-        values = [None if lp is None else self.prompt_logprobs_json(ids, lp)
+        values = [None if lp is None else self.logprobs_json.prompt_logprobs_json(ids, lp)
                   for ids, lp in zip(prompts.token_ids, prompt_logprobs)]
         for k, place in enumerate([body] if chat else choices):
             if values[k // n] is not None:
@@ -511,14 +383,7 @@ class OpenAIServer:
         text = [echo.text, *text]
         if prompt_logprobs is None or logprobs is None:
             return text, logprobs, last
-        tokens = echo.token_strings
-        prompt = {
-            "tokens": tokens,
-            "token_logprobs": [None if lp is None else max(lp.logprob, -9999.0) for lp in prompt_logprobs],
-            "top_logprobs": [None if lp is None else self.top_logprobs(token, lp)
-                             for token, lp in zip(tokens, prompt_logprobs)],
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
-        }
+        prompt = self.logprobs_json.echoed_prompt_logprobs(echo.token_strings, prompt_logprobs)
         return text, {key: prompt[key] + logprobs[key] for key in prompt}, last
 
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
@@ -611,7 +476,8 @@ class OpenAIServer:
             raise ProtocolError(f"echo with max_tokens=0 needs a prompt shorter than max_model_len={limit} "
                                 f"(one token is generated, and dropped), got {len(prompt_token_ids)} tokens",
                                 param="prompt")
-        return Echo(text, prompt_token_ids, [self.token_text(t) for t in prompt_token_ids], max_tokens == 0)
+        strings = [self.logprobs_json.token_text(t) for t in prompt_token_ids]
+        return Echo(text, prompt_token_ids, strings, max_tokens == 0)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
