@@ -56,6 +56,9 @@ class SamplingParams:
     # vLLM's: the output held to a JSON schema, a regex, a choice of strings or a grammar (a
     # StructuredOutputsParams, or a dict of its fields).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: words the output may not contain (as the tokenizer writes them, alone or after a
+    # space: engine/bad_words.py).
+    bad_words: list[str] | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
@@ -110,6 +113,12 @@ class SamplingParams:
         if self.logit_bias:
             self.logit_bias_arrays = (np.array(list(self.logit_bias.keys()), dtype=np.int64),
                                       np.array(list(self.logit_bias.values()), dtype=np.float32))
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else _as_list(self.bad_words,
+                                                                                                "bad_words")
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be words (strings with more than whitespace), got {self.bad_words!r}")
+            self.bad_words = self.bad_words or None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

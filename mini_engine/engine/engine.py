@@ -9,6 +9,7 @@ from mini_engine.config import EngineConfig
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
+from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.runner.batch import BatchRow, StepHandle
@@ -67,7 +68,10 @@ class LLMEngine:
                           "be refused. Raise gpu_memory_utilization (cpu_kv_blocks on CPU) or lower max_model_len")
         self.in_flight: InFlightStep | None = None
         self.grammar_compiler: GrammarCompiler | None = None     # made at the first structured request
-        self.structured: set[str] = set()       # the unfinished requests with structured outputs
+        # The unfinished requests whose next row needs the token in flight, which the host must
+        # know (the runner feeds it to the model, not to host-side logic): a grammar's, or a bad
+        # word's of several tokens.
+        self.needs_last_token: set[str] = set()
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.request_counter = itertools.count()
@@ -109,7 +113,11 @@ class LLMEngine:
                                                         sorted(self.eos_token_ids))
             seq.grammar = self.grammar_compiler.matcher(params.structured_outputs,
                                                         sorted(self.eos_token_ids | set(params.stop_token_ids)))
-            self.structured.add(request_id)
+            self.needs_last_token.add(request_id)
+        if params.bad_words:
+            seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            if any(len(ids) > 1 for ids in seq.bad_words_ids):
+                self.needs_last_token.add(request_id)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -127,7 +135,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
-        self.structured.discard(request_id)
+        self.needs_last_token.discard(request_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             while seq.token_ids[-1] == PENDING_TOKEN:     # tokens still in flight are dropped
@@ -149,7 +157,7 @@ class LLMEngine:
         for its own tokens before returning."""
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
         try:
-            early = self.wait_for_grammars()
+            early = self.wait_for_last_tokens()
             batch = self.scheduler.schedule()
             launched = self.launch(batch) if not batch.is_empty else None
             previous, self.in_flight = self.in_flight, launched
@@ -162,12 +170,12 @@ class LLMEngine:
             raise
         return outputs
 
-    def wait_for_grammars(self) -> list[StepOutput]:
-        """While a request with structured outputs runs, the step in flight's tokens first: its
-        grammar's mask for the next token needs the one in flight (the runner cannot feed it). One
-        still waiting to run has no token in flight, and holds nobody up."""
+    def wait_for_last_tokens(self) -> list[StepOutput]:
+        """While a request that needs_last_token runs (structured outputs, bad words of several
+        tokens), the step in flight's tokens first: its next row's mask or bans need the token in
+        flight. One still waiting to run has no token in flight, and holds nobody up."""
         if self.in_flight is None or not any(self.requests[r].status == SequenceStatus.RUNNING
-                                             for r in self.structured):
+                                             for r in self.needs_last_token):
             return []
         return self.wait_in_flight()
 
@@ -234,7 +242,7 @@ class LLMEngine:
     def end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
-        self.structured.discard(seq.request_id)
+        self.needs_last_token.discard(seq.request_id)
 
     def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
         """Rows in the runner's order, and the batch indices in it: single-token rows first, the
@@ -262,8 +270,10 @@ class LLMEngine:
             if sample and p.min_tokens:
                 row.num_output_tokens = seq.num_output_tokens
             if sample and seq.grammar is not None:
-                assert row.token_ids[-1] != PENDING_TOKEN, "a grammar's row waits for its tokens (wait_for_grammars)"
+                assert row.token_ids[-1] != PENDING_TOKEN, "a grammar's row waits for its token (wait_for_last_tokens)"
                 row.grammar_bitmask = seq.grammar.next_token_bitmask()
+            if sample and seq.bad_words_ids:
+                row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.output_token_ids)
             # Only a row inside the prompt predicts prompt tokens (and so a decode row never scans
             # the request's prompt log-probabilities).
             if start < seq.num_prompt_tokens - 1 and seq.needs_prompt_logprobs:

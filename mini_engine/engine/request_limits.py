@@ -29,6 +29,8 @@ class RequestLimits:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need the checkpoint's tokenizer.json, which it does not have")
+        if params.bad_words and not self.has_tokenizer:
+            raise ValueError("bad_words need the checkpoint's tokenizer.json, which it does not have")
         if params.structured_outputs is not None:
             if not self.has_tokenizer:
                 raise ValueError("structured outputs need the checkpoint's tokenizer.json, which it does not have")

@@ -39,6 +39,7 @@ class Sequence:
     pending_sample_index: int = -1      # where the in-flight step's samples hold this seq's token
     logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
     grammar: object | None = None       # with structured outputs: its OutputGrammar
+    bad_words_ids: list[list[int]] | None = None    # its bad words as token ids (engine/bad_words.py)
     # Ended "stop" with no stop token of its own: its grammar allowed nothing the request permits
     # (min_tokens' banned stop tokens, allowed_token_ids), and that last draw was dropped.
     grammar_dead_end: bool = False

@@ -173,13 +173,15 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tenso
     logits[rows, tokens] += biases
 
 
-def early_stop_tokens(params: list, num_output_tokens: list[int], eos_token_ids: tuple[int, ...], vocab_size: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(sampling rows, token ids) of the tokens that would end each row's output before its
-    min_tokens: its stop_token_ids and EOS, even where it ignores EOS (as vLLM's min_tokens, which
-    counts EOS among every request's stop tokens for it); None if none."""
-    pairs = [(row, token) for row, (p, n) in enumerate(zip(params, num_output_tokens)) if n < p.min_tokens
-             for token in sorted(set(p.stop_token_ids) | set(eos_token_ids)) if token < vocab_size]
+def banned_token_tensors(rows: list, eos_token_ids: tuple[int, ...], vocab_size: int,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(sampling rows, token ids) of the tokens each row may not sample now: those that would end
+    its output before its min_tokens (its stop_token_ids and EOS, even where it ignores EOS, as
+    vLLM's min_tokens, which counts EOS among every request's stop tokens for it), and those that
+    would complete a bad word (BatchRow.banned_tokens); None if none."""
+    pairs = [(i, token) for i, row in enumerate(rows) if row.num_output_tokens < row.params.min_tokens
+             for token in sorted(set(row.params.stop_token_ids) | set(eos_token_ids)) if token < vocab_size]
+    pairs += [(i, token) for i, row in enumerate(rows) for token in row.banned_tokens or () if token < vocab_size]
     if not pairs:
         return None
     ints = to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)

@@ -35,6 +35,8 @@ class BatchRow:
     # For a sampling row with structured outputs: the tokens its grammar allows next, as a bitmask
     # (structured_outputs.OutputGrammar's).
     grammar_bitmask: torch.Tensor | None = None
+    # For a sampling row with bad words: the tokens that would complete one now.
+    banned_tokens: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
-from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, early_stop_tokens,
+from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, banned_token_tensors,
                                          grammar_bitmask_tensors, logit_bias_tensors, penalty_tensors)
 from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors, needs_top_k_top_p,
                                        prompt_logprob_tensors, prompt_logprobs_by_row, sample_logprobs)
@@ -354,12 +354,12 @@ class ModelRunner:
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
         """Does any row ask for what only the eager sampler applies: a top-k above TOP_K_MAX, top-p
-        without top-k, min_p, a penalty, a logit bias, allowed_token_ids, a grammar's mask or, while
-        its output is shorter than min_tokens, no stop token? (A greedy row's argmax is the same under top-k,
+        without top-k, min_p, a penalty, a logit bias, allowed_token_ids, a grammar's mask, a bad
+        word's ban or, while its output is shorter than min_tokens, no stop token? (A greedy row's argmax is the same under top-k,
         top-p and min_p.)"""
         return any(needs_top_k_top_p(p := r.params) or (p.temperature > 0 and p.min_p > 0) or p.penalized
                    or p.logit_bias or p.allowed_token_ids or r.num_output_tokens < p.min_tokens
-                   or r.grammar_bitmask is not None for r in rows)
+                   or r.grammar_bitmask is not None or r.banned_tokens for r in rows)
 
     def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
                        turn: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
@@ -494,9 +494,9 @@ class ModelRunner:
             allowed=allowed_token_tensors(params, self.device) if any(p.allowed_token_ids for p in params) else None,
             grammar=grammar_bitmask_tensors(rows, self.device) if any(r.grammar_bitmask is not None for r in rows)
             else None,
-            banned=early_stop_tokens(params, [r.num_output_tokens for r in rows], self.model_config.eos_token_ids,
-                                     self.model_config.vocab_size, self.device)
-            if any(p.min_tokens for p in params) else None,
+            banned=banned_token_tensors(rows, self.model_config.eos_token_ids, self.model_config.vocab_size,
+                                        self.device)
+            if any(p.min_tokens or p.bad_words for p in params) else None,
             min_p=self.to_device(min_p, torch.float32) if any(min_p) else None,
             candidate_top_k=t.top_k[:len(rows)] if any(drawn) else None,
             candidate_top_p=t.top_p[:len(rows)] if any(drawn) else None,

@@ -170,7 +170,7 @@ class OpenAIServer:
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
                 stop=req.stop_list, seed=req.seed, logprobs=logprobs, n=1 if req.n is None else req.n,
                 min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                allowed_token_ids=req.allowed_token_ids,
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                 prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
                 structured_outputs=constraint, **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name

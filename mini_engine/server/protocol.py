@@ -61,6 +61,7 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False    # extension (vLLM's)
     prompt_logprobs: int | None = None          # extension (vLLM's; not with stream)
     allowed_token_ids: list[int] | None = None  # extension (vLLM's)
+    bad_words: list[str] | None = None          # extension (vLLM's)
     # extension (vLLM's): {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} |
     # {"json_object": true}, and disable_any_whitespace
     structured_outputs: dict[str, Any] | None = None

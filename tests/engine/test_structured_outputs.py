@@ -91,7 +91,7 @@ def test_rows_beside_a_grammar_are_untouched(model, async_scheduling):
     for kind, out in zip(kinds, together):
         if kind:
             check(kind, out.outputs[0].text, out.outputs[0].finish_reason)
-    assert not llm.engine.structured and llm.engine.in_flight is None
+    assert not llm.engine.needs_last_token and llm.engine.in_flight is None
 
 
 def test_preemption_keeps_the_grammars_place(model):

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, apply_logit_bias, apply_min_p,
-                                         apply_penalties, ban_tokens, early_stop_tokens, keep_allowed_tokens,
+                                         apply_penalties, ban_tokens, banned_token_tensors, keep_allowed_tokens,
                                          logit_bias_tensors, output_counts_ref, penalty_tensors)
 from mini_engine.kernels.top_k_sampling import TOP_K_MAX
 from mini_engine.layers.sampler import Sampler, SamplingTensors
+from mini_engine.runner.batch import BatchRow
 from mini_engine.sampling_params import SamplingParams
 from tests.penalty_definition import penalised_by_definition
 
@@ -195,9 +196,11 @@ def test_min_tokens_bans_the_stop_tokens_of_rows_still_short_of_it():
     rows past it are free."""
     params = [SamplingParams(min_tokens=3, stop_token_ids=[7, 99]), SamplingParams(min_tokens=3, stop_token_ids=[7]),
               SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[4]), SamplingParams(stop_token_ids=[7])]
-    rows, tokens = early_stop_tokens(params, [2, 3, 0, 0], (2,), VOCAB, torch.device(DEVICE))
+    rows = [BatchRow([1], 0, [], True, p, num_output_tokens=n) for p, n in zip(params, [2, 3, 0, 0])]
+    rows, tokens = banned_token_tensors(rows, (2,), VOCAB, torch.device(DEVICE))
     assert list(zip(rows.tolist(), tokens.tolist())) == [(0, 2), (0, 7), (2, 2), (2, 4)]
-    assert early_stop_tokens(params[1:2], [5], (2,), VOCAB, torch.device("cpu")) is None
+    assert banned_token_tensors([BatchRow([1], 0, [], True, params[1], num_output_tokens=5)], (2,), VOCAB,
+                                torch.device("cpu")) is None
     logits = torch.randn(4, VOCAB)
     banned = logits.clone().to(DEVICE)
     ban_tokens(banned, (rows, tokens))

@@ -381,6 +381,17 @@ def test_structured_outputs(served, client, llm):
     assert anything.choices[0].message.content.startswith("{")
 
 
+def test_bad_words_reach_the_engine(served, client, llm):
+    params = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, tokens, _ = reference(llm, "Hello world", **params)
+    # A token of the output that is a word of its own (its text encodes back to it alone).
+    word = next(text for t in tokens if (text := llm.tokenizer.decode([t])).strip() == text and text
+                and llm.tokenizer.encode(text).ids == [t])
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello world", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert r.choices[0].text == reference(llm, "Hello world", bad_words=[word], **params)[0] != plain
+
+
 def test_streams_end_with_usage_only_when_asked(served, client):
     """As OpenAI: without stream_options.include_usage every chunk has a choice, so a client that
     reads chunk.choices[0] of each one works."""

@@ -1,0 +1,95 @@
+"""vLLM's bad_words: a word's token sequence never completes in the output (its last token banned
+where the output ends with the rest of it), whatever the scheduler does; the tokenization of a
+word alone and after a space, as vLLM's; bad input refused."""
+import pytest
+import torch
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids
+from tests.server.conftest import write_tiny_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-bad-words")))
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(model, device=DEVICE, num_kv_blocks=256)
+
+
+def contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def greedy(llm, prompt=PROMPT, **params) -> list[int]:
+    params = SamplingParams(**({"temperature": 0, "max_tokens": 32, "ignore_eos": True} | params))
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def word_of(llm, tokens: list[int], length: int) -> tuple[str, int]:
+    """A word of `length` tokens in the output, and where: one whose text the tokenizer writes
+    back as those tokens (alone, with no space before it)."""
+    for i in range(len(tokens) - length + 1):
+        text = llm.tokenizer.decode(tokens[i:i + length])
+        if text.strip() == text and llm.tokenizer.encode(text).ids == tokens[i:i + length]:
+            return text, i
+    pytest.skip(f"no {length}-token word in this output")
+
+
+@pytest.mark.parametrize("length", [1, 2, 3])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_bad_word_never_completes(model, length, async_scheduling):
+    llm = LLM(model, device=DEVICE, num_kv_blocks=256, async_scheduling=async_scheduling)
+    plain = greedy(llm)
+    word, at = word_of(llm, plain, length)
+    banned = greedy(llm, bad_words=[word])
+    assert not any(contains(banned, ids) for ids in bad_words_token_ids(llm.tokenizer, [word]))
+    # Up to the word's last token, the output is the plain one: nothing else was banned.
+    assert banned[:at + length - 1] == plain[:at + length - 1] and banned != plain
+    assert not llm.engine.needs_last_token
+
+
+def test_rows_beside_a_bad_word_are_untouched(llm):
+    plain = greedy(llm)
+    word, _ = word_of(llm, plain, 2)
+    other = "Hello"
+    alone = greedy(llm, other)
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, bad_words=[word]),
+              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
+    outs = llm.generate([PROMPT, other], params, use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[0].outputs[0].token_ids == greedy(llm, bad_words=[word])
+
+
+def test_the_tokenization_of_a_word_as_vllms():
+    """Alone, and after a space where that makes a word of its own (another first token, as many
+    tokens); the bans after some output."""
+    class Tokenizer:
+        table = {"fox": [5], " fox": [9], "red fox": [1, 2], " red fox": [3, 2], "big": [7, 8], " big": [7, 6]}
+
+        def encode(self, text, add_special_tokens=False):
+            return type("Encoding", (), {"ids": self.table[text]})
+
+    assert bad_words_token_ids(Tokenizer(), ["fox", " red fox", "big"]) == [[5], [9], [1, 2], [3, 2], [7, 8]]
+    sequences = [[5], [1, 2], [4, 1, 2]]
+    assert bad_word_bans(sequences, []) == [5]
+    assert bad_word_bans(sequences, [7, 1]) == [2, 5]
+    assert bad_word_bans(sequences, [4, 1]) == [2, 5]
+    assert bad_word_bans([[4, 1, 2]], [1]) == [] and bad_word_bans([[4, 1, 2]], [3, 4, 1]) == [2]
+
+
+@pytest.mark.parametrize("bad_words, match", [(["ok", "  "], "bad_words"), ([5], "bad_words"), (7, "bad_words")])
+def test_bad_words_that_are_not_words_are_refused(bad_words, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(bad_words=bad_words)
+
+
+def test_without_a_tokenizer_bad_words_are_refused(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(bad_words=["a"]), use_tqdm=False)
