@@ -6,10 +6,10 @@ import warnings
 from dataclasses import dataclass
 
 from mini_engine.config import EngineConfig
+from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
-from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.runner.batch import BatchRow, StepHandle

@@ -355,8 +355,8 @@ class ModelRunner:
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
         """Does any row ask for what only the eager sampler applies: a top-k above TOP_K_MAX, top-p
         without top-k, min_p, a penalty, a logit bias, allowed_token_ids, a grammar's mask, a bad
-        word's ban or, while its output is shorter than min_tokens, no stop token? (A greedy row's argmax is the same under top-k,
-        top-p and min_p.)"""
+        word's ban or, while its output is shorter than min_tokens, no stop token? (A greedy row's
+        argmax is the same under top-k, top-p and min_p.)"""
         return any(needs_top_k_top_p(p := r.params) or (p.temperature > 0 and p.min_p > 0) or p.penalized
                    or p.logit_bias or p.allowed_token_ids or r.num_output_tokens < p.min_tokens
                    or r.grammar_bitmask is not None or r.banned_tokens for r in rows)
