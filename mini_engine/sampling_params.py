@@ -122,7 +122,8 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got {self.structured_outputs!r}")
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields) or None, "
+                             f"got {self.structured_outputs!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.n > 1 and self.temperature == 0:
