@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass
 
 from mini_engine.config import EngineConfig
-from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids
+from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids, check_bad_words
 from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
@@ -107,6 +107,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params)
+        if params.bad_words:            # before anything of the engine's changes: it may raise
+            seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            check_bad_words(seq.bad_words_ids, params, self.eos_token_ids | set(params.stop_token_ids))
         if params.structured_outputs is not None:
             if self.grammar_compiler is None:
                 self.grammar_compiler = GrammarCompiler(self.tokenizer, self.config.model_config.vocab_size,
@@ -114,10 +117,8 @@ class LLMEngine:
             seq.grammar = self.grammar_compiler.matcher(params.structured_outputs,
                                                         sorted(self.eos_token_ids | set(params.stop_token_ids)))
             self.needs_last_token.add(request_id)
-        if params.bad_words:
-            seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-            if any(len(ids) > 1 for ids in seq.bad_words_ids):
-                self.needs_last_token.add(request_id)
+        if seq.bad_words_ids and any(len(ids) > 1 for ids in seq.bad_words_ids):
+            self.needs_last_token.add(request_id)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -273,7 +274,7 @@ class LLMEngine:
                 assert row.token_ids[-1] != PENDING_TOKEN, "a grammar's row waits for its token (wait_for_last_tokens)"
                 row.grammar_bitmask = seq.grammar.next_token_bitmask()
             if sample and seq.bad_words_ids:
-                row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.output_token_ids)
+                row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.token_ids, seq.num_prompt_tokens)
             # Only a row inside the prompt predicts prompt tokens (and so a decode row never scans
             # the request's prompt log-probabilities).
             if start < seq.num_prompt_tokens - 1 and seq.needs_prompt_logprobs:

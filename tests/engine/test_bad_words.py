@@ -70,17 +70,48 @@ def test_the_tokenization_of_a_word_as_vllms():
     """Alone, and after a space where that makes a word of its own (another first token, as many
     tokens); the bans after some output."""
     class Tokenizer:
-        table = {"fox": [5], " fox": [9], "red fox": [1, 2], " red fox": [3, 2], "big": [7, 8], " big": [7, 6]}
+        table = {"fox": [5], " fox": [9], "red fox": [1, 2], " red fox": [3, 2], "big": [7, 8], " big": [7, 6],
+                 "\x00": [], " \x00": [3]}
 
         def encode(self, text, add_special_tokens=False):
             return type("Encoding", (), {"ids": self.table[text]})
 
     assert bad_words_token_ids(Tokenizer(), ["fox", " red fox", "big"]) == [[5], [9], [1, 2], [3, 2], [7, 8]]
+    with pytest.raises(ValueError, match="no tokens"):
+        bad_words_token_ids(Tokenizer(), ["\x00"])
     sequences = [[5], [1, 2], [4, 1, 2]]
-    assert bad_word_bans(sequences, []) == [5]
-    assert bad_word_bans(sequences, [7, 1]) == [2, 5]
-    assert bad_word_bans(sequences, [4, 1]) == [2, 5]
-    assert bad_word_bans([[4, 1, 2]], [1]) == [] and bad_word_bans([[4, 1, 2]], [3, 4, 1]) == [2]
+    assert bad_word_bans(sequences, [9, 9], 2) == [5]
+    assert bad_word_bans(sequences, [9, 7, 1], 1) == [2, 5]
+    assert bad_word_bans(sequences, [4, 1], 0) == [2, 5]
+    # The prompt's tokens never count: only the output's, as vLLM's.
+    assert bad_word_bans([[4, 1, 2]], [4, 1], 1) == [] and bad_word_bans([[4, 1, 2]], [3, 4, 1], 1) == [2]
+
+
+def test_n_completions_and_preemption_keep_the_bans(model):
+    """Seeded completions of one prompt, in a pool that preempts: each as it is alone in a roomy
+    engine, none completing a bad word."""
+    roomy = LLM(model, device=DEVICE, num_kv_blocks=256, block_size=16)
+    tight = LLM(model, device=DEVICE, num_kv_blocks=10, block_size=16)
+    word, _ = word_of(roomy, greedy(roomy), 2)
+    params = SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=48, ignore_eos=True, bad_words=[word])
+    prompt = PROMPT * 8
+    expected = [c.token_ids for c in roomy.generate(prompt, params, use_tqdm=False)[0].outputs]
+    got = [c.token_ids for c in tight.generate(prompt, params, use_tqdm=False)[0].outputs]
+    assert tight.engine.num_preemptions > 0 and got == expected
+    sequences = bad_words_token_ids(roomy.tokenizer, [word])
+    assert not any(contains(tokens, ids) for tokens in got for ids in sequences)
+
+
+def test_allowed_tokens_that_are_all_bad_words_are_refused(llm):
+    """Nothing would be left to sample (the argmax of -inf is token 0, allowed or not)."""
+    word, _ = word_of(llm, greedy(llm), 1)
+    token = llm.tokenizer.encode(word).ids[0]
+    end = llm.tokenizer.token_to_id("<|im_end|>")
+    for params in [SamplingParams(allowed_token_ids=[token], bad_words=[word]),
+                   SamplingParams(allowed_token_ids=[token, end], bad_words=[word], min_tokens=2)]:
+        with pytest.raises(ValueError, match="nothing is left to sample"):
+            llm.generate("Hello", params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.needs_last_token
 
 
 @pytest.mark.parametrize("bad_words, match", [(["ok", "  "], "bad_words"), ([5], "bad_words"), (7, "bad_words")])

@@ -196,11 +196,15 @@ def test_min_tokens_bans_the_stop_tokens_of_rows_still_short_of_it():
     rows past it are free."""
     params = [SamplingParams(min_tokens=3, stop_token_ids=[7, 99]), SamplingParams(min_tokens=3, stop_token_ids=[7]),
               SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[4]), SamplingParams(stop_token_ids=[7])]
-    rows = [BatchRow([1], 0, [], True, p, num_output_tokens=n) for p, n in zip(params, [2, 3, 0, 0])]
-    rows, tokens = banned_token_tensors(rows, (2,), VOCAB, torch.device(DEVICE))
+    rows_of = [BatchRow([1], 0, [], True, p, num_output_tokens=n) for p, n in zip(params, [2, 3, 0, 0])]
+    rows, tokens = banned_token_tensors(rows_of, (2,), VOCAB, torch.device(DEVICE))
     assert list(zip(rows.tolist(), tokens.tolist())) == [(0, 2), (0, 7), (2, 2), (2, 4)]
     assert banned_token_tensors([BatchRow([1], 0, [], True, params[1], num_output_tokens=5)], (2,), VOCAB,
                                 torch.device("cpu")) is None
+    # A bad word's bans join them (engine/bad_words.py), ids past the vocabulary left out.
+    with_words = rows_of + [BatchRow([1], 0, [], True, SamplingParams(), banned_tokens=[9, 3, VOCAB])]
+    bans = banned_token_tensors(with_words, (2,), VOCAB, torch.device("cpu"))
+    assert list(zip(*(t.tolist() for t in bans))) == [(0, 2), (0, 7), (2, 2), (2, 4), (4, 9), (4, 3)]
     logits = torch.randn(4, VOCAB)
     banned = logits.clone().to(DEVICE)
     ban_tokens(banned, (rows, tokens))
