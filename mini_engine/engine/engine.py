@@ -107,15 +107,15 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params)
+        stop_token_ids = self.eos_token_ids | set(params.stop_token_ids)
         if params.bad_words:            # before anything of the engine's changes: it may raise
             seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-            check_bad_words(seq.bad_words_ids, params, self.eos_token_ids | set(params.stop_token_ids))
+            check_bad_words(seq.bad_words_ids, params, stop_token_ids)
         if params.structured_outputs is not None:
             if self.grammar_compiler is None:
                 self.grammar_compiler = GrammarCompiler(self.tokenizer, self.config.model_config.vocab_size,
                                                         sorted(self.eos_token_ids))
-            seq.grammar = self.grammar_compiler.matcher(params.structured_outputs,
-                                                        sorted(self.eos_token_ids | set(params.stop_token_ids)))
+            seq.grammar = self.grammar_compiler.matcher(params.structured_outputs, sorted(stop_token_ids))
             self.needs_last_token.add(request_id)
         if seq.bad_words_ids and any(len(ids) > 1 for ids in seq.bad_words_ids):
             self.needs_last_token.add(request_id)

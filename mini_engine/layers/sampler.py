@@ -23,7 +23,7 @@ class SamplingTensors:
     penalties: PenaltyTensors | None = None   # where a row has presence/frequency/repetition penalties;
                                               # the runner records the sampled tokens in their counts
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, tokens, biases)
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, tokens) that min_tokens holds back
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, tokens) that min_tokens or bad words hold back
     min_p: torch.Tensor | None = None         # [B] fp32, where a row sets min_p
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, pair rows, tokens) of allowed_token_ids
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, their bitmasks) of structured outputs
@@ -120,8 +120,8 @@ class Sampler(nn.Module):
         if any(x is not None for x in (params.grammar, params.allowed, params.logit_bias, params.banned,
                                        params.penalties, params.min_p)):
             # One fp32 copy, changed in place from here on (the raw logits stay, for logprobs), in
-            # vLLM's order: a grammar's mask, allowed_token_ids, then logit_bias and min_tokens'
-            # ban, then penalties (greedy rows too), then min_p at the row's temperature, then
+            # vLLM's order: a grammar's mask, allowed_token_ids, then logit_bias and the bans of
+            # min_tokens and bad words, then penalties (greedy rows too), then min_p at the row's temperature, then
             # top-k and top-p.
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
             if params.grammar is not None:

@@ -251,19 +251,19 @@ class OpenAIServer:
             raise ProtocolError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 'set (or send tool_choice "none")', param="tool_choice")
 
-    def output_parsers(self, req: ChatCompletionRequest, prompt: str, n: int) -> list[ChatOutputParser] | None:
-        """A parser for each of the n completions, where the server parses reasoning or the request's
-        tool calls; None where neither (the text goes out as it is)."""
-        # An output that structured outputs hold from its first token cannot think first (vLLM lets
-        # it, and holds only what follows the thought): none of it is reasoning.
-        constrained = req.structured_outputs is not None or (req.response_format or {}).get("type") in \
-            ("json_object", "json_schema")
+    def output_parsers(self, req: ChatCompletionRequest, prompt: str,
+                       params: SamplingParams) -> list[ChatOutputParser] | None:
+        """A parser for each of the params.n completions, where the server parses reasoning or the
+        request's tool calls; None where neither (the text goes out as it is)."""
+        # An output that structured outputs hold from its first token (a forced tool_choice's too)
+        # cannot think first (vLLM lets it, and holds only what follows the thought): none of it is
+        # reasoning.
+        reasoning = self.parsers.reasoning_parser is not None and params.structured_outputs is None
         forced = forced_tool(req)
-        reasoning = self.parsers.reasoning_parser is not None and not constrained and forced is None
         if not reasoning and not req.parses_tool_calls and forced is None:
             return None
         return [ChatOutputParser(prompt, reasoning, req.parses_tool_calls, req.parallel_tool_calls is not False, forced)
-                for _ in range(n)]
+                for _ in range(params.n)]
 
     # ---- from the engine's deltas to OpenAI's responses ----
 
@@ -496,7 +496,7 @@ class OpenAIServer:
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, [prompt_token_ids], params)
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
-                                  Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, len(streams)))
+                                  Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, params))
 
 
 def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None) -> FastAPI:

@@ -196,13 +196,13 @@ class ForcedToolCallParser:
     "required", a JSON array of {"name", "parameters"} (vLLM's schema), read whole at the end. An
     array cut short by max_tokens stays content, as written."""
 
-    def __init__(self, function: str | None):
-        self.function = function        # None: "required"
+    def __init__(self, function: str):
+        self.function = function        # "": "required"
         self.text: list[str] = []
         self.num_calls = 0
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        if self.function is not None:
+        if self.function:
             if not text and (self.num_calls or not final):
                 return "", []
             call = ToolCall(0, self.function, text, continued=self.num_calls > 0)
@@ -230,7 +230,7 @@ class ChatOutputParser:
                  forced_tool: str | None = None):
         self.reasoning = ReasoningParser(prompt) if reasoning else None
         self.tool_calls = ToolCallParser(parallel_tool_calls) if tool_calls else \
-            ForcedToolCallParser(forced_tool or None) if forced_tool is not None else None
+            ForcedToolCallParser(forced_tool) if forced_tool is not None else None
         self.named_tool = bool(forced_tool)
 
     @property
