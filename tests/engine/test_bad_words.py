@@ -6,20 +6,14 @@ import torch
 
 from mini_engine import LLM, SamplingParams
 from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids
-from tests.server.conftest import write_tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-bad-words")))
-
-
-@pytest.fixture(scope="module")
-def llm(model):
-    return LLM(model, device=DEVICE, num_kv_blocks=256)
+def llm(tokenized_model):
+    return LLM(tokenized_model, device=DEVICE, num_kv_blocks=256)
 
 
 def contains(tokens: list[int], word: list[int]) -> bool:
@@ -43,8 +37,8 @@ def word_of(llm, tokens: list[int], length: int) -> tuple[str, int]:
 
 @pytest.mark.parametrize("length", [1, 2, 3])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_a_bad_word_never_completes(model, length, async_scheduling):
-    llm = LLM(model, device=DEVICE, num_kv_blocks=256, async_scheduling=async_scheduling)
+def test_a_bad_word_never_completes(tokenized_model, length, async_scheduling):
+    llm = LLM(tokenized_model, device=DEVICE, num_kv_blocks=256, async_scheduling=async_scheduling)
     plain = greedy(llm)
     word, at = word_of(llm, plain, length)
     banned = greedy(llm, bad_words=[word])
@@ -87,11 +81,11 @@ def test_the_tokenization_of_a_word_as_vllms():
     assert bad_word_bans([[4, 1, 2]], [4, 1], 1) == [] and bad_word_bans([[4, 1, 2]], [3, 4, 1], 1) == [2]
 
 
-def test_n_completions_and_preemption_keep_the_bans(model):
+def test_n_completions_and_preemption_keep_the_bans(tokenized_model):
     """Seeded completions of one prompt, in a pool that preempts: each as it is alone in a roomy
     engine, none completing a bad word."""
-    roomy = LLM(model, device=DEVICE, num_kv_blocks=256, block_size=16)
-    tight = LLM(model, device=DEVICE, num_kv_blocks=10, block_size=16)
+    roomy = LLM(tokenized_model, device=DEVICE, num_kv_blocks=256, block_size=16)
+    tight = LLM(tokenized_model, device=DEVICE, num_kv_blocks=10, block_size=16)
     word, _ = word_of(roomy, greedy(roomy), 2)
     params = SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=48, ignore_eos=True, bad_words=[word])
     prompt = PROMPT * 8

@@ -25,10 +25,9 @@ def test_a_stop_that_is_not_a_list_is_a_value_error_naming_it(kwargs, match):
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(tokenized_model):
     from mini_engine import LLM
-    from tests.server.conftest import write_tiny_model
-    return LLM(write_tiny_model(str(tmp_path_factory.mktemp("tiny-offline-api"))), device="cpu", num_kv_blocks=64)
+    return LLM(tokenized_model, device="cpu", num_kv_blocks=64)
 
 
 def test_vllm_prompt_dicts_are_taken(llm):

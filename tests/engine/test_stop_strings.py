@@ -3,15 +3,13 @@ there (its blocks freed), and the other requests of the batch are untouched."""
 import pytest
 
 from mini_engine import LLM, SamplingParams
-from tests.server.conftest import write_tiny_model
 
 PROMPTS = ["The quick brown fox", "def add(a, b):"]
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(write_tiny_model(str(tmp_path_factory.mktemp("tiny-with-tokenizer"))), device="cpu",
-               num_kv_blocks=64)
+def llm(tokenized_model):
+    return LLM(tokenized_model, device="cpu", num_kv_blocks=64)
 
 
 def greedy(**kw) -> SamplingParams:

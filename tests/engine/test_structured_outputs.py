@@ -10,7 +10,6 @@ import torch
 from mini_engine import LLM, SamplingParams
 from mini_engine.layers.penalties import apply_grammar_bitmask
 from mini_engine.structured_outputs import StructuredOutputsParams
-from tests.server.conftest import write_tiny_model
 
 pytest.importorskip("xgrammar")
 
@@ -23,13 +22,8 @@ PROMPTS = ["Hello", "Größe 你好", "The quick brown fox", "def add(a, b):"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-structured")))
-
-
-@pytest.fixture(scope="module")
-def llm(model):
-    return LLM(model, device=DEVICE, num_kv_blocks=256)
+def llm(tokenized_model):
+    return LLM(tokenized_model, device=DEVICE, num_kv_blocks=256)
 
 
 def structured(kind: str, **params) -> SamplingParams:
@@ -77,10 +71,10 @@ def test_a_grammar_cut_short_has_only_allowed_tokens(llm):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_rows_beside_a_grammar_are_untouched(model, async_scheduling):
+def test_rows_beside_a_grammar_are_untouched(tokenized_model, async_scheduling):
     """Structured and plain requests in one batch: each plain output is the one it has alone, and
     each structured output is the one it has alone (a mask reaches its own row only)."""
-    llm = LLM(model, device=DEVICE, num_kv_blocks=256, async_scheduling=async_scheduling)
+    llm = LLM(tokenized_model, device=DEVICE, num_kv_blocks=256, async_scheduling=async_scheduling)
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kinds = ["choice", "regex", "json", None]
     params = [structured(kind) if kind else plain for kind in kinds]
@@ -94,11 +88,11 @@ def test_rows_beside_a_grammar_are_untouched(model, async_scheduling):
     assert not llm.engine.needs_last_token and llm.engine.in_flight is None
 
 
-def test_preemption_keeps_the_grammars_place(model):
+def test_preemption_keeps_the_grammars_place(tokenized_model):
     """A pool too small for the batch preempts and recomputes sequences, all structured here: each
     output is still the one an unhurried engine gives (seeded draws, so the same tokens)."""
-    roomy = LLM(model, device=DEVICE, num_kv_blocks=256, block_size=16)
-    tight = LLM(model, device=DEVICE, num_kv_blocks=12, block_size=16)     # CUDA's 64-token blocks would fit all
+    roomy = LLM(tokenized_model, device=DEVICE, num_kv_blocks=256, block_size=16)
+    tight = LLM(tokenized_model, device=DEVICE, num_kv_blocks=12, block_size=16)     # CUDA's 64-token blocks would fit all
     prompts = [p * 12 for p in PROMPTS]
     params = [structured("any json", max_tokens=40, temperature=1.0, seed=i) for i in range(len(prompts))]
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
@@ -115,7 +109,7 @@ def test_n_completions_each_follow_the_grammar(llm):
     assert len({c.text for c in out.outputs}) > 1
 
 
-def test_a_stop_token_of_the_request_ends_the_grammar(llm, model):
+def test_a_stop_token_of_the_request_ends_the_grammar(llm):
     """The grammar's end may be a stop token of the request's own, not only EOS."""
     stop = llm.tokenizer.token_to_id("<|endoftext|>")
     params = structured("choice", stop_token_ids=[stop], logit_bias={stop: 100})
@@ -161,13 +155,13 @@ def test_a_schema_keeps_its_key_order(llm):
         assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].text == '{"reasoning": "r", "answer": 1}'
 
 
-def test_special_tokens_and_ids_past_the_tokenizer_are_never_text(model):
+def test_special_tokens_and_ids_past_the_tokenizer_are_never_text(tokenized_model):
     """Inside a JSON string any text may come, but not a special token (<|im_start|>, ...: control
     tokens, which the output's text leaves out), nor an id past the tokenizer's (the model's vocab
     may be larger: Qwen3's 151,936 against 151,669)."""
     from mini_engine.structured_outputs import GrammarCompiler
     from mini_engine.tokenizer import load_tokenizer
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(tokenized_model)
     size = tokenizer.get_vocab_size()
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     end = tokenizer.token_to_id("<|im_end|>")
