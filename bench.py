@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--gpu-memory-utilization", type=float)
     engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                        help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "
                    "table by batch size, write steps.jsonl and profile.png to DIR")
@@ -115,7 +117,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     from mini_engine import LLM, SamplingParams
     from benchmarks.peers import sampling_options
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
-                  enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching)
+                  enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching,
+                  kv_cache_dtype=opts.kv_cache_dtype)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
@@ -139,6 +142,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     runner = engine.runner
     config |= {"kernels_resolved": sorted(runner.kernels), "num_kv_blocks": runner.num_kv_blocks,
                "dtype_resolved": str(runner.dtype).removeprefix("torch."),
+               "kv_cache_dtype_resolved": str(runner.kv_cache_dtype).removeprefix("torch."),
                "cuda_graphs": getattr(runner, "use_cuda_graphs", None),
                "cuda_graph_capture_s": getattr(runner, "cuda_graph_capture_s", None),
                "cuda_graph_pool_bytes": getattr(runner, "cuda_graph_pool_bytes", None),
@@ -146,7 +150,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                "gemm_warmup_s": getattr(runner, "gemm_warmup_s", None)}
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
             "kv_blocks_free": engine.num_free_blocks == engine.block_manager.num_blocks,
-            "dtype_bytes": runner.dtype.itemsize, "engine_version": None, "engine_config": config,
+            "dtype_bytes": runner.dtype.itemsize, "kv_dtype_bytes": runner.kv_cache_dtype.itemsize,
+            "engine_version": None, "engine_config": config,
             "engine_stats": {"num_preemptions": engine.num_preemptions,
                              "prefix_cache_hit_tokens": engine.prefix_cache_hit_tokens}}
 
@@ -207,7 +212,8 @@ def main(argv=None) -> int:
     dtype_bytes = result["dtype_bytes"]
     floor = floor_report(workload_floor([len(p) for p in prompts], max_tokens,
                                         checkpoint_num_params(model) * dtype_bytes,
-                                        kv_bytes_per_token(model_config, dtype_bytes)), bandwidth, wall)
+                                        kv_bytes_per_token(model_config, result["kv_dtype_bytes"])),
+                         bandwidth, wall)
     exact = result["output_counts"] == max_tokens
     commit, dirty = git_commit()
     try:

@@ -9,6 +9,8 @@
 2. The kernel path against the eager path: logits close, token sequences equal for a stretch.
 3. CUDA graphs against no graphs: identical outputs for batch sizes that hit a captured size
    exactly and ones that need padding, with sequences finishing mid-batch and a preemption.
+4. An fp8 KV cache (kv_cache_dtype="fp8") as in 1-3, against transformers fp32 reading K and V
+   rounded to fp8.
 
 The checkpoint has Qwen3-0.6B's shape with N(0, 0.06) weights: at the benchmark's 0.02 a random
 model repeats one token, which would make token agreement meaningless.
@@ -82,13 +84,13 @@ def main():
     free_gpu()
 
     @torch.inference_mode()
-    def margins(outputs, prompts_=prompts, penalties=None):
+    def margins(outputs, prompts_=prompts, penalties=None, reference=hf32):
         """For each generated token: fp32 max logit minus the fp32 logit of the token chosen,
         given the same prefix (0 where we chose the fp32 argmax); with `penalties` (SamplingParams),
         of the logits those penalties make of them, by the penalties' definitions."""
         out = []
         for p, gen in zip(prompts_, outputs):
-            logits = hf32(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
+            logits = reference(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
             if penalties is not None:
                 logits = torch.stack([penalised(row, p + gen[:j], len(p), penalties) for j, row in enumerate(logits)])
             chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
@@ -145,10 +147,10 @@ def main():
         if max(rel) > limit:
             failures.append(f"{name}: relative logits error {max(rel):.3g} > {limit:.3g}")
 
-    def teacher_forced(name, outputs, prompts_=prompts, penalties=None):
+    def teacher_forced(name, outputs, prompts_=prompts, penalties=None, reference=hf32):
         # A repetition penalty r < 1 divides a seen token's logit, and its rounding error, by r.
         error_scale = 1.0 if penalties is None else max(1.0, 1.0 / penalties.repetition_penalty)
-        m = sorted((x for row in margins(outputs, prompts_, penalties) for x in row), reverse=True)
+        m = sorted((x for row in margins(outputs, prompts_, penalties, reference) for x in row), reverse=True)
         worst, tokens = m[0], len(m)
         off_argmax = sum(x > 0 for x in m)
         control = results.get(CONTROL)
@@ -186,6 +188,27 @@ def main():
     compare_logits("kernel logits vs eager logits", kern_logits, eager_logits, bf16_noise)
     # Graphs replay the same kernels: the same tokens, exactly.
     compare("graphs vs kernels (no graphs)", graph, kern, args.tokens)
+
+    # An fp8 KV cache (kv_cache_dtype="fp8"), judged as the model-dtype cache is, against
+    # transformers fp32 whose attention reads K and V rounded to fp8 as the cache stores them (the
+    # CPU tests' oracle, registered by tests/hf_reference.py); graphs against no graphs, exactly.
+    import tests.hf_reference  # noqa: F401
+    fp8_kern, fp8_kern_logits, _ = run("kernels, fp8 cache", prompts, greedy, kernels="auto", enforce_eager=True,
+                                       kv_cache_dtype="fp8")
+    fp8_graph, _, _ = run("graphs, fp8 cache", prompts, greedy, kernels="auto", kv_cache_dtype="fp8")
+    hf32_fp8 = HFQwen3.from_pretrained(path, dtype=torch.float32, attn_implementation="fp8_kv_eager").to(dev).eval()
+    with torch.inference_mode():
+        fp8_ref_logits = [hf32_fp8(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts[:4]]
+    compare_logits("fp8 cache: kernel logits vs transformers fp32 reading fp8", fp8_kern_logits, fp8_ref_logits,
+                   bf16_noise)
+    teacher_forced("fp8 cache: kernels greedy, teacher-forced vs fp32 reading fp8", fp8_kern, reference=hf32_fp8)
+    compare("fp8 cache: graphs vs kernels (no graphs)", fp8_graph, fp8_kern, args.tokens)
+    # How far fp8 moves the logits from the model-dtype cache's (reported, not judged).
+    results["fp8 cache vs model-dtype cache, kernel logits"] = dict(
+        rel_err=[round(((a - b).norm() / b.norm()).item(), 5) for a, b in zip(fp8_kern_logits, kern_logits)],
+        exact_prefix=[common_prefix(a, b) for a, b in zip(fp8_kern, kern)])
+    del hf32_fp8
+    free_gpu()
 
     # A graph replay against the same padded batch run eagerly through the same kernels: bitwise
     # equal logits, and the padding rows (slot -1) leave the KV cache untouched.

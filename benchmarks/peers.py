@@ -7,6 +7,7 @@ from outside that engine), the bytes per weight/KV element, and the engine's res
 import dataclasses
 import inspect
 import os
+import sys
 import time
 
 import torch
@@ -28,7 +29,8 @@ def run_vllm(model: str, prompts, max_tokens, opts) -> dict:
     from vllm import LLM, SamplingParams
     has_tokenizer = os.path.isfile(os.path.join(model, "tokenizer.json"))
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, enforce_eager=opts.enforce_eager,
-                  enable_prefix_caching=not opts.no_prefix_caching, skip_tokenizer_init=not has_tokenizer)
+                  enable_prefix_caching=not opts.no_prefix_caching, skip_tokenizer_init=not has_tokenizer,
+                  kv_cache_dtype=opts.kv_cache_dtype)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
@@ -43,7 +45,8 @@ def run_vllm(model: str, prompts, max_tokens, opts) -> dict:
     outputs = llm.generate(inputs, sampling, use_tqdm=False)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
-            "kv_blocks_free": None, "dtype_bytes": 2, "engine_version": vllm.__version__,
+            "kv_blocks_free": None, "dtype_bytes": 2, "kv_dtype_bytes": 1 if opts.kv_cache_dtype.startswith("fp8") else 2,
+            "engine_version": vllm.__version__,
             "engine_config": kwargs}
 
 
@@ -60,6 +63,8 @@ def run_hf(model: str, prompts, max_tokens, opts) -> dict:
     """transformers' ContinuousBatchingManager, driven request by request: generate_batch takes one
     max_new_tokens for all requests, and this workload gives each its own. EOS is disabled with
     eos_token_id=-1 (what transformers itself uses for 'no EOS')."""
+    if opts.kv_cache_dtype != "auto":
+        sys.exit(f"bench.py --engine hf: --kv-cache-dtype {opts.kv_cache_dtype} is for mini and vllm; nothing was run")
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
     try:
@@ -136,5 +141,6 @@ def run_hf(model: str, prompts, max_tokens, opts) -> dict:
                           for k, v in ((f.name, getattr(resolved, f.name)) for f in dataclasses.fields(resolved))}
                          if dataclasses.is_dataclass(resolved) else cb_kwargs)}
     return {"wall_s": wall, "output_counts": [len(results[r[0]].generated_tokens) for r in requests],
-            "kv_blocks_free": None, "dtype_bytes": dtype.itemsize, "engine_version": transformers.__version__,
+            "kv_blocks_free": None, "dtype_bytes": dtype.itemsize, "kv_dtype_bytes": dtype.itemsize,
+            "engine_version": transformers.__version__,
             "engine_config": engine_config}

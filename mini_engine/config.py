@@ -111,6 +111,10 @@ def read_generation_config(folder: str) -> dict:
     return raw
 
 
+# kv_cache_dtype's names: None is the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str
@@ -127,6 +131,11 @@ class EngineConfig:
     cpu_kv_blocks: int = 1024
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # The KV cache's element type, as vLLM's kv_cache_dtype: "auto", the model's dtype; "fp8" (or
+    # "fp8_e4m3"), float8_e4m3fn, half the bytes a token, so twice the tokens in the pool and half
+    # what decode attention reads. K and V are stored unscaled (vLLM's k_scale = v_scale = 1.0 when
+    # a checkpoint has none), rounded to nearest and saturated at +-448.
+    kv_cache_dtype: str = "auto"
     # Which fused kernels replace the eager PyTorch path: "auto" (all of them on CUDA when Triton
     # is importable, none on CPU), "none", or a comma-separated subset of kernels.KERNEL_NAMES.
     kernels: str = "auto"
@@ -160,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cpu_kv_blocks < 1:
             raise ValueError(f"cpu_kv_blocks must be >= 1, got {self.cpu_kv_blocks}")
         if self.model_config is None:

@@ -6,21 +6,39 @@ import torch
 transformers = __import__("pytest").importorskip("transformers")
 
 
+def fp8_kv_eager_attention(module, query, key, value, *args, **kwargs):
+    """transformers' eager attention over keys and values rounded to float8_e4m3fn as an fp8 KV
+    cache stores them (saturated at +-448, vLLM's unscaled fp8 cache): the oracle for
+    kv_cache_dtype="fp8". Its cache keeps the unrounded values, and rounding them again at every
+    step gives the same fp8 values."""
+    from mini_engine.kernels.rotary_kv import to_cache_dtype_ref
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+    key, value = (to_cache_dtype_ref(x, torch.float8_e4m3fn).to(x.dtype) for x in (key, value))
+    return eager_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+transformers.AttentionInterface.register("fp8_kv_eager", fp8_kv_eager_attention)
+# and eager's causal mask: a name without a mask function gets no mask at all
+transformers.AttentionMaskInterface.register("fp8_kv_eager", transformers.masking_utils.eager_mask)
+
+
 @functools.lru_cache(maxsize=None)
-def hf_model(path: str):
-    model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+def hf_model(path: str, kv_cache_dtype: str = "auto"):
+    """kv_cache_dtype "fp8": attention reads keys and values rounded to fp8 (fp8_kv_eager_attention)."""
+    attention = {"auto": "eager", "fp8": "fp8_kv_eager"}[kv_cache_dtype]
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     return model.eval()
 
 
 @torch.inference_mode()
-def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
-    return hf_model(path)(torch.tensor([token_ids])).logits[0].float()
+def hf_logits(path: str, token_ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
+    return hf_model(path, kv_cache_dtype)(torch.tensor([token_ids])).logits[0].float()
 
 
 @torch.inference_mode()
-def hf_greedy(path: str, token_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(path: str, token_ids: list[int], max_new_tokens: int, kv_cache_dtype: str = "auto") -> list[int]:
     ids = torch.tensor([token_ids])
     # With pad_token_id and no mask, generate would mask out every prompt token equal to the pad id.
-    out = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+    out = hf_model(path, kv_cache_dtype).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(token_ids):].tolist()

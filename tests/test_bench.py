@@ -89,7 +89,8 @@ def test_cpu_smoke_end_to_end(tmp_path):
     # appends, reuses the checkpoint; --profile times every step through the runner's hooks
     # and the penalties' path of the sampler runs under the bench's options too
     proc = run_bench(*args[:6], "--label", "second", "--profile", str(tmp_path / "profile"),
-                     "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--min-p", "0.05")
+                     "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--min-p", "0.05",
+                     "--kv-cache-dtype", "fp8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = (tmp_path / "profile" / "steps.jsonl").read_text().splitlines()
     assert len(steps) >= max(make_workload(4, **WORKLOADS["cpu-smoke"])[1])
@@ -125,6 +126,11 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert second["label"] == "second" and second["checks"] == {"exact_max_tokens": True, "kv_blocks_free": True}
     assert (second["config"]["repetition_penalty"], second["config"]["presence_penalty"],
             second["config"]["min_p"]) == (1.2, 0.5, 0.05)
+    # an fp8 cache: the floor counts 1 byte a K/V element where the CPU's fp32 default counts 4
+    assert second["engine_config"]["kv_cache_dtype_resolved"] == "float8_e4m3fn"
+    assert engine["kv_cache_dtype_resolved"] == "float32"
+    assert 4 * second["kv_bytes_per_token"] == record["kv_bytes_per_token"]
+    assert second["kv_read_bytes"] < record["kv_read_bytes"] and second["weight_bytes"] == record["weight_bytes"]
 
 
 def test_help_and_missing_vllm():

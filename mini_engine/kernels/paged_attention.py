@@ -48,8 +48,8 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     block_size = k_cache.shape[1]
     num_blocks = (max_seq_len + block_size - 1) // block_size
     blocks = block_tables[:, :num_blocks].clamp(min=0).long()
-    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)     # [B, Hkv, L, D]
-    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)     # [B, Hkv, L, D]
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)      # (an fp8 cache: dequantised)
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
     # Slots past a sequence's end hold whatever was there, and a masked score or weight does not
     # cancel a stale NaN (NaN - inf and 0 * NaN are NaN): clear them.
@@ -68,7 +68,8 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 # program owns one KV head and all the query heads that share it (GQA), so every K/V tile is loaded
 # once per group. The query rows of a program are (token, head) pairs, row r = token * QH + head,
 # padded to BLOCK_M >= 16 rows (tl.dot's minimum); softmax is online, in base 2. K and V are
-# converted to q's dtype as they load (a no-op today; where an fp8 cache would dequantise).
+# converted to q's dtype as they load: a no-op for a cache in the model's dtype, and how an fp8
+# cache dequantises (its values are stored unscaled: EngineConfig.kv_cache_dtype).
 
 import functools  # noqa: E402
 import math  # noqa: E402

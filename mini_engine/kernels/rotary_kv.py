@@ -20,6 +20,17 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+FP8_E4M3_MAX = 448.0     # torch.finfo(torch.float8_e4m3fn).max
+
+
+def to_cache_dtype_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of cache_dtype stores it. An fp8 cache saturates at +-448, as vLLM's fp8 cache
+    writes and the GPU's cvt.satfinite do (torch's own cast is not documented to saturate)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(cache_dtype)
+
+
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot -1 writes nowhere."""
@@ -27,8 +38,8 @@ def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_flat[slots] = k[valid].to(k_flat.dtype)
-    v_flat[slots] = v[valid].to(v_flat.dtype)
+    k_flat[slots] = to_cache_dtype_ref(k[valid], k_flat.dtype)
+    v_flat[slots] = to_cache_dtype_ref(v[valid], v_flat.dtype)
 
 
 def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -77,13 +88,40 @@ def _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _to_fp8_e4m3(x):
+    """x (fp32) as to_cache_dtype_ref stores it in float8_e4m3fn: saturated at +-448 and rounded to
+    nearest even, here by hand, so that the cast at the end is exact. On the GPU the cast alone
+    would round the same; Triton's interpreter, which runs the tests on CPU, rounds half up and
+    drops the carry into the exponent (1.98 became 1.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(x), 448.0)           # FP8_E4M3_MAX
+    a_bits = a.to(tl.int32, bitcast=True)
+    # Normal numbers keep 3 of fp32's 23 mantissa bits: add just under half of the 20 bits dropped
+    # plus the lowest bit kept (ties go to even), then clear them; a carry moves into the exponent.
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # Below 2^-6 e4m3 is subnormal, a fixed grid of 2^-9: round the count of steps to an integer
+    # by adding and taking away 2^23, where fp32's spacing is 1 (ties to even, as every fp32 add).
+    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
+    rounded = tl.where(a < 0.015625, subnormal, normal).to(tl.int32, bitcast=True)
+    signed = rounded | (bits & -0x80000000)     # x's sign, -0.0 included
+    return signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_cache_dtype(x, cache_ptr, FP8_CACHE: tl.constexpr):
+    if FP8_CACHE:
+        return _to_fp8_e4m3(x.to(tl.float32))
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _qk_norm_rope_kv_write_kernel(
         qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr,
         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, norm_input_ptr, hidden_size, eps,
         stride_qkv, stride_cos_sin, stride_cache_block, stride_cache_offset, stride_cache_head,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-        HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+        HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, FP8_CACHE: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per token, all of its heads at once: q and k are loaded as [heads, D/2] halves
     (the two operands of the neox rotation), normed per head, rotated with this position's cos and
     sin (loaded once for all heads), q stored to q_out, k and v stored into the paged cache at
@@ -134,10 +172,10 @@ def _qk_norm_rope_kv_write_kernel(
     slot = tl.maximum(slot, 0)      # keeps the masked-off address in range
     cache_offs = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
                   + hk * stride_cache_head + half[None, :])
-    tl.store(k_cache_ptr + cache_offs, k1.to(k_cache_ptr.dtype.element_ty), mask=mk)
-    tl.store(k_cache_ptr + cache_offs + HEAD_DIM // 2, k2.to(k_cache_ptr.dtype.element_ty), mask=mk)
-    tl.store(v_cache_ptr + cache_offs, v1.to(v_cache_ptr.dtype.element_ty), mask=mk)
-    tl.store(v_cache_ptr + cache_offs + HEAD_DIM // 2, v2.to(v_cache_ptr.dtype.element_ty), mask=mk)
+    tl.store(k_cache_ptr + cache_offs, _to_cache_dtype(k1, k_cache_ptr, FP8_CACHE), mask=mk)
+    tl.store(k_cache_ptr + cache_offs + HEAD_DIM // 2, _to_cache_dtype(k2, k_cache_ptr, FP8_CACHE), mask=mk)
+    tl.store(v_cache_ptr + cache_offs, _to_cache_dtype(v1, v_cache_ptr, FP8_CACHE), mask=mk)
+    tl.store(v_cache_ptr + cache_offs + HEAD_DIM // 2, _to_cache_dtype(v2, v_cache_ptr, FP8_CACHE), mask=mk)
 
 
 def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -150,7 +188,7 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_ca
     contiguous. Returns q as [T, Hq, D]."""
     num_tokens = qkv.shape[0]
     assert qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.dtype == v_cache.dtype
     assert norm_input is None or norm_input.is_contiguous()
     hidden_size = 1 if norm_input is None else norm_input.shape[1]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -161,6 +199,7 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_ca
             qkv.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-            HAS_NORM=norm_input is not None, BLOCK_H=triton.next_power_of_2(hidden_size), num_warps=4,
+            HAS_NORM=norm_input is not None, BLOCK_H=triton.next_power_of_2(hidden_size),
+            FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
             **pdl_options(qkv.device))
     return q

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import torch
 
-from mini_engine.config import EngineConfig
+from mini_engine.config import KV_CACHE_DTYPES, EngineConfig
 from mini_engine.kernels import resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
@@ -71,12 +71,25 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
+def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dtype: torch.dtype,
+                           kernels: frozenset[str]) -> torch.dtype:
+    dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or model_dtype
+    # Triton converts to and from float8_e4m3fn on compute capability 8.9 (Ada) and newer only.
+    fp8_kernels = kernels & {"attention", "rope_kv"}
+    if (dtype == torch.float8_e4m3fn and fp8_kernels and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or "
+                         f"newer for the Triton kernels {sorted(fp8_kernels)}; leave them out of `kernels`")
+    return dtype
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = mc = config.model_config
         self.device, self.dtype = resolve_device_dtype(config)
         self.kernels = resolve_kernels(config.kernels, self.device.type)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.device, self.dtype, self.kernels)
         self.block_size = config.block_size
         self.rng = random.Random(config.seed)
         torch.manual_seed(config.seed)
@@ -93,7 +106,7 @@ class ModelRunner:
         self.sampler = Sampler(use_triton="sampler" in self.kernels)
 
         # One slot's K and V across all layers, in bytes.
-        self.kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.dtype.itemsize
+        self.kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.kv_cache_dtype.itemsize
         # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.kernels)
@@ -196,7 +209,7 @@ class ModelRunner:
         # Zeroed, not empty: attention reads whole blocks and masks the slots past a sequence's
         # end, and a masked weight of 0 times a NaN left in uninitialised memory is still NaN.
         kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
-                               mc.head_dim, dtype=self.dtype, device=self.device)
+                               mc.head_dim, dtype=self.kv_cache_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = kv_cache[0, i]
             layer.self_attn.attn.v_cache = kv_cache[1, i]

@@ -4,8 +4,8 @@ import torch
 
 pytest.importorskip("triton")
 from mini_engine.kernels.paged_attention import (  # noqa: E402
-    DECODE_PROGRAMS_PER_SM, DECODE_STAGES, paged_attention, paged_attention_ref,
-    paged_decode_attention, paged_prefill_attention, prefill_block_q, prefill_work)
+    DECODE_PROGRAMS_PER_SM, DECODE_STAGES, paged_attention, paged_attention_ref, paged_decode_attention,
+    paged_decode_attention_torch, paged_prefill_attention, prefill_block_q, prefill_work)
 
 HEAD_DIM = 32
 TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
@@ -254,3 +254,20 @@ def test_decode_rejects_more_sequences_than_the_grid_holds(device):
     loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="65,535 sequences"):
         paged_decode_attention(q, cache, cache, tables, lens, loc, 0.25, max_seq_len=1)
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS),  # decode
+                                                 ([1, 1, 9, 17], [15, 70, 9, 40])])            # mixed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_matches_reference(device, query_lens, seq_lens, dtype):
+    """kv_cache_dtype="fp8": K and V stored as float8_e4m3fn, dequantised as they load. K spans
+    the range where e4m3 keeps 3 bits, V the subnormals (below 2^-6)."""
+    q, k_cache, v_cache, block_tables, lens, starts = make_batch(query_lens, seq_lens, 4, 2, 16, device, dtype)
+    k_cache, v_cache = (4 * k_cache).to(torch.float8_e4m3fn), (0.01 * v_cache).to(torch.float8_e4m3fn)
+    out = paged_attention(q, k_cache, v_cache, block_tables, lens, starts, HEAD_DIM ** -0.5,
+                          max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    assert out.dtype == dtype
+    check(out, q, k_cache, v_cache, block_tables, lens, starts)
+    if max(query_lens) == 1:        # the eager decode path (kernels="none") dequantises too
+        eager = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, lens, max(seq_lens), HEAD_DIM ** -0.5)
+        check(eager, q, k_cache, v_cache, block_tables, lens, starts)

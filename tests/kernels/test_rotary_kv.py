@@ -3,7 +3,8 @@ import torch
 
 pytest.importorskip("triton")
 from mini_engine.kernels.rotary_kv import (  # noqa: E402
-    qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref, rope_cos_sin_cache)
+    _to_fp8_e4m3, qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref, rope_cos_sin_cache, to_cache_dtype_ref)
+from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 # bf16: a 1-ulp flip after the norm (fp32 sums in another order) can reach 2 ulps through the
 # rotation's rounded products, whose magnitude can exceed that of their difference.
@@ -53,3 +54,73 @@ def test_qk_norm_rope_kv_write_matches_reference(device, dtype, num_heads, num_k
         v_unscaled = torch.full_like(v_ref, float("nan"))
         qk_norm_rope_kv_write_ref(*args, k_ref.clone(), v_unscaled, *shape[:-1])
         assert not torch.allclose(v_unscaled.nan_to_num(), v_ref.nan_to_num())
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def to_fp8_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, _to_fp8_e4m3(x.to(tl.float32)), mask=offs < n)
+
+
+def test_fp8_rounding_matches_torch_on_every_bf16_value(device):
+    """The write's fp8 conversion, bit for bit, against torch's clamped cast: every finite bf16
+    value (each binade, both signs, the subnormals, ties, +-0, and past the +-448 saturation),
+    then fp32 values across e4m3's range, whose dropped bits also decide ties."""
+    every_bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    spread = torch.randn(100_000, generator=gen) * torch.exp2(torch.randint(-14, 11, (100_000,), generator=gen).float())
+    for x in (every_bf16[every_bf16.isfinite()], spread):
+        x = x.to(device)
+        out = torch.empty(x.shape, dtype=FP8, device=device)
+        to_fp8_kernel[(triton.cdiv(x.numel(), 4096),)](x, out, x.numel(), BLOCK=4096)
+        expected = to_cache_dtype_ref(x, FP8)
+        assert expected.float().abs().max() == 448 and (expected.float() == 0).any()
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden_size", [None, 40])
+def test_qk_norm_rope_kv_write_into_an_fp8_cache(device, model_dtype, hidden_size):
+    """kv_cache_dtype="fp8": q in the model's dtype as before; k and v stored in float8_e4m3fn as
+    the reference stores them. Unscaled v is a pure conversion, compared bit for bit; k (and scaled
+    v) come through sums in another order, so an element may round to the fp8 value beside the
+    reference's."""
+    num_heads, num_kv_heads, head_dim, block_size, num_tokens, num_blocks = 4, 2, 32, 16, 9, 4
+    gen = torch.Generator().manual_seed(17)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    # v's columns over e4m3's range: subnormals (below 2^-6) up to saturation (above 448)
+    v_cols = slice((num_heads + num_kv_heads) * head_dim, None)
+    qkv[:, v_cols] *= torch.exp2(torch.randint(-12, 11, (num_kv_heads * head_dim,), generator=gen).float())
+    qkv = qkv.to(device, model_dtype)
+    positions = torch.arange(3, 3 + num_tokens, device=device)
+    cos_sin_cache = rope_cos_sin_cache(head_dim, 64, 10_000.0, device=device)
+    q_norm = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(device, model_dtype)
+    k_norm = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(device, model_dtype)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(device)
+    slot_mapping[4] = -1
+    norm_input = None if hidden_size is None else (5 * torch.randn(num_tokens, hidden_size, generator=gen)).to(
+        device, model_dtype)
+    # 0x7f is float8_e4m3fn's NaN: slots nobody writes must keep it.
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8,
+                         device=device).view(FP8)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    args = (qkv, positions, cos_sin_cache, q_norm, k_norm, 1e-6)
+    shape = (slot_mapping, num_heads, num_kv_heads, head_dim, norm_input)
+    q_ref = qk_norm_rope_kv_write_ref(*args, k_ref, v_ref, *shape)
+    q = qk_norm_rope_kv_write(*args, k_cache, v_cache, *shape)
+
+    torch.testing.assert_close(q, q_ref, **TOL[model_dtype])
+    one_fp8_step = dict(atol=2**-9, rtol=2**-3)
+    torch.testing.assert_close(k_cache.float(), k_ref.float(), equal_nan=True, **one_fp8_step)
+    if hidden_size is None:
+        assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    else:
+        torch.testing.assert_close(v_cache.float(), v_ref.float(), equal_nan=True, **one_fp8_step)
+    written = ~v_ref.float().isnan().flatten(0, 1).all(-1).all(-1)
+    assert written.sum() == num_tokens - 1
+    assert v_ref.float().nan_to_num().abs().max() == 448       # some v saturated

@@ -1,5 +1,6 @@
 """The model alone: logits over whole prompts, and over a prompt fed in chunks through the
 paged cache, against transformers' Qwen3ForCausalLM loaded from the same files."""
+import os
 import random
 
 import pytest
@@ -100,3 +101,24 @@ def test_every_layer_shares_one_rotary_table(tiny_checkpoint):
     tables = {layer.self_attn.qk_norm_rope.cos_sin_cache.data_ptr() for layer in runner.model.layers}
     assert len(runner.model.layers) > 1 and len(tables) == 1
     assert len([name for name, _ in runner.model.named_buffers() if "cos_sin_cache" in name]) == 1
+
+
+@pytest.mark.parametrize("kernels", ["none", "attention,rope_kv"])
+def test_fp8_kv_cache_logits_match_transformers_reading_fp8(tiny_checkpoint, kernels):
+    """kv_cache_dtype="fp8": a prompt fed in three chunks (the later ones attend to what the earlier
+    cached, in fp8) gives transformers' logits when its attention reads K and V rounded to fp8 the
+    same way, and logits measurably off those of a full-precision cache. With kernels, the fused KV
+    write and the Triton attention (Triton's interpreter on CPU)."""
+    if kernels != "none":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CPU tensors take Triton kernels only through its interpreter; on a GPU: gpu_correctness.py")
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, block_size=4,
+                                      kv_cache_dtype="fp8", kernels=kernels))
+    assert runner.kv_cache.dtype == torch.float8_e4m3fn
+    prompt = [random.Random(1).randrange(256) for _ in range(23)]
+    blocks = [7, 3, 11, 0, 5, 9]
+    got = torch.cat([all_logits(runner, [BatchRow(prompt[a:b], a, blocks, True, GREEDY)])
+                     for a, b in ((0, 6), (6, 7), (7, 23))])
+    torch.testing.assert_close(got, hf_logits(tiny_checkpoint, prompt, "fp8"), rtol=1e-4, atol=1e-4)
+    assert (got - hf_logits(tiny_checkpoint, prompt)).abs().max() > 1e-2
