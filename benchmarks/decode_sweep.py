@@ -57,15 +57,16 @@ def time_us(fn) -> float:
 ATTENTION_CONFIGS = ((128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 4), (64, 4, 3, 2), (64, 4, 2, 2), (128, 8, 2, 2))
 
 
-def make_kv_cache(num_blocks: int, block_size: int, layout: str, gen) -> tuple[torch.Tensor, torch.Tensor]:
+def make_kv_cache(num_blocks: int, block_size: int, layout: str, gen,
+                  kv_dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V pools in the engine's logical shape [block, offset, head, dim]. 'token' stores them
     that way; 'head' stores [block, head, offset, dim] (each head's part of a block contiguous) and
     hands the kernels the transposed view."""
     if layout == "token":
         shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-        return tuple(torch.randn(shape, generator=gen, device="cuda").to(DTYPE) for _ in range(2))
+        return tuple(torch.randn(shape, generator=gen, device="cuda").to(kv_dtype) for _ in range(2))
     shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
-    return tuple(torch.randn(shape, generator=gen, device="cuda").to(DTYPE).transpose(1, 2) for _ in range(2))
+    return tuple(torch.randn(shape, generator=gen, device="cuda").to(kv_dtype).transpose(1, 2) for _ in range(2))
 
 
 def read_bandwidth(nbytes: int = 4 << 30) -> float:
@@ -124,20 +125,21 @@ def scattered_block_tables(seq_lens: list[int], block_size: int, num_blocks: int
 
 
 def sweep_attention(schedule, every: int, results: dict, layouts=(f"token:{BLOCK_SIZE}",), configs=ATTENTION_CONFIGS,
-                    max_batch: int | None = None, min_batch: int = 1):
+                    max_batch: int | None = None, min_batch: int = 1, kv_dtype: torch.dtype = DTYPE):
     from mini_engine.kernels.paged_attention import paged_attention, paged_decode_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(sum(c) for c in schedule)
     scale = HEAD_DIM ** -0.5
     totals = collections.Counter()
     best_total, floor_total, read_total = 0.0, 0.0, 0.0
-    print(f"\n== decode attention, one layer, every {every}th step of the schedule (us); layouts {layouts} ==")
+    print(f"\n== decode attention, one layer, every {every}th step of the schedule (us); layouts {layouts}; "
+          f"KV cache {kv_dtype} ==")
     caches = {}
     for spec in layouts:
         layout, block_size = spec.split(":")
         block_size = int(block_size)
         num_blocks = max_tokens // block_size + len(schedule[0]) + 64
-        caches[spec] = (block_size, num_blocks, *make_kv_cache(num_blocks, block_size, layout, gen))
+        caches[spec] = (block_size, num_blocks, *make_kv_cache(num_blocks, block_size, layout, gen, kv_dtype))
     for step in range(0, len(schedule), every):
         if (max_batch is not None and len(schedule[step]) > max_batch) or len(schedule[step]) < min_batch:
             continue
@@ -145,11 +147,13 @@ def sweep_attention(schedule, every: int, results: dict, layouts=(f"token:{BLOCK
         b = len(ctx)
         seq_lens, q, sl, qsl, out = decode_step_inputs(ctx, gen)
         bs = len(seq_lens)
-        kv_bytes = 2 * sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2
+        kv_bytes = 2 * sum(ctx) * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
         row = {}
         for spec, (block_size, num_blocks, k_cache, v_cache) in caches.items():
             tables = scattered_block_tables(seq_lens, block_size, num_blocks, gen)
             variants = {f"{spec} default": None}
+            if kv_dtype == torch.float8_e4m3fn:      # the dots' type the fp8 cache does not take
+                variants[f"{spec} default, bf16 dots"] = dict(dot_dtype=torch.bfloat16)
             for tile, warps, stages, splits in configs:
                 variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits or 'rule'}"] = dict(
                     tile_n=tile, num_warps=warps, num_stages=stages or None, num_splits=splits or None)
@@ -406,6 +410,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-batch", type=int, default=1, help="attention: only the steps of at least this many rows")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")
     ap.add_argument("--gemm-rows", type=int, nargs="+", help="projections: only these captured batch sizes")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="attention: the KV pool's type (auto: bf16, the model's)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -422,7 +428,9 @@ def main(argv=None) -> int:
         configs = ATTENTION_CONFIGS if args.tile_configs else ()
         if args.attention_configs:
             configs = [tuple(int(v) for v in c.split(",")) for c in args.attention_configs]
-        sweep_attention(schedule, args.every, results, tuple(args.layouts), configs, args.max_batch, args.min_batch)
+        kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
+        sweep_attention(schedule, args.every, results, tuple(args.layouts), configs, args.max_batch, args.min_batch,
+                        kv_dtype)
         from benchmarks.pdl_chain import print_registers
         from mini_engine.kernels.paged_attention import _paged_decode_kernel
         print_registers(_paged_decode_kernel, ("NUM_SPLITS", "ROW_BLOCKS", "TILE_N"))

@@ -147,16 +147,16 @@ def main():
         if max(rel) > limit:
             failures.append(f"{name}: relative logits error {max(rel):.3g} > {limit:.3g}")
 
-    def teacher_forced(name, outputs, prompts_=prompts, penalties=None, reference=hf32):
+    def teacher_forced(name, outputs, prompts_=prompts, penalties=None, reference=hf32, control=CONTROL):
         # A repetition penalty r < 1 divides a seen token's logit, and its rounding error, by r.
         error_scale = 1.0 if penalties is None else max(1.0, 1.0 / penalties.repetition_penalty)
         m = sorted((x for row in margins(outputs, prompts_, penalties, reference) for x in row), reverse=True)
         worst, tokens = m[0], len(m)
         off_argmax = sum(x > 0 for x in m)
-        control = results.get(CONTROL)
-        if control is None:          # this is the control: transformers' own bf16, judged by nothing
+        if name == control:          # this is the control: transformers' own bf16, judged by nothing
             results[name] = dict(worst_margin=round(worst, 4), tokens_not_fp32_argmax=off_argmax, tokens=tokens)
             return
+        control = results[control]
         # No worse than transformers' own bf16, give or take: its worst margin over its tokens
         # against ours over as many, i.e. our k-th worst where we have k times its tokens (the
         # worst of 1,536 tokens is, by chance alone, further out than the worst of 256).
@@ -189,19 +189,31 @@ def main():
     # Graphs replay the same kernels: the same tokens, exactly.
     compare("graphs vs kernels (no graphs)", graph, kern, args.tokens)
 
-    # An fp8 KV cache (kv_cache_dtype="fp8"), judged as the model-dtype cache is, against
+    # An fp8 KV cache (kv_cache_dtype="fp8"), judged as the model-dtype cache is: against
     # transformers fp32 whose attention reads K and V rounded to fp8 as the cache stores them (the
-    # CPU tests' oracle, registered by tests/hf_reference.py); graphs against no graphs, exactly.
+    # CPU tests' oracle, registered by tests/hf_reference.py), with transformers bf16 reading them
+    # so as the control (a K element that bf16 moves across an fp8 rounding boundary moves by a
+    # whole fp8 step: bf16 noise, amplified); graphs against no graphs, exactly.
     import tests.hf_reference  # noqa: F401
     fp8_kern, fp8_kern_logits, _ = run("kernels, fp8 cache", prompts, greedy, kernels="auto", enforce_eager=True,
                                        kv_cache_dtype="fp8")
     fp8_graph, _, _ = run("graphs, fp8 cache", prompts, greedy, kernels="auto", kv_cache_dtype="fp8")
     hf32_fp8 = HFQwen3.from_pretrained(path, dtype=torch.float32, attn_implementation="fp8_kv_eager").to(dev).eval()
+    hf16_fp8 = HFQwen3.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="fp8_kv_eager").to(dev).eval()
     with torch.inference_mode():
         fp8_ref_logits = [hf32_fp8(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts[:4]]
+        fp8_hf16_logits = [hf16_fp8(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts[:4]]
+        fp8_hf16_out = [hf16_fp8.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    del hf16_fp8
+    fp8_control = "fp8 cache: transformers bf16 greedy vs fp32 (control)"
+    compare_logits("fp8 cache: transformers bf16 logits vs fp32 (control)", fp8_hf16_logits, fp8_ref_logits, 1.0)
+    fp8_noise = 2 * max(results["fp8 cache: transformers bf16 logits vs fp32 (control)"]["rel_err"])
+    teacher_forced(fp8_control, fp8_hf16_out, reference=hf32_fp8, control=fp8_control)
     compare_logits("fp8 cache: kernel logits vs transformers fp32 reading fp8", fp8_kern_logits, fp8_ref_logits,
-                   bf16_noise)
-    teacher_forced("fp8 cache: kernels greedy, teacher-forced vs fp32 reading fp8", fp8_kern, reference=hf32_fp8)
+                   fp8_noise)
+    teacher_forced("fp8 cache: kernels greedy, teacher-forced vs fp32 reading fp8", fp8_kern, reference=hf32_fp8,
+                   control=fp8_control)
     compare("fp8 cache: graphs vs kernels (no graphs)", fp8_graph, fp8_kern, args.tokens)
     # How far fp8 moves the logits from the model-dtype cache's (reported, not judged).
     results["fp8 cache vs model-dtype cache, kernel logits"] = dict(

@@ -92,15 +92,14 @@ def _rows_mask(row_valid, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr)
 
 @triton.jit
 def _load_query_rows(q_ptr, row_offsets, row_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     DOT_IN_FP32: tl.constexpr):
+                     DOT_DTYPE: tl.constexpr):
     """The program's query rows [BLOCK_M, BLOCK_D], row r at q_ptr + row_offsets[r] (zeros where
-    not valid), with their mask and the column offsets, which the output store reuses."""
+    not valid), in DOT_DTYPE (_dot_dtype), with their mask and the column offsets, which the
+    output store reuses."""
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = _rows_mask(row_valid, offs_d, HEAD_DIM, BLOCK_D)
     q = tl.load(q_ptr + row_offsets[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
-    return q, q_mask, offs_d
+    return q.to(DOT_DTYPE), q_mask, offs_d
 
 
 @triton.jit
@@ -165,7 +164,7 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_PDL: tl.constexpr):
+        ROW_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -208,7 +207,7 @@ def _paged_decode_kernel(
     row_valid = rows < QUERIES_PER_KV
     head = kv_head * QUERIES_PER_KV + rows
     q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
-                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+                                         HEAD_DIM, BLOCK_D, DOT_DTYPE)
     m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
@@ -277,7 +276,7 @@ def _paged_prefill_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_KV_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr):
+        DOT_DTYPE: tl.constexpr):
     """The whole variable-length batch in one launch (prefill chunks, prefix hits, and decode rows as
     queries of length 1). Program (item, kv_head), the KV head fastest: work item `item` of
     prefill_work (up to BLOCK_Q consecutive query tokens of one sequence) times the
@@ -301,7 +300,7 @@ def _paged_prefill_kernel(
     token = (first_token + q_index).to(tl.int64)
     query_pos = first_pos + q_index
     q, q_mask, offs_d = _load_query_rows(q_ptr, token * stride_q_token + head * stride_q_head, row_valid,
-                                         HEAD_DIM, BLOCK_D, DOT_IN_FP32)
+                                         HEAD_DIM, BLOCK_D, DOT_DTYPE)
     m_i, l_i, acc = _empty_softmax_state(BLOCK_M, BLOCK_D)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     # Keys up to the last query position of this block (masked rows hold smaller positions).
@@ -389,10 +388,25 @@ def _row_blocks(table_width: int, block_size: int, tile_n: int) -> int:
     return next((size for size in ROW_BLOCKS_SIZES if reach <= size), 0)
 
 
-def _dot_in_fp32(q: torch.Tensor) -> bool:
-    # Triton 3.9's interpreter (CPU tensors) multiplies bf16/fp16 tl.dot operands wrongly; there the
-    # kernels feed tl.dot fp32 copies. On the GPU the dots stay in the model dtype.
-    return q.device.type == "cpu"
+# torch dtypes as tl.dot operand types, for the kernels' DOT_DTYPE
+_TL_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, dot_dtype: torch.dtype | None = None):
+    """The type q, K and V take in the kernels' tl.dot (K and V converted as they load), unless
+    dot_dtype says. Triton 3.9's interpreter (CPU tensors) multiplies bf16/fp16 operands wrongly:
+    there, fp32 copies. On the GPU, the model dtype; but from an fp8 cache, fp16: on Hopper e4m3
+    converts to fp16 in one instruction for two values, and to bf16 only through fp16 and fp32, and
+    the conversions, not the bytes, then bound decode attention (benchmarks/NOTES.md, entry 50).
+    fp16 keeps more of q's bits than bf16, and Qwen3's normed q and the cache's +-448 fit its range."""
+    if dot_dtype is None:
+        if q.device.type == "cpu":
+            dot_dtype = torch.float32
+        elif k_cache.dtype == torch.float8_e4m3fn:
+            dot_dtype = torch.float16
+        else:
+            dot_dtype = q.dtype
+    return _TL_DOT_DTYPES[dot_dtype]
 
 
 def _block_d(head_dim: int) -> int:
@@ -458,7 +472,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = DECODE_TILE_N, num_warps: int = 4,
                            num_stages: int | None = None, row_blocks_limit: int | None = None,
-                           workspace: torch.Tensor | None = None) -> torch.Tensor:
+                           workspace: torch.Tensor | None = None, dot_dtype: torch.dtype | None = None
+                           ) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
@@ -466,7 +481,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
     entry 22), with DECODE_STAGES and decode_num_splits's split count.
     workspace: fp32 for the splits' partial results (decode_workspace_numel), allocated here if
-    not given."""
+    not given. dot_dtype: the dots' operand type where not _dot_dtype's choice."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -495,7 +510,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
-        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps,
+        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_DTYPE=_dot_dtype(q, k_cache, dot_dtype), num_warps=num_warps,
         num_stages=num_stages, **pdl)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
@@ -570,7 +585,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         *_cache_strides(k_cache, v_cache),
         NUM_KV_HEADS=num_kv_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        DOT_IN_FP32=_dot_in_fp32(q), num_warps=num_warps, num_stages=num_stages)
+        DOT_DTYPE=_dot_dtype(q, k_cache), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
