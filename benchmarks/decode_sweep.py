@@ -414,6 +414,8 @@ def main(argv=None) -> int:
                     help="attention: the KV pool's type (auto: bf16, the model's)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.kv_cache_dtype != "auto" and set(args.sections) - {"attention", "gemm", "sampler"}:
+        ap.error("--kv-cache-dtype applies to the decode attention sweep only: leave out fit, prefill and swiglu")
     if not torch.cuda.is_available():
         print("decode_sweep.py needs CUDA", file=sys.stderr)
         return 2

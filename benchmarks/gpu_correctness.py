@@ -198,6 +198,8 @@ def main():
     fp8_kern, fp8_kern_logits, _ = run("kernels, fp8 cache", prompts, greedy, kernels="auto", enforce_eager=True,
                                        kv_cache_dtype="fp8")
     fp8_graph, _, _ = run("graphs, fp8 cache", prompts, greedy, kernels="auto", kv_cache_dtype="fp8")
+    fp8_eager, fp8_eager_logits, _ = run("eager, fp8 cache", prompts, greedy, kernels="none", enforce_eager=True,
+                                         kv_cache_dtype="fp8")
     hf32_fp8 = HFQwen3.from_pretrained(path, dtype=torch.float32, attn_implementation="fp8_kv_eager").to(dev).eval()
     hf16_fp8 = HFQwen3.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="fp8_kv_eager").to(dev).eval()
     with torch.inference_mode():
@@ -215,6 +217,14 @@ def main():
     teacher_forced("fp8 cache: kernels greedy, teacher-forced vs fp32 reading fp8", fp8_kern, reference=hf32_fp8,
                    control=fp8_control)
     compare("fp8 cache: graphs vs kernels (no graphs)", fp8_graph, fp8_kern, args.tokens)
+    # The kernels against PyTorch's path, both fp8: as close as the bf16 caches' two paths are
+    # (their K differ only where the two round a bf16 differently, and few of those cross an fp8
+    # boundary).
+    compare_logits("fp8 cache: kernel logits vs eager logits", fp8_kern_logits, fp8_eager_logits, bf16_noise)
+    teacher_forced("fp8 cache: eager greedy, teacher-forced vs fp32 reading fp8", fp8_eager, reference=hf32_fp8,
+                   control=fp8_control)
+    results["fp8 cache: kernels vs eager, exact prefix"] = dict(
+        agree=[common_prefix(g, r) for g, r in zip(fp8_kern, fp8_eager)])
     # How far fp8 moves the logits from the model-dtype cache's (reported, not judged).
     results["fp8 cache vs model-dtype cache, kernel logits"] = dict(
         rel_err=[round(((a - b).norm() / b.norm()).item(), 5) for a, b in zip(fp8_kern_logits, kern_logits)],

@@ -111,8 +111,9 @@ def read_generation_config(folder: str) -> dict:
     return raw
 
 
-# kv_cache_dtype's names: None is the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# kv_cache_dtype's names, vLLM's: None is the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(slots=True)
@@ -131,7 +132,7 @@ class EngineConfig:
     cpu_kv_blocks: int = 1024
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # The KV cache's element type, as vLLM's kv_cache_dtype: "auto", the model's dtype; "fp8" (or
+    # The KV cache's element type, as vLLM's kv_cache_dtype: "auto", the model's dtype; "bfloat16"; "fp8" (or
     # "fp8_e4m3"), float8_e4m3fn, half the bytes a token, so twice the tokens in the pool and half
     # what decode attention reads. K and V are stored unscaled (vLLM's k_scale = v_scale = 1.0 when
     # a checkpoint has none), rounded to nearest and saturated at +-448.

@@ -398,11 +398,12 @@ def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, dot_dtype: torch.dtype | 
     there, fp32 copies. On the GPU, the model dtype; but from an fp8 cache, fp16: on Hopper e4m3
     converts to fp16 in one instruction for two values, and to bf16 only through fp16 and fp32, and
     the conversions, not the bytes, then bound decode attention (benchmarks/NOTES.md, entry 50).
-    fp16 keeps more of q's bits than bf16, and Qwen3's normed q and the cache's +-448 fit its range."""
+    fp16 keeps more of a bf16 q's bits, and Qwen3's normed q and the cache's +-448 fit its range;
+    an fp32 model keeps fp32."""
     if dot_dtype is None:
         if q.device.type == "cpu":
             dot_dtype = torch.float32
-        elif k_cache.dtype == torch.float8_e4m3fn:
+        elif k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16:
             dot_dtype = torch.float16
         else:
             dot_dtype = q.dtype

@@ -105,7 +105,10 @@ def _to_fp8_e4m3(x):
     subnormal = ((a * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
     rounded = tl.where(a < 0.015625, subnormal, normal).to(tl.int32, bitcast=True)
     signed = rounded | (bits & -0x80000000)     # x's sign, -0.0 included
-    return signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+    out = signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+    # NaN stays NaN (0x7f), as the reference keeps it: tl.minimum above made it 448
+    nan = tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return tl.where(x != x, nan, out)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from mini_engine.config import KV_CACHE_DTYPES, EngineConfig
-from mini_engine.kernels import resolve_kernels
+from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
 from mini_engine.kernels.sampling import sample
@@ -78,8 +78,10 @@ def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dty
     fp8_kernels = kernels & {"attention", "rope_kv"}
     if (dtype == torch.float8_e4m3fn and fp8_kernels and device.type == "cuda"
             and torch.cuda.get_device_capability(device) < (8, 9)):
+        others = ",".join(name for name in KERNEL_NAMES if name not in fp8_kernels)
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or "
-                         f"newer for the Triton kernels {sorted(fp8_kernels)}; leave them out of `kernels`")
+                         f"newer for the Triton kernels {sorted(fp8_kernels)}: leave them out, as "
+                         f"kernels={others!r} (eager attention, so no CUDA graphs)")
     return dtype
 
 

@@ -271,3 +271,20 @@ def test_fp8_cache_matches_reference(device, query_lens, seq_lens, dtype):
     if max(query_lens) == 1:        # the eager decode path (kernels="none") dequantises too
         eager = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, lens, max(seq_lens), HEAD_DIM ** -0.5)
         check(eager, q, k_cache, v_cache, block_tables, lens, starts)
+
+
+def test_dot_dtype_by_cache_and_model_dtype():
+    """What the kernels' dots take (on the GPU; "meta" tensors stand in for CUDA ones here): the
+    model's dtype, but fp16 for a bf16 model reading an fp8 cache; fp32 copies on CPU (the
+    interpreter)."""
+    from mini_engine.kernels.paged_attention import _dot_dtype
+    from mini_engine.kernels.triton_utils import tl
+
+    def dot(q_dtype, cache_dtype, device="meta"):
+        return _dot_dtype(torch.empty(1, dtype=q_dtype, device=device), torch.empty(1, dtype=cache_dtype,
+                                                                                   device=device))
+    fp8 = torch.float8_e4m3fn
+    assert dot(torch.bfloat16, torch.bfloat16) == tl.bfloat16
+    assert dot(torch.bfloat16, fp8) == tl.float16
+    assert dot(torch.float32, fp8) == tl.float32 and dot(torch.float16, fp8) == tl.float16
+    assert dot(torch.bfloat16, fp8, "cpu") == tl.float32
