@@ -154,8 +154,6 @@ def sweep_attention(schedule, every: int, results: dict, layouts=(f"token:{BLOCK
             variants = {f"{spec} default": None}
             if kv_dtype == torch.float8_e4m3fn:      # the dots' type the fp8 cache does not take
                 variants[f"{spec} default, bf16 dots"] = dict(dot_dtype=torch.bfloat16)
-                variants[f"{spec} default, fp8 pairs"] = dict(fp8_pairs=True)
-                variants[f"{spec} tile 128 w4 s3, fp8 pairs"] = dict(fp8_pairs=True, tile_n=128, num_stages=3)
             for tile, warps, stages, splits in configs:
                 variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits or 'rule'}"] = dict(
                     tile_n=tile, num_warps=warps, num_stages=stages or None, num_splits=splits or None)

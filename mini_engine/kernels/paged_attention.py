@@ -112,39 +112,16 @@ def _empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_pairs_to_fp16(pairs):
-    """[N, D/2] int16, each two float8_e4m3fn values (the first in the low byte) -> [N, D] fp16,
-    with Hopper's cvt.rn.f16x2.e4m3x2, one instruction a pair. Converting the fp8 tile itself led
-    Triton to read it from shared memory a byte at a time (benchmarks/NOTES.md, entry 50). PTX:
-    the GPU only."""
-    lo, hi = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-                                       "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    return tl.join(lo, hi).reshape(pairs.shape[0], pairs.shape[1] * 2)
-
-
-@triton.jit
-def _load_kv(ptrs, offs_d, mask, dtype, FP8_PAIRS: tl.constexpr):
-    """A K or V tile in dtype; FP8_PAIRS: from an fp8 cache seen as int16 pairs (ptrs and offs_d
-    count pairs)."""
-    if FP8_PAIRS:
-        tile = _e4m3_pairs_to_fp16(tl.load(ptrs + offs_d[None, :], mask=mask, other=0))
-    else:
-        tile = tl.load(ptrs + offs_d[None, :], mask=mask, other=0.0).to(dtype)
-    return tile
-
-
-@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head, seq_len,
                  query_pos, qk_scale, stride_k_block, stride_k_offset, stride_k_head,
                  stride_v_block, stride_v_offset, stride_v_head,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 FULL: tl.constexpr = False, FP8_PAIRS: tl.constexpr = False):
+                 FULL: tl.constexpr = False):
     """Folds the context tokens offs_n [TILE_N] (one tile, whose block-table entries are block)
     into the running softmax state (m_i, l_i, acc) of the query rows q [BLOCK_M, D]. Tokens past
     seq_len, behind a -1 block-table entry, or (CAUSAL) after a row's position are masked and
     never read. FULL: the caller knows that every token of the tile is in the context and visible
-    to every row, so nothing is masked (the prefill's tiles below its query block's diagonal).
-    FP8_PAIRS: the caches are fp8 seen as int16 pairs (strides in pairs), and HEAD_DIM == BLOCK_D."""
+    to every row, so nothing is masked (the prefill's tiles below its query block's diagonal)."""
     if FULL:
         valid = offs_n >= 0
     else:
@@ -152,16 +129,16 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_h
         block = tl.maximum(block, 0)
     block = block.to(tl.int64)
     offset = (offs_n % BLOCK_SIZE).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D // 2 if FP8_PAIRS else BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)
     k_ptrs = k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None]
     v_ptrs = v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None]
     if FULL and BLOCK_D == HEAD_DIM:
         k = tl.load(k_ptrs + offs_d[None, :]).to(q.dtype)
         v = tl.load(v_ptrs + offs_d[None, :]).to(q.dtype)
     else:
-        kv_mask = valid[:, None] if FP8_PAIRS else _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
-        k = _load_kv(k_ptrs, offs_d, kv_mask, q.dtype, FP8_PAIRS)
-        v = _load_kv(v_ptrs, offs_d, kv_mask, q.dtype, FP8_PAIRS)
+        kv_mask = _rows_mask(valid, offs_d, HEAD_DIM, BLOCK_D)
+        k = tl.load(k_ptrs + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
 
     s = tl.dot(q, tl.trans(k)) * qk_scale                  # [BLOCK_M, TILE_N], log2 units
     if not FULL:
@@ -187,7 +164,7 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
         NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        ROW_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
+        ROW_BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     """Flash-decoding, first half. Program (split, kv_head, seq): the one query token of sequence
     seq, for the QUERIES_PER_KV heads sharing kv_head, against the split-th of NUM_SPLITS equal
     shares of the sequence's context tiles. The share is computed here from seq_lens, so the grid
@@ -242,7 +219,7 @@ def _paged_decode_kernel(
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block, offs_n, kv_head,
                                      seq_len, rows, qk_scale, stride_k_block, stride_k_offset,
                                      stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8_PAIRS=FP8_PAIRS)
+                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, False)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -496,8 +473,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, tile_n: int = DECODE_TILE_N, num_warps: int = 4,
                            num_stages: int | None = None, row_blocks_limit: int | None = None,
-                           workspace: torch.Tensor | None = None, dot_dtype: torch.dtype | None = None,
-                           fp8_pairs: bool = False) -> torch.Tensor:
+                           workspace: torch.Tensor | None = None, dot_dtype: torch.dtype | None = None
+                           ) -> torch.Tensor:
     """Flash-decoding for batches of one query token per sequence. The tile, split and launch
     knobs are exposed for benchmarks and tests (row_blocks_limit: the most block-table entries a
     program may keep, 0 for per-tile id loads). paged_attention uses the defaults, the fastest of
@@ -505,8 +482,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     decode attention over the run, against 3.69 s for tile 128 with 2 stages; benchmarks/NOTES.md,
     entry 22), with DECODE_STAGES and decode_num_splits's split count.
     workspace: fp32 for the splits' partial results (decode_workspace_numel), allocated here if
-    not given. dot_dtype: the dots' operand type where not _dot_dtype's choice. fp8_pairs: an
-    e4m3 cache read as int16 pairs, converted two at a time (_e4m3_pairs_to_fp16; the GPU only)."""
+    not given. dot_dtype: the dots' operand type where not _dot_dtype's choice."""
     num_heads, num_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -529,17 +505,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if row_blocks_limit is not None and row_blocks > row_blocks_limit:
         row_blocks = 0
     pdl = pdl_options(q.device)
-    if fp8_pairs:
-        assert k_cache.dtype == torch.float8_e4m3fn and head_dim == _block_d(head_dim) and q.dtype == torch.bfloat16
-        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     _paged_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_max, partial_sum,
         scale * math.log2(math.e), table_width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *_cache_strides(k_cache, v_cache),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
-        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks,
-        DOT_DTYPE=tl.float16 if fp8_pairs else _dot_dtype(q, k_cache, dot_dtype), FP8_PAIRS=fp8_pairs, num_warps=num_warps,
+        NUM_SPLITS=num_splits, ROW_BLOCKS=row_blocks, DOT_DTYPE=_dot_dtype(q, k_cache, dot_dtype), num_warps=num_warps,
         num_stages=num_stages, **pdl)
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)

@@ -288,16 +288,3 @@ def test_dot_dtype_by_cache_and_model_dtype():
     assert dot(torch.bfloat16, fp8) == tl.float16
     assert dot(torch.float32, fp8) == tl.float32 and dot(torch.float16, fp8) == tl.float16
     assert dot(torch.bfloat16, fp8, "cpu") == tl.float32
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8_pairs converts with PTX: the GPU only")
-@pytest.mark.parametrize("seq_lens", [DECODE_SEQ_LENS, [2047, 5, 1000, 64]])
-def test_fp8_pairs_match_reference(device, seq_lens):
-    """An e4m3 cache read as int16 pairs, two values a conversion."""
-    q, k_cache, v_cache, block_tables, lens, starts = make_batch([1] * len(seq_lens), seq_lens, 16, 8, 64, device,
-                                                                  head_dim=128)
-    k_cache, v_cache = (4 * k_cache).to(torch.float8_e4m3fn), (0.01 * v_cache).to(torch.float8_e4m3fn)
-    for num_splits in (1, 3):
-        out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, starts, 128 ** -0.5, max(seq_lens),
-                                     num_splits=num_splits, fp8_pairs=True)
-        check(out, q, k_cache, v_cache, block_tables, lens, starts)
