@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--gpu-memory-utilization", type=float)
     engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "

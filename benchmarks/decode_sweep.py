@@ -152,7 +152,7 @@ def sweep_attention(schedule, every: int, results: dict, layouts=(f"token:{BLOCK
         for spec, (block_size, num_blocks, k_cache, v_cache) in caches.items():
             tables = scattered_block_tables(seq_lens, block_size, num_blocks, gen)
             variants = {f"{spec} default": None}
-            if kv_dtype == torch.float8_e4m3fn:      # the dots' type the fp8 cache does not take
+            if kv_dtype != DTYPE:      # the dots' type an fp8 cache does not take
                 variants[f"{spec} default, bf16 dots"] = dict(dot_dtype=torch.bfloat16)
             for tile, warps, stages, splits in configs:
                 variants[f"{spec} tile {tile} w{warps} s{stages} splits {splits or 'rule'}"] = dict(
@@ -410,7 +410,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-batch", type=int, default=1, help="attention: only the steps of at least this many rows")
     ap.add_argument("--gemm-max-rows", type=int, default=256, help="projections: batch sizes up to this")
     ap.add_argument("--gemm-rows", type=int, nargs="+", help="projections: only these captured batch sizes")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e5m2"], default="auto",
                     help="attention: the KV pool's type (auto: bf16, the model's)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -430,7 +430,7 @@ def main(argv=None) -> int:
         configs = ATTENTION_CONFIGS if args.tile_configs else ()
         if args.attention_configs:
             configs = [tuple(int(v) for v in c.split(",")) for c in args.attention_configs]
-        kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
+        kv_dtype = {"auto": DTYPE, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_cache_dtype]
         sweep_attention(schedule, args.every, results, tuple(args.layouts), configs, args.max_batch, args.min_batch,
                         kv_dtype)
         from benchmarks.pdl_chain import print_registers

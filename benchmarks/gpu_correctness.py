@@ -9,8 +9,8 @@
 2. The kernel path against the eager path: logits close, token sequences equal for a stretch.
 3. CUDA graphs against no graphs: identical outputs for batch sizes that hit a captured size
    exactly and ones that need padding, with sequences finishing mid-batch and a preemption.
-4. An fp8 KV cache (kv_cache_dtype="fp8") as in 1-3, against transformers fp32 reading K and V
-   rounded to fp8.
+4. An fp8 KV cache (kv_cache_dtype "fp8" and "fp8_e5m2") as in 1-3, against transformers fp32
+   reading K and V rounded to fp8.
 
 The checkpoint has Qwen3-0.6B's shape with N(0, 0.06) weights: at the benchmark's 0.02 a random
 model repeats one token, which would make token agreement meaningless.
@@ -189,48 +189,52 @@ def main():
     # Graphs replay the same kernels: the same tokens, exactly.
     compare("graphs vs kernels (no graphs)", graph, kern, args.tokens)
 
-    # An fp8 KV cache (kv_cache_dtype="fp8"), judged as the model-dtype cache is: against
-    # transformers fp32 whose attention reads K and V rounded to fp8 as the cache stores them (the
-    # CPU tests' oracle, registered by tests/hf_reference.py), with transformers bf16 reading them
-    # so as the control (a K element that bf16 moves across an fp8 rounding boundary moves by a
-    # whole fp8 step: bf16 noise, amplified); graphs against no graphs, exactly.
-    import tests.hf_reference  # noqa: F401
-    fp8_kern, fp8_kern_logits, _ = run("kernels, fp8 cache", prompts, greedy, kernels="auto", enforce_eager=True,
-                                       kv_cache_dtype="fp8")
-    fp8_graph, _, _ = run("graphs, fp8 cache", prompts, greedy, kernels="auto", kv_cache_dtype="fp8")
-    fp8_eager, fp8_eager_logits, _ = run("eager, fp8 cache", prompts, greedy, kernels="none", enforce_eager=True,
-                                         kv_cache_dtype="fp8")
-    hf32_fp8 = HFQwen3.from_pretrained(path, dtype=torch.float32, attn_implementation="fp8_kv_eager").to(dev).eval()
-    hf16_fp8 = HFQwen3.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="fp8_kv_eager").to(dev).eval()
-    with torch.inference_mode():
-        fp8_ref_logits = [hf32_fp8(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts[:4]]
-        fp8_hf16_logits = [hf16_fp8(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts[:4]]
-        fp8_hf16_out = [hf16_fp8.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    del hf16_fp8
-    fp8_control = "fp8 cache: transformers bf16 greedy vs fp32 (control)"
-    compare_logits("fp8 cache: transformers bf16 logits vs fp32 (control)", fp8_hf16_logits, fp8_ref_logits, 1.0)
-    fp8_noise = 2 * max(results["fp8 cache: transformers bf16 logits vs fp32 (control)"]["rel_err"])
-    teacher_forced(fp8_control, fp8_hf16_out, reference=hf32_fp8, control=fp8_control)
-    compare_logits("fp8 cache: kernel logits vs transformers fp32 reading fp8", fp8_kern_logits, fp8_ref_logits,
-                   fp8_noise)
-    teacher_forced("fp8 cache: kernels greedy, teacher-forced vs fp32 reading fp8", fp8_kern, reference=hf32_fp8,
-                   control=fp8_control)
-    compare("fp8 cache: graphs vs kernels (no graphs)", fp8_graph, fp8_kern, args.tokens)
-    # The kernels against PyTorch's path, both fp8: as close as the bf16 caches' two paths are
-    # (their K differ only where the two round a bf16 differently, and few of those cross an fp8
-    # boundary).
-    compare_logits("fp8 cache: kernel logits vs eager logits", fp8_kern_logits, fp8_eager_logits, bf16_noise)
-    teacher_forced("fp8 cache: eager greedy, teacher-forced vs fp32 reading fp8", fp8_eager, reference=hf32_fp8,
-                   control=fp8_control)
-    results["fp8 cache: kernels vs eager, exact prefix"] = dict(
-        agree=[common_prefix(g, r) for g, r in zip(fp8_kern, fp8_eager)])
-    # How far fp8 moves the logits from the model-dtype cache's (reported, not judged).
-    results["fp8 cache vs model-dtype cache, kernel logits"] = dict(
-        rel_err=[round(((a - b).norm() / b.norm()).item(), 5) for a, b in zip(fp8_kern_logits, kern_logits)],
-        exact_prefix=[common_prefix(a, b) for a, b in zip(fp8_kern, kern)])
-    del hf32_fp8
-    free_gpu()
+    # An fp8 KV cache (kv_cache_dtype "fp8", e4m3, and "fp8_e5m2"), judged as the model-dtype
+    # cache is: against transformers fp32 whose attention reads K and V rounded to fp8 as the cache
+    # stores them (the CPU tests' oracle, registered by tests/hf_reference.py), with transformers
+    # bf16 reading them so as the control (a K element that bf16 moves across an fp8 rounding
+    # boundary moves by a whole fp8 step: bf16 noise, amplified); graphs against no graphs, exactly.
+    from tests.hf_reference import ATTENTION_BY_KV_CACHE_DTYPE
+    for kv in ("fp8", "fp8_e5m2"):
+        attention = ATTENTION_BY_KV_CACHE_DTYPE[kv]
+        fp8_kern, fp8_kern_logits, _ = run(f"kernels, {kv} cache", prompts, greedy, kernels="auto",
+                                           enforce_eager=True, kv_cache_dtype=kv)
+        fp8_graph, _, _ = run(f"graphs, {kv} cache", prompts, greedy, kernels="auto", kv_cache_dtype=kv)
+        fp8_eager, fp8_eager_logits, _ = run(f"eager, {kv} cache", prompts, greedy, kernels="none",
+                                             enforce_eager=True, kv_cache_dtype=kv)
+        hf32_fp8 = HFQwen3.from_pretrained(path, dtype=torch.float32, attn_implementation=attention).to(dev).eval()
+        hf16_fp8 = HFQwen3.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attention).to(dev).eval()
+        with torch.inference_mode():
+            fp8_ref_logits = [hf32_fp8(torch.tensor([p], device=dev)).logits[0, -1].float().cpu() for p in prompts[:4]]
+            fp8_hf16_logits = [hf16_fp8(torch.tensor([p], device=dev)).logits[0, -1].float().cpu()
+                               for p in prompts[:4]]
+            fp8_hf16_out = [hf16_fp8.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens,
+                                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                            for p in prompts]
+        del hf16_fp8
+        fp8_control = f"{kv} cache: transformers bf16 greedy vs fp32 (control)"
+        compare_logits(f"{kv} cache: transformers bf16 logits vs fp32 (control)", fp8_hf16_logits, fp8_ref_logits, 1.0)
+        fp8_noise = 2 * max(results[f"{kv} cache: transformers bf16 logits vs fp32 (control)"]["rel_err"])
+        teacher_forced(fp8_control, fp8_hf16_out, reference=hf32_fp8, control=fp8_control)
+        compare_logits(f"{kv} cache: kernel logits vs transformers fp32 reading {kv}", fp8_kern_logits, fp8_ref_logits,
+                       fp8_noise)
+        teacher_forced(f"{kv} cache: kernels greedy, teacher-forced vs fp32 reading {kv}", fp8_kern,
+                       reference=hf32_fp8, control=fp8_control)
+        compare(f"{kv} cache: graphs vs kernels (no graphs)", fp8_graph, fp8_kern, args.tokens)
+        # The kernels against PyTorch's path, both fp8: as close as the bf16 caches' two paths are
+        # (their K differ only where the two round a bf16 differently, and few of those cross an
+        # fp8 boundary).
+        compare_logits(f"{kv} cache: kernel logits vs eager logits", fp8_kern_logits, fp8_eager_logits, bf16_noise)
+        teacher_forced(f"{kv} cache: eager greedy, teacher-forced vs fp32 reading {kv}", fp8_eager,
+                       reference=hf32_fp8, control=fp8_control)
+        results[f"{kv} cache: kernels vs eager, exact prefix"] = dict(
+            agree=[common_prefix(g, r) for g, r in zip(fp8_kern, fp8_eager)])
+        # How far fp8 moves the logits from the model-dtype cache's (reported, not judged).
+        results[f"{kv} cache vs model-dtype cache, kernel logits"] = dict(
+            rel_err=[round(((a - b).norm() / b.norm()).item(), 5) for a, b in zip(fp8_kern_logits, kern_logits)],
+            exact_prefix=[common_prefix(a, b) for a, b in zip(fp8_kern, kern)])
+        del hf32_fp8
+        free_gpu()
 
     # A graph replay against the same padded batch run eagerly through the same kernels: bitwise
     # equal logits, and the padding rows (slot -1) leave the KV cache untouched.

@@ -113,7 +113,7 @@ def read_generation_config(folder: str) -> dict:
 
 # kv_cache_dtype's names, vLLM's: None is the model's dtype.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
-                   "fp8_e4m3": torch.float8_e4m3fn}
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(slots=True)
@@ -132,10 +132,11 @@ class EngineConfig:
     cpu_kv_blocks: int = 1024
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # The KV cache's element type, as vLLM's kv_cache_dtype: "auto", the model's dtype; "bfloat16"; "fp8" (or
-    # "fp8_e4m3"), float8_e4m3fn, half the bytes a token, so twice the tokens in the pool and half
-    # what decode attention reads. K and V are stored unscaled (vLLM's k_scale = v_scale = 1.0 when
-    # a checkpoint has none), rounded to nearest and saturated at +-448.
+    # The KV cache's element type, as vLLM's kv_cache_dtype: "auto", the model's dtype; "bfloat16";
+    # "fp8" (or "fp8_e4m3"), float8_e4m3fn; "fp8_e5m2", float8_e5m2 (one mantissa bit fewer, a
+    # range to +-57344). fp8 is half the bytes a token: twice the tokens in the pool and half what
+    # decode attention reads. K and V are stored unscaled (vLLM's k_scale = v_scale = 1.0 when a
+    # checkpoint has none), rounded to nearest and saturated at the format's largest value.
     kv_cache_dtype: str = "auto"
     # Which fused kernels replace the eager PyTorch path: "auto" (all of them on CUDA when Triton
     # is importable, none on CPU), "none", or a comma-separated subset of kernels.KERNEL_NAMES.

@@ -76,6 +76,7 @@ import math  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from mini_engine.kernels.rotary_kv import FP8_DTYPES  # noqa: E402
 from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
@@ -397,13 +398,14 @@ def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, dot_dtype: torch.dtype | 
     dot_dtype says. Triton 3.9's interpreter (CPU tensors) multiplies bf16/fp16 operands wrongly:
     there, fp32 copies. On the GPU, the model dtype; but from an fp8 cache, fp16: on Hopper e4m3
     converts to fp16 in one instruction for two values, and to bf16 only through fp16 and fp32, and
-    the conversions, not the bytes, then bound decode attention (benchmarks/NOTES.md, entry 50).
+    the conversions, not the bytes, then bound decode attention (benchmarks/NOTES.md, entry 50);
+    e5m2 is fp16's top byte.
     fp16 keeps more of a bf16 q's bits, and Qwen3's normed q and the cache's +-448 fit its range;
     an fp32 model keeps fp32."""
     if dot_dtype is None:
         if q.device.type == "cpu":
             dot_dtype = torch.float32
-        elif k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16:
+        elif k_cache.dtype in FP8_DTYPES and q.dtype == torch.bfloat16:
             dot_dtype = torch.float16
         else:
             dot_dtype = q.dtype

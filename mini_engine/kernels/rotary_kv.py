@@ -20,15 +20,18 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-FP8_E4M3_MAX = 448.0     # torch.finfo(torch.float8_e4m3fn).max
+# The fp8 formats a KV cache may take (EngineConfig.kv_cache_dtype).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def to_cache_dtype_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as a cache of cache_dtype stores it. An fp8 cache saturates at +-448, as vLLM's fp8 cache
-    writes and the GPU's cvt.satfinite do: torch's own cast makes NaN of 470 and above on CUDA
-    (torch 2.11 on the H200), though it saturates on CPU."""
-    if cache_dtype == torch.float8_e4m3fn:
-        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    """x as a cache of cache_dtype stores it. An fp8 cache saturates at its largest finite value
+    (+-448 for e4m3, +-57344 for e5m2), as vLLM's fp8 cache writes and the GPU's cvt.satfinite do:
+    torch's own cast makes NaN of 470 and above on CUDA (torch 2.11 on the H200), though it
+    saturates on CPU."""
+    if cache_dtype in FP8_DTYPES:
+        largest = torch.finfo(cache_dtype).max
+        x = x.clamp(-largest, largest)
     return x.to(cache_dtype)
 
 
@@ -89,32 +92,44 @@ def _rms_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _to_fp8_e4m3(x):
-    """x (fp32) as to_cache_dtype_ref stores it in float8_e4m3fn: saturated at +-448 and rounded to
-    nearest even, here by hand, so that the cast at the end is exact. On the GPU the cast alone
-    would round the same; Triton's interpreter, which runs the tests on CPU, rounds half up and
-    drops the carry into the exponent (1.98 became 1.0)."""
-    bits = x.to(tl.int32, bitcast=True)
-    a = tl.minimum(tl.abs(x), 448.0)           # FP8_E4M3_MAX
+def _round_to_fp8_grid(a, DROPPED_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEPS: tl.constexpr):
+    """a (fp32, >= 0, saturated) rounded to nearest even on the grid of an fp8 format that keeps
+    23 - DROPPED_BITS of fp32's mantissa bits and whose normal numbers start at MIN_NORMAL, below
+    which it has SUBNORMAL_STEPS steps to 1.0."""
     a_bits = a.to(tl.int32, bitcast=True)
-    # Normal numbers keep 3 of fp32's 23 mantissa bits: add just under half of the 20 bits dropped
-    # plus the lowest bit kept (ties go to even), then clear them; a carry moves into the exponent.
-    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    # Below 2^-6 e4m3 is subnormal, a fixed grid of 2^-9: round the count of steps to an integer
-    # by adding and taking away 2^23, where fp32's spacing is 1 (ties to even, as every fp32 add).
-    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
-    rounded = tl.where(a < 0.015625, subnormal, normal).to(tl.int32, bitcast=True)
-    signed = rounded | (bits & -0x80000000)     # x's sign, -0.0 included
-    out = signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
-    # NaN stays NaN (0x7f), as the reference keeps it: tl.minimum above made it 448
-    nan = tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)
+    # Normal numbers: add just under half of the dropped bits plus the lowest bit kept (ties go to
+    # even), then clear them; a carry moves into the exponent.
+    half_less_one = (1 << (DROPPED_BITS - 1)) - 1
+    normal = ((a_bits + half_less_one + ((a_bits >> DROPPED_BITS) & 1)) & -(1 << DROPPED_BITS))
+    # Subnormals: round the count of steps to an integer by adding and taking away 2^23, where
+    # fp32's spacing is 1 (ties to even, as every fp32 add).
+    subnormal = ((a * SUBNORMAL_STEPS + 8388608.0) - 8388608.0) * (1.0 / SUBNORMAL_STEPS)
+    return tl.where(a < MIN_NORMAL, subnormal, normal.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _to_fp8(x, fp8_type: tl.constexpr):
+    """x (fp32) as to_cache_dtype_ref stores it in fp8_type (tl.float8e4nv: float8_e4m3fn, or
+    tl.float8e5: float8_e5m2): saturated at the largest finite value and rounded to nearest even,
+    here by hand, so that the cast at the end is exact. On the GPU the cast alone would round the
+    same; Triton's interpreter, which runs the tests on CPU, rounds half up and drops the carry into
+    the exponent (1.98 became 1.0 in e4m3)."""
+    bits = x.to(tl.int32, bitcast=True)
+    if fp8_type == tl.float8e5:       # 2 mantissa bits, normal from 2^-14, subnormals 2^-16 apart
+        rounded = _round_to_fp8_grid(tl.minimum(tl.abs(x), 57344.0), 21, 6.103515625e-05, 65536.0)
+    else:                             # e4m3: 3 mantissa bits, normal from 2^-6, subnormals 2^-9 apart
+        rounded = _round_to_fp8_grid(tl.minimum(tl.abs(x), 448.0), 20, 0.015625, 512.0)
+    signed = rounded.to(tl.int32, bitcast=True) | (bits & -0x80000000)     # x's sign, -0.0 included
+    out = signed.to(tl.float32, bitcast=True).to(fp8_type)
+    # NaN stays NaN (0x7f is one in both formats), as the reference keeps it: tl.minimum made it finite
+    nan = tl.full(x.shape, 0x7F, tl.uint8).to(fp8_type, bitcast=True)
     return tl.where(x != x, nan, out)
 
 
 @triton.jit
 def _to_cache_dtype(x, cache_ptr, FP8_CACHE: tl.constexpr):
     if FP8_CACHE:
-        return _to_fp8_e4m3(x.to(tl.float32))
+        return _to_fp8(x.to(tl.float32), cache_ptr.dtype.element_ty)
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -204,6 +219,6 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_ca
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
             HAS_NORM=norm_input is not None, BLOCK_H=triton.next_power_of_2(hidden_size),
-            FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+            FP8_CACHE=k_cache.dtype in FP8_DTYPES, num_warps=4,
             **pdl_options(qkv.device))
     return q

@@ -11,6 +11,7 @@ from mini_engine.config import KV_CACHE_DTYPES, EngineConfig
 from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
+from mini_engine.kernels.rotary_kv import FP8_DTYPES
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
@@ -74,9 +75,9 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
 def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dtype: torch.dtype,
                            kernels: frozenset[str]) -> torch.dtype:
     dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or model_dtype
-    # Triton converts to and from float8_e4m3fn on compute capability 8.9 (Ada) and newer only.
+    # Triton converts to and from fp8 on compute capability 8.9 (Ada) and newer only.
     fp8_kernels = kernels & {"attention", "rope_kv"}
-    if (dtype == torch.float8_e4m3fn and fp8_kernels and device.type == "cuda"
+    if (dtype in FP8_DTYPES and fp8_kernels and device.type == "cuda"
             and torch.cuda.get_device_capability(device) < (8, 9)):
         others = ",".join(name for name in KERNEL_NAMES if name not in fp8_kernels)
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or "

@@ -1,4 +1,5 @@
-"""The top-k sampler's kernels compiled for the H200 (sm_90) on this machine, GPU or not.
+"""The top-k sampler's kernels, and the KV write into each cache type, compiled for the H200
+(sm_90) on this machine, GPU or not.
 
 Triton's interpreter runs what a GPU compile refuses: a kernel that reads a global which is not a
 tl.constexpr, or an `if` whose branches bind one name to blocks of two shapes. Triton 3.6 on the
@@ -54,10 +55,30 @@ def compile_all() -> None:
             assert "cubin" in compiled.asm, kernel.fn.__name__
 
 
-def test_top_k_sampler_compiles_for_sm90():
+def compile_kv_writes() -> None:
+    """The fused rotary/KV write (kernels/rotary_kv.py) into a bf16, an e4m3 and an e5m2 cache: the
+    fp8 ones round by hand with constexpr arithmetic that only a compile checks."""
+    from mini_engine.kernels import rotary_kv
+    kernel = rotary_kv._qk_norm_rope_kv_write_kernel
+    pointers = {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    for cache in ("*bf16", "*fp8e4nv", "*fp8e5"):
+        constexprs = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=64, BLOCK_HQ=16, BLOCK_HKV=8,
+                          HAS_NORM=True, BLOCK_H=1024, FP8_CACHE=cache != "*bf16", USE_PDL=True)
+        signature = {name: "constexpr" if name in constexprs
+                     else cache if name in ("k_cache_ptr", "v_cache_ptr")
+                     else pointers.get(name, "*bf16") if name.endswith("_ptr")
+                     else "fp32" if name == "eps" else "i32" for name in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER,
+                                  options={"num_warps": 4})
+        assert "cubin" in compiled.asm, cache
+
+
+@pytest.mark.parametrize("compile_fn", ["compile_all", "compile_kv_writes"])
+def test_kernels_compile_for_sm90(compile_fn):
     pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.run([sys.executable, "-c", "from tests.kernels.test_compiles_for_hopper import compile_all; "
-                            "compile_all()"], cwd=root, env=env | {"PYTHONPATH": root}, capture_output=True, text=True)
+    child = subprocess.run([sys.executable, "-c", f"from tests.kernels.test_compiles_for_hopper import {compile_fn}; "
+                            f"{compile_fn}()"], cwd=root, env=env | {"PYTHONPATH": root}, capture_output=True,
+                           text=True)
     assert child.returncode == 0, child.stderr[-3000:]

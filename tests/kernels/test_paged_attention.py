@@ -259,11 +259,14 @@ def test_decode_rejects_more_sequences_than_the_grid_holds(device):
 @pytest.mark.parametrize("query_lens,seq_lens", [([1] * len(DECODE_SEQ_LENS), DECODE_SEQ_LENS),  # decode
                                                  ([1, 1, 9, 17], [15, 70, 9, 40])])            # mixed
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_cache_matches_reference(device, query_lens, seq_lens, dtype):
-    """kv_cache_dtype="fp8": K and V stored as float8_e4m3fn, dequantised as they load. K spans
-    the range where e4m3 keeps 3 bits, V the subnormals (below 2^-6)."""
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_matches_reference(device, query_lens, seq_lens, dtype, fp8):
+    """kv_cache_dtype "fp8" and "fp8_e5m2": K and V stored in fp8, dequantised as they load. K
+    spans the normal numbers, V reaches the subnormals (below 2^-6 in e4m3, 2^-14 in e5m2)."""
     q, k_cache, v_cache, block_tables, lens, starts = make_batch(query_lens, seq_lens, 4, 2, 16, device, dtype)
-    k_cache, v_cache = (4 * k_cache).to(torch.float8_e4m3fn), (0.01 * v_cache).to(torch.float8_e4m3fn)
+    v_scale = 0.01 if fp8 == torch.float8_e4m3fn else 1e-4
+    k_cache, v_cache = (4 * k_cache).to(fp8), (v_scale * v_cache).to(fp8)
+    assert (v_cache.float().abs() < torch.finfo(fp8).smallest_normal).any()
     out = paged_attention(q, k_cache, v_cache, block_tables, lens, starts, HEAD_DIM ** -0.5,
                           max_query_len=max(query_lens), max_seq_len=max(seq_lens))
     assert out.dtype == dtype
@@ -285,6 +288,6 @@ def test_dot_dtype_by_cache_and_model_dtype():
                                                                                    device=device))
     fp8 = torch.float8_e4m3fn
     assert dot(torch.bfloat16, torch.bfloat16) == tl.bfloat16
-    assert dot(torch.bfloat16, fp8) == tl.float16
+    assert dot(torch.bfloat16, fp8) == tl.float16 and dot(torch.bfloat16, torch.float8_e5m2) == tl.float16
     assert dot(torch.float32, fp8) == tl.float32 and dot(torch.float16, fp8) == tl.float16
     assert dot(torch.bfloat16, fp8, "cpu") == tl.float32

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from mini_engine.config import EngineConfig
+from mini_engine.config import KV_CACHE_DTYPES, EngineConfig
 from mini_engine.runner.batch import BatchRow
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
@@ -103,9 +103,10 @@ def test_every_layer_shares_one_rotary_table(tiny_checkpoint):
     assert len([name for name, _ in runner.model.named_buffers() if "cos_sin_cache" in name]) == 1
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("kernels", ["none", "attention,rope_kv"])
-def test_fp8_kv_cache_logits_match_transformers_reading_fp8(tiny_checkpoint, kernels):
-    """kv_cache_dtype="fp8": a prompt fed in three chunks (the later ones attend to what the earlier
+def test_fp8_kv_cache_logits_match_transformers_reading_fp8(tiny_checkpoint, kernels, kv_cache_dtype):
+    """kv_cache_dtype "fp8" (e4m3) or "fp8_e5m2": a prompt fed in three chunks (the later ones attend to what the earlier
     cached, in fp8) gives transformers' logits when its attention reads K and V rounded to fp8 the
     same way, and logits measurably off those of a full-precision cache. With kernels, the fused KV
     write and the Triton attention (Triton's interpreter on CPU)."""
@@ -114,11 +115,11 @@ def test_fp8_kv_cache_logits_match_transformers_reading_fp8(tiny_checkpoint, ker
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("CPU tensors take Triton kernels only through its interpreter; on a GPU: gpu_correctness.py")
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, block_size=4,
-                                      kv_cache_dtype="fp8", kernels=kernels))
-    assert runner.kv_cache.dtype == torch.float8_e4m3fn
+                                      kv_cache_dtype=kv_cache_dtype, kernels=kernels))
+    assert runner.kv_cache.dtype == KV_CACHE_DTYPES[kv_cache_dtype]
     prompt = [random.Random(1).randrange(256) for _ in range(23)]
     blocks = [7, 3, 11, 0, 5, 9]
     got = torch.cat([all_logits(runner, [BatchRow(prompt[a:b], a, blocks, True, GREEDY)])
                      for a, b in ((0, 6), (6, 7), (7, 23))])
-    torch.testing.assert_close(got, hf_logits(tiny_checkpoint, prompt, "fp8"), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, hf_logits(tiny_checkpoint, prompt, kv_cache_dtype), rtol=1e-4, atol=1e-4)
     assert (got - hf_logits(tiny_checkpoint, prompt)).abs().max() > 1e-2
