@@ -45,7 +45,8 @@ def run_vllm(model: str, prompts, max_tokens, opts) -> dict:
     outputs = llm.generate(inputs, sampling, use_tqdm=False)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
-            "kv_blocks_free": None, "dtype_bytes": 2, "kv_dtype_bytes": 1 if opts.kv_cache_dtype.startswith("fp8") else 2,
+            "kv_blocks_free": None, "dtype_bytes": 2,
+            "kv_dtype_bytes": 1 if opts.kv_cache_dtype.startswith("fp8") else 2,
             "engine_version": vllm.__version__,
             "engine_config": kwargs}
 

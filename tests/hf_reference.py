@@ -46,6 +46,7 @@ def hf_logits(path: str, token_ids: list[int], kv_cache_dtype: str = "auto") -> 
 def hf_greedy(path: str, token_ids: list[int], max_new_tokens: int, kv_cache_dtype: str = "auto") -> list[int]:
     ids = torch.tensor([token_ids])
     # With pad_token_id and no mask, generate would mask out every prompt token equal to the pad id.
-    out = hf_model(path, kv_cache_dtype).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+    out = hf_model(path, kv_cache_dtype).generate(ids, attention_mask=torch.ones_like(ids),
+                                                  max_new_tokens=max_new_tokens,
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(token_ids):].tolist()

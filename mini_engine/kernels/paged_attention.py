@@ -396,12 +396,11 @@ _TL_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, dot_dtype: torch.dtype | None = None):
     """The type q, K and V take in the kernels' tl.dot (K and V converted as they load), unless
     dot_dtype says. Triton 3.9's interpreter (CPU tensors) multiplies bf16/fp16 operands wrongly:
-    there, fp32 copies. On the GPU, the model dtype; but from an fp8 cache, fp16: on Hopper e4m3
-    converts to fp16 in one instruction for two values, and to bf16 only through fp16 and fp32, and
-    the conversions, not the bytes, then bound decode attention (benchmarks/NOTES.md, entry 50);
-    e5m2 is fp16's top byte.
-    fp16 keeps more of a bf16 q's bits, and Qwen3's normed q and the cache's +-448 fit its range;
-    an fp32 model keeps fp32."""
+    there, fp32 copies. On the GPU, the model dtype; but a bf16 model over an fp8 cache takes fp16:
+    on Hopper e4m3 and e5m2 convert to fp16 in one instruction for two values, and to bf16 only
+    through fp16 and fp32, and the conversions, not the bytes, then bound decode attention
+    (benchmarks/NOTES.md, entry 50). fp16 keeps more of a bf16 q's bits, and Qwen3's normed q fits
+    its range, as do e4m3's +-448 and e5m2's +-57344."""
     if dot_dtype is None:
         if q.device.type == "cpu":
             dot_dtype = torch.float32

@@ -109,7 +109,8 @@ class ModelRunner:
         self.sampler = Sampler(use_triton="sampler" in self.kernels)
 
         # One slot's K and V across all layers, in bytes.
-        self.kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.kv_cache_dtype.itemsize
+        self.kv_bytes_per_token = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+                                   * self.kv_cache_dtype.itemsize)
         # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.kernels)

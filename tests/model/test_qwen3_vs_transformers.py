@@ -106,10 +106,10 @@ def test_every_layer_shares_one_rotary_table(tiny_checkpoint):
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("kernels", ["none", "attention,rope_kv"])
 def test_fp8_kv_cache_logits_match_transformers_reading_fp8(tiny_checkpoint, kernels, kv_cache_dtype):
-    """kv_cache_dtype "fp8" (e4m3) or "fp8_e5m2": a prompt fed in three chunks (the later ones attend to what the earlier
-    cached, in fp8) gives transformers' logits when its attention reads K and V rounded to fp8 the
-    same way, and logits measurably off those of a full-precision cache. With kernels, the fused KV
-    write and the Triton attention (Triton's interpreter on CPU)."""
+    """kv_cache_dtype "fp8" (e4m3) or "fp8_e5m2": a prompt fed in three chunks (the later ones
+    attend to what the earlier cached, in fp8) gives transformers' logits when its attention reads
+    K and V rounded to fp8 the same way, and logits measurably off those of a full-precision cache.
+    With kernels, the fused KV write and the Triton attention (Triton's interpreter on CPU)."""
     if kernels != "none":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
