@@ -75,7 +75,8 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
 def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dtype: torch.dtype,
                            kernels: frozenset[str]) -> torch.dtype:
     dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or model_dtype
-    # Triton converts to and from fp8 on compute capability 8.9 (Ada) and newer only.
+    # Triton converts to and from e4m3 on compute capability 8.9 (Ada) and newer only. e5m2's
+    # kernels compile for older GPUs too, but have not run on one: both are refused there.
     fp8_kernels = kernels & {"attention", "rope_kv"}
     if (dtype in FP8_DTYPES and fp8_kernels and device.type == "cuda"
             and torch.cuda.get_device_capability(device) < (8, 9)):

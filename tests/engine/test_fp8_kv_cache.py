@@ -86,14 +86,16 @@ def test_unknown_kv_cache_dtype_is_refused(tiny_checkpoint, name):
         EngineConfig(tiny_checkpoint, device="cpu", kv_cache_dtype=name)
 
 
-def test_fp8_kernels_need_compute_capability_8_9(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kernels_need_compute_capability_8_9(tiny_checkpoint, monkeypatch, kv_cache_dtype):
     """Triton has no fp8 conversions before Ada/Hopper: an older GPU is told at start-up, and may
     still run an fp8 cache on the PyTorch path."""
-    config = EngineConfig(tiny_checkpoint, device="cpu", kv_cache_dtype="fp8")
+    config = EngineConfig(tiny_checkpoint, device="cpu", kv_cache_dtype=kv_cache_dtype)
+    fp8 = KV_CACHE_DTYPES[kv_cache_dtype]
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="compute capability 8.9"):
         resolve_kv_cache_dtype(config, cuda, torch.bfloat16, frozenset({"attention", "sampler"}))
-    assert resolve_kv_cache_dtype(config, cuda, torch.bfloat16, frozenset({"sampler"})) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype(config, cuda, torch.bfloat16, frozenset({"sampler"})) == fp8
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert resolve_kv_cache_dtype(config, cuda, torch.bfloat16, frozenset({"attention"})) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype(config, cuda, torch.bfloat16, frozenset({"attention"})) == fp8

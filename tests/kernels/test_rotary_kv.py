@@ -90,17 +90,25 @@ def test_fp8_rounding_matches_torch_on_every_bf16_value(device, fp8):
     assert every_bf16.isnan().any() and every_bf16.isinf().any()
 
 
-def assert_at_most_one_fp8_step_apart(got: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
-    """Each element the same fp8 value as expected's, or the one beside it (codes of one sign are
-    in the values' order, so a step is 1 in the low 7 bits), or within atol, the model dtype's own
-    tolerance (bf16's rotation can move a small k by several fp8 steps of its size); few differ."""
-    codes, expected_codes = got.view(torch.uint8).int(), expected.view(torch.uint8).int()
+def assert_at_most_one_fp8_step_apart(got: torch.Tensor, expected: torch.Tensor, atol: float,
+                                      most_differing: float) -> None:
+    """NaN (the slots nobody writes) and inf exactly where expected has them; every finite element
+    the same fp8 value as expected's, or the one beside it (codes of one sign are in the values'
+    order, so a step is 1 in the low 7 bits), or within atol, the model dtype's own tolerance
+    (bf16's rotation can move a small k by several fp8 steps of its size); and at most a share
+    most_differing of the written elements differ at all."""
+    got_values, expected_values = got.float(), expected.float()
+    assert torch.equal(got_values.isnan(), expected_values.isnan())
+    assert not got_values.isinf().any() and not expected_values.isinf().any()
+    written = ~expected_values.isnan()
+    codes, expected_codes = got.view(torch.uint8)[written].int(), expected.view(torch.uint8)[written].int()
     same_sign = (codes & 0x80) == (expected_codes & 0x80)
     beside = same_sign & (((codes & 0x7F) - (expected_codes & 0x7F)).abs() <= 1)
     across_zero = ((codes & 0x7F) <= 1) & ((expected_codes & 0x7F) <= 1)
-    close = (got.float() - expected.float()).abs() <= atol
+    close = (got_values[written] - expected_values[written]).abs() <= atol
     assert (beside | across_zero | close).all()
-    assert (codes != expected_codes).float().mean() < 0.05
+    share = (codes != expected_codes).float().mean().item()
+    assert share <= most_differing, share
 
 
 @pytest.mark.parametrize("fp8", FP8_FORMATS)
@@ -139,11 +147,14 @@ def test_qk_norm_rope_kv_write_into_an_fp8_cache(device, model_dtype, hidden_siz
     q = qk_norm_rope_kv_write(*args, k_cache, v_cache, *shape)
 
     torch.testing.assert_close(q, q_ref, **TOL[model_dtype])
-    assert_at_most_one_fp8_step_apart(k_cache, k_ref, TOL[model_dtype]["atol"])
+    # fp32 rounds k as the reference does; in bf16 most k come a bf16 step or two off through the
+    # rotation, and some of those cross an fp8 boundary (17-19% of e4m3's codes, 7-8% of e5m2's)
+    most_differing = 0.01 if model_dtype == torch.float32 else 0.25
+    assert_at_most_one_fp8_step_apart(k_cache, k_ref, TOL[model_dtype]["atol"], most_differing)
     if hidden_size is None:
         assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     else:
-        assert_at_most_one_fp8_step_apart(v_cache, v_ref, TOL[model_dtype]["atol"])
+        assert_at_most_one_fp8_step_apart(v_cache, v_ref, TOL[model_dtype]["atol"], most_differing)
     written = ~v_ref.float().isnan().flatten(0, 1).all(-1).all(-1)
     assert written.sum() == num_tokens - 1
     assert v_ref.float().nan_to_num().abs().max() == torch.finfo(fp8).max       # some v saturated
