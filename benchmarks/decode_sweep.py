@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from bench import make_workload
+from mini_engine.config import KV_CACHE_DTYPES
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, LAYERS = 1024, 16, 8, 128, 3072, 151936, 28
 # BLOCK_SIZE: the engine's KV block on CUDA (EngineConfig: 64 since entry 42)
@@ -430,7 +431,7 @@ def main(argv=None) -> int:
         configs = ATTENTION_CONFIGS if args.tile_configs else ()
         if args.attention_configs:
             configs = [tuple(int(v) for v in c.split(",")) for c in args.attention_configs]
-        kv_dtype = {"auto": DTYPE, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_cache_dtype]
+        kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or DTYPE
         sweep_attention(schedule, args.every, results, tuple(args.layouts), configs, args.max_batch, args.min_batch,
                         kv_dtype)
         from benchmarks.pdl_chain import print_registers
