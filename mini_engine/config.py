@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -153,6 +154,9 @@ class EngineConfig:
     # the checkpoint's generation_config.json (Qwen3's asks for temperature 0.6, top_p 0.95, top_k
     # 20); "none", SamplingParams' own defaults; or a folder with a generation_config.json.
     generation_config: str = "auto"
+    # As vLLM's reasoning_parser (`--reasoning-parser qwen3`): None, or "qwen3", with which
+    # structured outputs hold only what follows the output's thought (mini_engine/reasoning.py).
+    reasoning_parser: str | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
     sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
@@ -173,6 +177,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         if self.cpu_kv_blocks < 1:
             raise ValueError(f"cpu_kv_blocks must be >= 1, got {self.cpu_kv_blocks}")
         if self.model_config is None:

@@ -11,7 +11,8 @@ from dataclasses import MISSING, fields
 from mini_engine.config import EngineConfig
 from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
 
-SKIPPED_FIELDS = {"model", "model_config"}
+# --reasoning-parser is the server's own flag below, and sets the engine's field too.
+SKIPPED_FIELDS = {"model", "model_config", "reasoning_parser"}
 
 
 def option_type(annotation) -> type:
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # As vLLM's flags (and off by default, as there): `vllm serve Qwen/Qwen3-0.6B --reasoning-parser qwen3
     # --enable-auto-tool-choice --tool-call-parser hermes` runs here as it is.
     parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                        help="chat responses give Qwen3's <think> text apart, in `reasoning`")
+                        help="chat responses give Qwen3's <think> text apart, in `reasoning`, and "
+                        "structured outputs hold only what follows it")
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                         help="chat responses give Hermes-style <tool_call> blocks (Qwen3's) as `tool_calls`")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or default_checkpoint()
     name = args.served_model_name or args.model or "qwen3-0.6b-random"
     options = {f.name: getattr(args, f.name) for f in engine_option_fields()}
-    config = EngineConfig.from_kwargs(model, **options)
+    config = EngineConfig.from_kwargs(model, reasoning_parser=args.reasoning_parser, **options)
     parsers = ParserOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     app = build_app(config, name, parsers)
     limits = app.state.server.async_engine.limits

@@ -8,12 +8,18 @@ sequence, advanced by each token it samples (LLMEngine.resolve), its bitmask set
 (layers/penalties.py's apply_grammar_bitmask). A step with such a row samples outside the CUDA
 graph, and while such a request runs the engine waits for each step's tokens before it schedules
 the next: the mask needs the token that the step in flight samples.
+
+A grammar compiles on a thread of its own (0.1 s to seconds at Qwen3's vocabulary, during which
+xgrammar releases the GIL): its request waits to be scheduled, as vLLM's WAITING_FOR_FSM, while
+the engine steps the others.
 """
 import functools
 import json
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -118,10 +124,13 @@ class OutputGrammar:
         self.matcher = matcher
         self.bitmask = torch.zeros((1, bitmask_words), dtype=torch.int32)
 
-    def next_token_bitmask(self) -> torch.Tensor:
+    def next_token_bitmask(self, also_allowed: int | None = None) -> torch.Tensor:
         """[bitmask_words] int32: bit t % 32 of word t // 32 is set where token t may come next.
-        The sequence's own buffer, refilled by the next call."""
+        The sequence's own buffer, refilled by the next call. also_allowed: a token outside the
+        grammar that may come too (the <think> that opens an output's thought)."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
+        if also_allowed is not None:
+            self.bitmask.numpy().view(np.uint32)[0, also_allowed // 32] |= np.uint32(1 << also_allowed % 32)
         return self.bitmask[0]
 
     def accept(self, token: int) -> bool:
@@ -136,7 +145,8 @@ class OutputGrammar:
 
 class GrammarCompiler:
     """The engine's: grammars compiled against its tokenizer (TokenizerInfo takes a second at
-    Qwen3's 151k tokens, so it is made at the first structured request), each kept once compiled."""
+    Qwen3's 151k tokens, so it is made at the first structured request, holding the GIL), each
+    compiled once on the compiler's thread and kept."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         xgr = xgrammar()
@@ -154,31 +164,35 @@ class GrammarCompiler:
                                  add_prefix_space="Metaspace" in kinds)
         self.compiler = xgr.GrammarCompiler(info, max_threads=4)
         self.bitmask_words = (vocab_size + 31) // 32
-        self.compiled: dict[tuple[str, str], object] = {}
+        # One thread: a grammar's compile already spreads over max_threads of xgrammar's own.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
+        self.compiled: dict[tuple[str, str], Future] = {}       # touched by the engine's thread only
 
-    def compile(self, params: StructuredOutputsParams):
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar, to come: a new spec is queued on the compiler's thread, a known
+        one (compiled, or still compiling) shared. Its result raises ValueError for a spec that
+        does not compile (StructuredOutputsParams.check finds those first)."""
         key = params.spec()
         if key in self.compiled:
             self.compiled[key] = self.compiled.pop(key)         # the newest now: the oldest goes first
         else:
-            kind, text = key
-            try:
-                if kind.startswith("json"):
-                    whitespace = kind != "json"
-                    compiled = self.compiler.compile_json_schema(
-                        text, any_whitespace=whitespace, max_whitespace_cnt=MAX_WHITESPACE if whitespace else None)
-                else:
-                    compiled = self.compiler.compile_regex(text) if kind == "regex" else \
-                        self.compiler.compile_grammar(text)
-                self.compiled[key] = compiled
-            except RuntimeError as e:
-                raise grammar_error(e) from None
+            self.compiled[key] = self.executor.submit(self.compile_now, *key)
             if len(self.compiled) > MAX_COMPILED_GRAMMARS:
                 del self.compiled[next(iter(self.compiled))]
         return self.compiled[key]
 
-    def matcher(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> OutputGrammar:
-        """stop_token_ids: the tokens that may end the output once the grammar is complete (EOS and
-        the request's own)."""
-        matcher = xgrammar().GrammarMatcher(self.compile(params), override_stop_tokens=stop_token_ids)
+    def compile_now(self, kind: str, text: str):
+        try:
+            if kind.startswith("json"):
+                whitespace = kind != "json"
+                return self.compiler.compile_json_schema(
+                    text, any_whitespace=whitespace, max_whitespace_cnt=MAX_WHITESPACE if whitespace else None)
+            return self.compiler.compile_regex(text) if kind == "regex" else self.compiler.compile_grammar(text)
+        except RuntimeError as e:
+            raise grammar_error(e) from None
+
+    def matcher(self, compiled, stop_token_ids: list[int]) -> OutputGrammar:
+        """A new place at the start of a compiled grammar (a compile()'s result); stop_token_ids:
+        the tokens that may end the output once the grammar is complete (EOS and the request's own)."""
+        matcher = xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
         return OutputGrammar(matcher, self.bitmask_words)

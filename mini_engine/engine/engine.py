@@ -1,7 +1,9 @@
 """The step loop: requests in, one scheduled batch through the model per step, tokens out."""
 import atexit
+import concurrent.futures
 import gc
 import itertools
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -12,6 +14,7 @@ from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from mini_engine.layers.sampler import SampleLogprobs
+from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
@@ -21,6 +24,8 @@ from mini_engine.tokenizer import encode_prompt, load_tokenizer
 # Engines freeze the heap they start with (LLMEngine.__init__); unfrozen at exit, so that the
 # interpreter's shutdown still frees it (Triton's bindings report leaked objects otherwise).
 atexit.register(gc.unfreeze)
+
+logger = logging.getLogger("mini_engine.engine")
 
 
 @dataclass
@@ -68,6 +73,9 @@ class LLMEngine:
                           "be refused. Raise gpu_memory_utilization (cpu_kv_blocks on CPU) or lower max_model_len")
         self.in_flight: InFlightStep | None = None
         self.grammar_compiler: GrammarCompiler | None = None     # made at the first structured request
+        self.compiling: set[str] = set()        # the requests whose grammars are compiling
+        # With a reasoning parser, a grammar holds only what follows the output's thought.
+        self.think_tokens = ThinkTokens.from_tokenizer(self.tokenizer) if config.reasoning_parser else None
         # The unfinished requests whose next row needs the token in flight, which the host must
         # know (the runner feeds it to the model, not to host-side logic): a grammar's, or a bad
         # word's of several tokens.
@@ -115,7 +123,11 @@ class LLMEngine:
             if self.grammar_compiler is None:
                 self.grammar_compiler = GrammarCompiler(self.tokenizer, self.config.model_config.vocab_size,
                                                         sorted(self.eos_token_ids))
-            seq.grammar = self.grammar_compiler.matcher(params.structured_outputs, sorted(stop_token_ids))
+            seq.grammar_compiling = self.grammar_compiler.compile(params.structured_outputs)
+            if self.think_tokens is not None:
+                tag = self.think_tokens.prompt_tag(self.tokenizer, prompt_token_ids)
+                seq.thinking, seq.may_think = tag == self.think_tokens.start, tag is None
+            self.compiling.add(request_id)
             self.needs_last_token.add(request_id)
         if seq.bad_words_ids and any(len(ids) > 1 for ids in seq.bad_words_ids):
             self.needs_last_token.add(request_id)
@@ -137,6 +149,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         self.needs_last_token.discard(request_id)
+        self.compiling.discard(request_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             while seq.token_ids[-1] == PENDING_TOKEN:     # tokens still in flight are dropped
@@ -158,8 +171,10 @@ class LLMEngine:
         for its own tokens before returning."""
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
         try:
-            early = self.wait_for_last_tokens()
+            early = self.wait_for_last_tokens() + self.start_compiled_grammars()
             batch = self.scheduler.schedule()
+            if batch.is_empty and self.in_flight is None and self.compiling:
+                self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None
             previous, self.in_flight = self.in_flight, launched
             outputs = early + (self.resolve(previous) if previous else [])
@@ -179,6 +194,30 @@ class LLMEngine:
                                              for r in self.needs_last_token):
             return []
         return self.wait_in_flight()
+
+    def start_compiled_grammars(self) -> list[StepOutput]:
+        """Each request whose grammar has compiled gets its matcher, and may be scheduled from now
+        on. One whose grammar failed to compile (StructuredOutputsParams.check, which validate()
+        runs, finds bad specs before this) ends "abort", and the others go on."""
+        outputs = []
+        for request_id in [r for r in self.compiling if self.requests[r].grammar_compiling.done()]:
+            seq = self.requests[request_id]
+            compiled, seq.grammar_compiling = seq.grammar_compiling, None
+            self.compiling.discard(request_id)
+            try:
+                stop_token_ids = sorted(self.eos_token_ids | set(seq.sampling_params.stop_token_ids))
+                seq.grammar = self.grammar_compiler.matcher(compiled.result(), stop_token_ids)
+            except Exception as e:      # whatever it was, it ends this request only
+                logger.warning("request %s: its grammar did not compile: %s", request_id, e)
+                self.end(seq, "abort")
+                outputs.append(StepOutput(seq, [], True))
+        return outputs
+
+    def wait_for_a_grammar(self) -> None:
+        """Nothing runs but grammars compile: waits until one is done, or briefly, so that a caller
+        who adds requests between steps (the server's engine process) is not held up."""
+        concurrent.futures.wait([self.requests[r].grammar_compiling for r in self.compiling], timeout=0.05,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
 
     def wait_in_flight(self) -> list[StepOutput]:
         """Waits for the step in flight, if one is, and returns its outputs."""
@@ -220,19 +259,23 @@ class LLMEngine:
         for (seq, position), token, lp in zip(step.samples, tokens, logprobs):
             if seq.is_finished:
                 continue                          # aborted, or ended by the step before
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                # Every token the grammar allowed was banned (min_tokens' stop tokens, or
-                # allowed_token_ids), so the draw is not one: it is dropped, and the output ends.
-                del seq.token_ids[position:]
-                seq.grammar_dead_end = True
-                self.end(seq, "stop")
-                outputs.append(StepOutput(seq, [], True, None))
-                continue
+            if seq.grammar is not None:
+                opens_thought, seq.may_think = seq.may_think and token == self.think_tokens.start, False
+                if seq.thinking or opens_thought:
+                    seq.thinking = token != self.think_tokens.end       # the grammar holds what follows
+                elif not seq.grammar.accept(token):
+                    # Every token the grammar allowed was banned (min_tokens' stop tokens, or
+                    # allowed_token_ids), so the draw is not one: it is dropped, and the output ends.
+                    del seq.token_ids[position:]
+                    seq.grammar_dead_end = True
+                    self.end(seq, "stop")
+                    outputs.append(StepOutput(seq, [], True, None))
+                    continue
             seq.token_ids[position] = token
             if lp is not None:
                 seq.logprobs.append(lp)
             reason = self.finish_reason(seq, token, position + 1)
-            if seq.grammar is not None and seq.grammar.is_terminated:
+            if seq.grammar is not None and not seq.thinking and seq.grammar.is_terminated:
                 reason = reason or "stop"       # complete: it took a stop token, even one ignore_eos ignores
             if reason:
                 del seq.token_ids[position + 1:]     # a token computed past a stop is dropped
@@ -244,6 +287,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
         self.needs_last_token.discard(seq.request_id)
+        self.compiling.discard(seq.request_id)
 
     def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
         """Rows in the runner's order, and the batch indices in it: single-token rows first, the
@@ -270,9 +314,10 @@ class LLMEngine:
                     row.history, row.num_prompt_tokens = seq.tokens_before_newest(), seq.num_prompt_tokens
             if sample and p.min_tokens:
                 row.num_output_tokens = seq.num_output_tokens
-            if sample and seq.grammar is not None:
+            if sample and seq.grammar is not None and not seq.thinking:
                 assert row.token_ids[-1] != PENDING_TOKEN, "a grammar's row waits for its token (wait_for_last_tokens)"
-                row.grammar_bitmask = seq.grammar.next_token_bitmask()
+                row.grammar_bitmask = seq.grammar.next_token_bitmask(
+                    self.think_tokens.start if seq.may_think else None)
             if sample and seq.bad_words_ids:
                 row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.token_ids, seq.num_prompt_tokens)
             # Only a row inside the prompt predicts prompt tokens (and so a decode row never scans

@@ -64,9 +64,14 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # A step that had to preempt admits nobody: the pool is already short.
+        # A step that had to preempt admits nobody: the pool is already short. A request whose
+        # grammar still compiles stays where it waits, and those behind it go first.
+        compiling = []
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.grammar_compiling is not None:
+                compiling.append(self.waiting.popleft())
+                continue
             cached = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             n = min(seq.num_tokens - num_computed, budget)
@@ -82,6 +87,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
         return out
 
     def reached_length(self, seq: Sequence) -> bool:

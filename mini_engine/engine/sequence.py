@@ -38,7 +38,14 @@ class Sequence:
     num_preemptions: int = 0
     pending_sample_index: int = -1      # where the in-flight step's samples hold this seq's token
     logprobs: list = field(default_factory=list)    # a SampleLogprobs per output token, if asked
-    grammar: object | None = None       # with structured outputs: its OutputGrammar
+    grammar: object | None = None       # with structured outputs: its OutputGrammar, once compiled
+    # With structured outputs, until the grammar is compiled: the compile (a Future), while the
+    # scheduler leaves the sequence waiting.
+    grammar_compiling: object | None = None
+    # With a reasoning parser: the output is in its thought, which its grammar does not hold; or
+    # (may_think) the output's first token may open one instead of starting the grammar.
+    thinking: bool = False
+    may_think: bool = False
     bad_words_ids: list[list[int]] | None = None    # its bad words as token ids (engine/bad_words.py)
     # Ended "stop" with no stop token of its own: its grammar allowed nothing the request permits
     # (min_tokens' banned stop tokens, allowed_token_ids), and that last draw was dropped.

@@ -70,6 +70,59 @@ class Prompts:
     echoes: list[Echo] | None = None
 
 
+class StreamedEchoes:
+    """echo=true in a stream, as vLLM streams it: each choice's first chunk holds its prompt (with
+    logprobs, the prompt's tokens' first), then its first tokens (none where max_tokens was 0). A
+    prompt's log-probabilities come with its first completion's first delta (SamplingParams.
+    completion): a sibling whose tokens come sooner is held until that delta has come."""
+
+    def __init__(self, prompts: Prompts):
+        self.prompts = prompts
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts.token_ids)
+        self.sent = [False] * len(prompts.token_ids) * prompts.n
+        self.held: dict[int, list[RequestDelta]] = {}
+
+    def ready(self, ready: list[tuple[int, RequestDelta]]) -> list[tuple[int, RequestDelta]]:
+        """What may go out of the deltas ready now: a choice's held ones merged with its new ones
+        once its prompt's log-probabilities have come, or at once where it asked for none."""
+        n = self.prompts.n
+        for k, delta in ready:
+            self.prompt_logprobs[k // n] = self.prompt_logprobs[k // n] or delta.prompt_logprobs
+        for k, delta in ready:
+            if not self.sent[k]:
+                self.held.setdefault(k, []).append(delta)
+        out = [(k, delta) for k, delta in ready if self.sent[k]]
+        for k in sorted(self.held):
+            deltas = self.held[k]
+            # The prompt's first completion brings what there is of them: it never waits, nor
+            # does a sibling once it has gone out.
+            waits = deltas[-1].logprobs is not None and self.prompt_logprobs[k // n] is None \
+                and k % n and not self.sent[k // n * n]
+            if not waits or deltas[-1].finish_reason == "error":
+                del self.held[k]
+                out.append((k, deltas[0] if len(deltas) == 1 else dataclasses.replace(
+                    deltas[-1], text="".join(d.text for d in deltas),
+                    token_ids=[t for d in deltas for t in d.token_ids],
+                    logprobs=None if deltas[-1].logprobs is None else [lp for d in deltas for lp in d.logprobs])))
+        return sorted(out, key=lambda item: item[0])
+
+    def first(self, k: int, delta: RequestDelta, logprobs_json: LogprobsJSON) -> tuple[RequestDelta, dict | None, int]:
+        """Choice k's first delta with its prompt before it, its logprobs, and the text offset after it."""
+        self.sent[k] = True
+        echo = self.prompts.echoes[k // self.prompts.n]
+        offset = sum(map(len, echo.token_strings))
+        logprobs, offset = logprobs_json.delta_logprobs(delta, False, offset)
+        if echo.drop_output:
+            delta = dataclasses.replace(delta, text="", token_ids=[], num_output_tokens=0)
+            logprobs = None if logprobs is None else {key: [] for key in logprobs}
+        delta = dataclasses.replace(delta, text=echo.text + delta.text)
+        prompt_logprobs = self.prompt_logprobs[k // self.prompts.n]
+        if logprobs is not None and prompt_logprobs is not None:
+            prompt = logprobs_json.echoed_prompt_logprobs(echo.token_strings, prompt_logprobs)
+            logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
+        return delta, logprobs, offset
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -255,10 +308,11 @@ class OpenAIServer:
                        params: SamplingParams) -> list[ChatOutputParser] | None:
         """A parser for each of the params.n completions, where the server parses reasoning or the
         request's tool calls; None where neither (the text goes out as it is)."""
-        # An output that structured outputs hold from its first token (a forced tool_choice's too)
-        # cannot think first (vLLM lets it, and holds only what follows the thought): none of it is
-        # reasoning.
-        reasoning = self.parsers.reasoning_parser is not None and params.structured_outputs is None
+        # Structured outputs (a forced tool_choice's too) hold only what follows the thought where
+        # the engine has the reasoning parser (serve.py gives it --reasoning-parser); an engine
+        # without it holds the output from its first token, and none of it is reasoning.
+        reasoning = self.parsers.reasoning_parser is not None and (
+            params.structured_outputs is None or self.config.reasoning_parser is not None)
         forced = forced_tool(req)
         if not reasoning and not req.parses_tool_calls and forced is None:
             return None
@@ -301,21 +355,29 @@ class OpenAIServer:
                      sum(delta.num_output_tokens for delta in last))
 
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                            include_usage: bool, n: int,
+                            include_usage: bool, prompts: Prompts,
                             parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[str]:
         if chat:
             first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(streams))]
             yield sse(completion_body(request_id, created, self.model_name, first, None, chunk=True, chat=True))
         offsets, last, failed = [0] * len(streams), [None] * len(streams), None
+        echoes = StreamedEchoes(prompts) if prompts.echoes is not None else None
         async for ready in interleaved(streams):
             choices = []          # the deltas ready together go out as one chunk
+            if echoes is not None:
+                ready = echoes.ready(ready)
             for k, delta in ready:
                 last[k] = delta
                 if delta.finish_reason == "error":
                     failed = delta.error or "the request failed"
                     break
                 if not delta.token_ids and delta.finish_reason is None:
+                    continue
+                if echoes is not None and not echoes.sent[k]:
+                    delta, logprobs, offsets[k] = echoes.first(k, delta, self.logprobs_json)
+                    last[k] = delta
+                    choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
                     continue
                 logprobs, offsets[k] = self.logprobs_json.delta_logprobs(delta, chat, offsets[k])
                 if parsers is None:
@@ -331,7 +393,7 @@ class OpenAIServer:
             if choices:
                 yield sse(completion_body(request_id, created, self.model_name, choices, None, chunk=True, chat=chat))
         if include_usage and failed is None:
-            u = self.usage_of(last, n)
+            u = self.usage_of(last, prompts.n)
             yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
         yield sse("[DONE]")
 
@@ -399,7 +461,7 @@ class OpenAIServer:
         created = int(time.time())
         if streaming:
             return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage,
-                                                           prompts.n, parsers), abort)
+                                                           prompts, parsers), abort)
         # Not streaming: nothing is written until the end, so watch for the client leaving.
         collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompts, parsers))
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
@@ -452,8 +514,6 @@ class OpenAIServer:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         echoes = None
         if req.echo:
-            if req.stream:
-                raise ProtocolError("echo is not supported with stream=true", param="echo")
             echoes = [self.echo(prompt, ids, max_tokens) for prompt, ids in zip(inputs, prompts)]
             if max_tokens == 0:     # one token is generated, and dropped
                 max_tokens = 1

@@ -11,11 +11,10 @@ Nothing is lost: a tool call that is not valid JSON stays in the content as the 
 import json
 from dataclasses import dataclass, field
 
+from mini_engine.reasoning import REASONING_PARSERS, THINK_END, THINK_START
 from mini_engine.server.protocol import random_id
 
-THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("hermes",)
 
 

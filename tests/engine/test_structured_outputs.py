@@ -46,8 +46,8 @@ def check(kind: str, text: str, finish_reason: str):
 
 def tokens_allowed(llm, spec: StructuredOutputsParams, token_ids: list[int]) -> bool:
     """Every token of the output, through a fresh matcher of the same grammar."""
-    engine = llm.engine
-    grammar = engine.grammar_compiler.matcher(spec, sorted(engine.eos_token_ids))
+    compiler = llm.engine.grammar_compiler
+    grammar = compiler.matcher(compiler.compile(spec).result(), sorted(llm.engine.eos_token_ids))
     return all(grammar.accept(t) for t in token_ids)
 
 
@@ -168,7 +168,7 @@ def test_special_tokens_and_ids_past_the_tokenizer_are_never_text(tokenized_mode
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     end = tokenizer.token_to_id("<|im_end|>")
     compiler = GrammarCompiler(tokenizer, size + 40, [end])
-    grammar = compiler.matcher(StructuredOutputsParams(json={"type": "string"}), [end])
+    grammar = compiler.matcher(compiler.compile(StructuredOutputsParams(json={"type": "string"})).result(), [end])
     assert all(grammar.accept(t) for t in tokenizer.encode('"ab').ids)
     bitmask = grammar.next_token_bitmask()
     allowed = {t for t in range(size + 40) if (int(bitmask[t // 32]) >> (t % 32)) & 1}

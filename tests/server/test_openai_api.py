@@ -526,6 +526,41 @@ def test_echo_returns_the_prompt_and_its_logprobs(served, client, llm):
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("max_tokens", [0, 4])
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_echo_streamed_is_the_response_unstreamed(served, client, max_tokens, logprobs):
+    """echo in a stream, as vLLM streams it: each choice's chunks put together are its choice in
+    the response unstreamed (text, and with logprobs the prompt's tokens then the completion's,
+    offsets running on), for a batch of two prompts with n=2, and so is the usage."""
+    params = dict(model=MODEL_NAME, prompt=["Hello world, again", "Größe 你好 😀"], max_tokens=max_tokens,
+                  echo=True, logprobs=logprobs, temperature=1.0, seed=3, n=2, extra_body={"ignore_eos": True})
+    full = client.completions.create(**params)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **params))
+    texts, lps, reasons = {}, {}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason
+            if c.logprobs is not None:
+                old = lps.setdefault(c.index, {key: [] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                  "text_offset")})
+                for key in old:
+                    old[key] += getattr(c.logprobs, key)
+    assert len(full.choices) == 4 and full.choices[0].text.startswith("Hello world, again")
+    for c in full.choices:
+        assert texts[c.index] == c.text and reasons[c.index] == c.finish_reason == "length"
+        if logprobs is None:
+            assert c.logprobs is None and c.index not in lps
+            continue
+        got = lps[c.index]
+        assert got["tokens"] == c.logprobs.tokens and got["text_offset"] == c.logprobs.text_offset
+        assert got["token_logprobs"] == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
+        assert got["top_logprobs"][0] is None and [sorted(t) for t in got["top_logprobs"][1:]] == \
+            [sorted(t) for t in c.logprobs.top_logprobs[1:]]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (full.usage.prompt_tokens, full.usage.completion_tokens) == (full.usage.prompt_tokens, 4 * max_tokens)
+
+
 def test_echo_of_token_ids_keeps_their_special_tokens(served, client, llm):
     """A prompt of token ids echoes as their text with special tokens written out, as its
     logprobs' token strings show them (a review found them dropped from the text)."""

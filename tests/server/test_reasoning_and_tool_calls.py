@@ -13,6 +13,7 @@ import pytest
 
 from mini_engine import LLM, SamplingParams
 from mini_engine.chat_template import ChatTemplate
+from mini_engine.reasoning import THINK_END, THINK_START
 from mini_engine.tokenizer import load_tokenizer
 from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, launched_server, write_tiny_model
 
@@ -52,13 +53,13 @@ PARSERS = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-c
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen3-tools")), QWEN3_LIKE_TEMPLATE,
-                            added_tokens=(THOUGHT, CALL, BROKEN_CALL, CUT_CALL))
+                            added_tokens=(THINK_START, THINK_END, THOUGHT, CALL, BROKEN_CALL, CUT_CALL))
 
 
 @pytest.fixture(scope="module")
 def token_id(model):
     tokenizer = load_tokenizer(model)
-    return {text: tokenizer.token_to_id(text) for text in (THOUGHT, CALL, BROKEN_CALL, CUT_CALL)}
+    return {text: tokenizer.token_to_id(text) for text in (THINK_END, THOUGHT, CALL, BROKEN_CALL, CUT_CALL)}
 
 
 @pytest.fixture(scope="module")
@@ -216,32 +217,36 @@ NOW_TOOL = {"type": "function", "function": {"name": "now"}}       # no paramete
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_named_tool_choice_calls_it(client, stream):
+def test_a_named_tool_choice_calls_it(client, token_id, stream):
     """Structured outputs hold the output to the function's parameters: the output is its
-    arguments, streamed as they come; finish_reason is the engine's, as OpenAI's for a named one."""
+    arguments, streamed as they come; finish_reason is the engine's, as OpenAI's for a named one.
+    (enable_thinking=False: the prompt closes the thought, so the call comes first.)"""
     message, finish = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL], max_tokens=80,
-                           tool_choice={"type": "function", "function": {"name": "set_unit"}})
+                           tool_choice={"type": "function", "function": {"name": "set_unit"}},
+                           chat_template_kwargs={"enable_thinking": False})
     assert finish == "stop" and message["content"] is None and message["reasoning"] is None
     (call_id, name, arguments), = message["tool_calls"]
     assert call_id.startswith("chatcmpl-tool-") and name == "set_unit" and json.loads(arguments)["unit"] in ("C", "F")
-    # A template that opens the thought in the prompt: the output is still the call (a held
-    # output cannot think), never reasoning.
-    message, _ = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL], max_tokens=80,
-                      tool_choice={"type": "function", "function": {"name": "set_unit"}},
-                      chat_template_kwargs={"think_in_prompt": True})
-    assert message["reasoning"] is None and json.loads(message["tool_calls"][0][2])["unit"] in ("C", "F")
-    message, _ = chat(client, stream, max_tokens=80, chat_template_kwargs={"think_in_prompt": True},
-                      response_format={"type": "json_schema", "json_schema": {"name": "unit", "schema": UNIT_TOOL[
-                          "function"]["parameters"]}})
-    assert message["reasoning"] is None and json.loads(message["content"])["unit"] in ("C", "F")
+    # A template that opens the thought in the prompt: the model thinks freely (until the bias on
+    # </think> ends the thought), and structured outputs hold what follows, as vLLM's with a
+    # reasoning parser.
+    thinking = dict(max_tokens=80, chat_template_kwargs={"think_in_prompt": True}, temperature=1, seed=3,
+                    logit_bias={str(token_id[THINK_END]): 8})
+    message, finish = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL],
+                           tool_choice={"type": "function", "function": {"name": "set_unit"}}, **thinking)
+    assert message["reasoning"] and THINK_END not in message["reasoning"] and finish == "stop"
+    assert message["content"] is None and json.loads(message["tool_calls"][0][2])["unit"] in ("C", "F")
+    message, finish = chat(client, stream, response_format={"type": "json_schema", "json_schema": {
+        "name": "unit", "schema": UNIT_TOOL["function"]["parameters"]}}, **thinking)
+    assert message["reasoning"] and json.loads(message["content"])["unit"] in ("C", "F") and finish == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_choice_required_calls_one_of_the_tools(client, stream):
     """vLLM's schema for "required": an array of {"name", "parameters"}, here of one call at most
     (parallel_tool_calls false)."""
-    message, finish = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL], tool_choice="required", max_tokens=170,
-                           parallel_tool_calls=False)
+    message, finish = chat(client, stream, tools=[UNIT_TOOL, NOW_TOOL], tool_choice="required", max_tokens=165,
+                           parallel_tool_calls=False, chat_template_kwargs={"enable_thinking": False})
     assert finish == "tool_calls" and message["content"] is None
     (_, name, arguments), = message["tool_calls"]
     assert (name, json.loads(arguments)) in [("now", {}), ("set_unit", {"unit": "C"}), ("set_unit", {"unit": "F"})]

@@ -23,7 +23,6 @@ BAD_COMPLETIONS = {
     "min_tokens above max_tokens": (OK | {"min_tokens": 5}, 400, "min_tokens"),
     "greedy n > 1": (OK | {"n": 2, "temperature": 0}, 400, "n must be 1 when sampling greedily"),
     "best_of": (OK | {"best_of": 3}, 400, "best_of"),
-    "echo streamed": (OK | {"echo": True, "stream": True}, 400, "echo is not supported with stream"),
     "echo of an empty prompt": (OK | {"echo": True, "prompt": []}, 400, "the prompt is empty"),
     "echo with negative max_tokens": (OK | {"echo": True, "max_tokens": -1}, 400, "max_tokens"),
     "echo alone of a max_model_len prompt": (OK | {"echo": True, "max_tokens": 0, "prompt": [1] * MAX_MODEL_LEN}, 400,

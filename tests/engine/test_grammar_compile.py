@@ -1,0 +1,123 @@
+"""Grammars compile off the step loop (vLLM's WAITING_FOR_FSM): while one compiles its request
+waits and the others run; once compiled it runs as it would have; a compile that fails or a
+request aborted meanwhile ends that request alone, with every KV block back."""
+import threading
+
+import pytest
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.engine.sequence import SequenceStatus
+from mini_engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+CHOICES = ["yes", "no", "maybe so"]
+PLAIN = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def choice_params(**kwargs) -> SamplingParams:
+    return SamplingParams(**({"temperature": 0, "max_tokens": 20} | kwargs),
+                          structured_outputs=StructuredOutputsParams(choice=CHOICES))
+
+
+@pytest.fixture
+def held_compiles(monkeypatch):
+    """Every compile waits for the event first; the list counts the compiles started."""
+    release, started = threading.Event(), []
+    compile_now = GrammarCompiler.compile_now
+
+    def held(self, kind, text):
+        started.append((kind, text))
+        assert release.wait(30), "the test never released the compile"
+        return compile_now(self, kind, text)
+    monkeypatch.setattr(GrammarCompiler, "compile_now", held)
+    yield release, started
+    release.set()
+
+
+def run_until_done(engine, request_ids: set[str]) -> dict[str, list[int]]:
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.seq.request_id, []).extend(out.new_token_ids)
+    assert set(tokens) >= request_ids
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def unhurried(tokenized_model) -> list[list[int]]:
+    """The outputs of the three requests below from an engine whose compiles nobody holds."""
+    outputs = LLM(tokenized_model, device="cpu", num_kv_blocks=64).generate(
+        ["Hi", "Hello", "Hey"], [PLAIN, choice_params(), PLAIN], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_others_run_while_a_grammar_compiles(tokenized_model, unhurried, held_compiles):
+    release, started = held_compiles
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
+    engine.add_request("Hi", PLAIN, "before")
+    structured = engine.add_request("Hello", choice_params(), "structured")
+    engine.add_request("Hey", PLAIN, "after")         # behind the compiling request in the queue
+    done = {}
+    while {"before", "after"} - done.keys():
+        for out in engine.step():
+            if out.finished:
+                done[out.seq.request_id] = out.seq.output_token_ids
+    assert started and structured.status == SequenceStatus.WAITING and structured.num_computed_tokens == 0
+    assert engine.compiling == {"structured"}
+    release.set()
+    run_until_done(engine, {"structured"})
+    assert [done["before"], structured.output_token_ids, done["after"]] == unhurried
+    assert engine.tokenizer.decode(structured.output_token_ids) in CHOICES
+    assert engine.num_free_blocks == engine.block_manager.num_blocks and not engine.compiling
+
+
+def test_a_spec_compiles_once_for_every_request_that_sends_it(tokenized_model, held_compiles):
+    release, started = held_compiles
+    llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64)
+    release.set()
+    outputs = llm.generate(["Hello", "Hi"], choice_params(n=3, temperature=1.0, seed=1), use_tqdm=False)
+    assert len(started) == 1
+    assert all(c.text in CHOICES for out in outputs for c in out.outputs)
+
+
+def test_a_request_aborted_while_its_grammar_compiles(tokenized_model, held_compiles):
+    release, _ = held_compiles
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
+    engine.add_request("Hello", choice_params(), "structured")
+    engine.add_request("Hi", PLAIN, "plain")
+    engine.step()
+    engine.abort_request("structured")
+    release.set()
+    tokens = run_until_done(engine, {"plain"})
+    assert "structured" not in tokens and len(tokens["plain"]) == PLAIN.max_tokens
+    assert engine.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.compiling and not engine.needs_last_token and not engine.requests
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request_alone(tokenized_model, monkeypatch):
+    """What check() cannot find (it parses the spec; the compile is xgrammar's) still ends only
+    the request it belongs to."""
+    def fails(self, kind, text):
+        raise ValueError("structured_outputs: no such luck")
+    monkeypatch.setattr(GrammarCompiler, "compile_now", fails)
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
+    structured = engine.add_request("Hello", choice_params(), "structured")
+    engine.add_request("Hi", PLAIN, "plain")
+    tokens = run_until_done(engine, {"structured", "plain"})
+    assert structured.finish_reason == "abort" and tokens["structured"] == []
+    assert len(tokens["plain"]) == PLAIN.max_tokens
+    assert engine.num_free_blocks == engine.block_manager.num_blocks and not engine.compiling
+
+
+def test_with_only_a_compiling_request_a_step_returns_nothing(tokenized_model, held_compiles):
+    """Nothing can run: the step waits a moment for the compile, returns no output and changes
+    nothing; once the compile is done the request runs."""
+    release, _ = held_compiles
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
+    structured = engine.add_request("Hello", choice_params(), "structured")
+    assert [engine.step() for _ in range(3)] == [[], [], []]
+    assert structured.status == SequenceStatus.WAITING and engine.num_free_blocks == engine.block_manager.num_blocks
+    release.set()
+    run_until_done(engine, {"structured"})
+    assert engine.tokenizer.decode(structured.output_token_ids) in CHOICES
