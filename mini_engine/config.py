@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
 
@@ -26,6 +27,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: YarnScaling | None = None     # YaRN's parameters, where config.json asks for it
+
+    @property
+    def max_positions(self) -> int:
+        """The longest context its positions serve: with YaRN original x factor (131,072 for
+        Qwen3's 32,768 x 4, as vLLM derives it), else max_position_embeddings."""
+        return self.max_position_embeddings if self.rope_scaling is None else self.rope_scaling.max_positions
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -35,16 +43,8 @@ class ModelConfig:
             raise ValueError(
                 f"config.json: unsupported architecture (model_type={model_type!r}, "
                 f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM only")
-        scaling = raw.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise ValueError(f"config.json: rope_scaling {scaling!r} is not an object")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"config.json: rope_scaling {scaling!r} is not supported")
+        rope_scaling = parse_rope_scaling(raw)
         params = raw.get("rope_parameters") or {}
-        if not isinstance(params, dict):
-            raise ValueError(f"config.json: rope_parameters {params!r} is not an object")
-        if params.get("rope_type", "default") != "default":
-            raise ValueError(f"config.json: rope_parameters {params!r} are not supported")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
         for name in required:
@@ -80,15 +80,20 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", False),
             eos_token_ids=eos_ids,
+            rope_scaling=rope_scaling,
         )
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "ModelConfig":
+    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "ModelConfig":
+        """overrides: config.json's fields that these replace (EngineConfig.hf_overrides)."""
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
         with open(config_file) as f:
-            config = cls.from_dict(json.load(f))
+            raw = json.load(f)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_file}: not a JSON object")
+        config = cls.from_dict(raw | (overrides or {}))
         eos = read_generation_config(path).get("eos_token_id")
         if eos is not None:
             config.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
@@ -124,7 +129,7 @@ class EngineConfig:
     dtype: str | None = None           # None: bfloat16 on CUDA, float32 on CPU; a name or a torch.dtype
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
-    max_model_len: int | None = None   # None: the checkpoint's max_position_embeddings
+    max_model_len: int | None = None   # None: the positions the checkpoint's RoPE serves (ModelConfig.max_positions)
     # None: 64 on CUDA, 16 on CPU. On the H200 a decode tile of 64 tokens then comes from one block
     # instead of four scattered ones: decode attention ~1.4% faster at 64-256 rows, the benchmark
     # -0.03 s (benchmarks/NOTES.md, entry 42). The CPU keeps vLLM's 16, which the tests' pools assume.
@@ -157,6 +162,9 @@ class EngineConfig:
     # As vLLM's reasoning_parser (`--reasoning-parser qwen3`): None, or "qwen3", with which
     # structured outputs hold only what follows the output's thought (mini_engine/reasoning.py).
     reasoning_parser: str | None = None
+    # As vLLM's hf_overrides: fields that replace config.json's, e.g. Qwen's YaRN for 131k tokens,
+    # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}.
+    hf_overrides: dict | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
     sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
@@ -181,9 +189,11 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         if self.cpu_kv_blocks < 1:
             raise ValueError(f"cpu_kv_blocks must be >= 1, got {self.cpu_kv_blocks}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json's fields, got {self.hf_overrides!r}")
         if self.model_config is None:
-            self.model_config = ModelConfig.from_pretrained(self.model)
-        limit = self.model_config.max_position_embeddings
+            self.model_config = ModelConfig.from_pretrained(self.model, self.hf_overrides)
+        limit = self.model_config.max_positions
         if self.max_model_len is None:
             self.max_model_len = limit
         elif not 1 <= self.max_model_len <= limit:

@@ -3,6 +3,7 @@ the OpenAI-compatible server. Engine options mirror EngineConfig's fields (--max
 --num-kv-blocks, --no-enable-prefix-caching, ...); with no --model, the embedded default
 checkpoint (Qwen3-0.6B's shape, random weights, no tokenizer: prompts as token ids)."""
 import argparse
+import json
 import logging
 import types
 import typing
@@ -35,6 +36,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         kind = option_type(f.type)
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        elif kind is dict:      # JSON, as vLLM's --hf-overrides takes it
+            group.add_argument(flag, dest=f.name, type=json.loads, default=default, help="JSON")
         else:
             group.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default: {default}")
 

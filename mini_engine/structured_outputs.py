@@ -170,9 +170,13 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar, to come: a new spec is queued on the compiler's thread, a known
-        one (compiled, or still compiling) shared. Its result raises ValueError for a spec that
-        does not compile (StructuredOutputsParams.check finds those first)."""
+        one (compiled, or still compiling) shared, one that failed or was called off queued again.
+        Its result raises ValueError for a spec that does not compile (StructuredOutputsParams.check
+        finds those first)."""
         key = params.spec()
+        known = self.compiled.get(key)
+        if known is not None and known.done() and (known.cancelled() or known.exception() is not None):
+            del self.compiled[key]      # called off, or failed (perhaps for want of memory): once more
         if key in self.compiled:
             self.compiled[key] = self.compiled.pop(key)         # the newest now: the oldest goes first
         else:

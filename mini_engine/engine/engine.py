@@ -149,7 +149,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         self.needs_last_token.discard(request_id)
-        self.compiling.discard(request_id)
+        self.stop_compiling(request_id, seq)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             while seq.token_ids[-1] == PENDING_TOKEN:     # tokens still in flight are dropped
@@ -173,7 +173,7 @@ class LLMEngine:
         try:
             early = self.wait_for_last_tokens() + self.start_compiled_grammars()
             batch = self.scheduler.schedule()
-            if batch.is_empty and self.in_flight is None and self.compiling:
+            if batch.is_empty and self.in_flight is None and self.compiling and not early:
                 self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None
             previous, self.in_flight = self.in_flight, launched
@@ -287,7 +287,18 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
         self.needs_last_token.discard(seq.request_id)
-        self.compiling.discard(seq.request_id)
+        self.stop_compiling(seq.request_id, seq)
+
+    def stop_compiling(self, request_id: str, seq: Sequence | None) -> None:
+        """A request that ends while its grammar compiles: the compile is called off if it has not
+        started and no other request waits for it (GrammarCompiler.compile then queues it again for
+        a later one)."""
+        if request_id not in self.compiling:
+            return
+        self.compiling.discard(request_id)
+        if seq is not None and not any(self.requests[r].grammar_compiling is seq.grammar_compiling
+                                       for r in self.compiling):
+            seq.grammar_compiling.cancel()
 
     def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
         """Rows in the runner's order, and the batch indices in it: single-token rows first, the

@@ -5,11 +5,17 @@ import torch
 from mini_engine.kernels.rms_norm import rms_norm_ref, scale_by_inv_rms_ref
 
 
-def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, device=None) -> torch.Tensor:
-    """[max_position, head_dim] fp32: cos of each frequency in the first half, sin in the second."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, device=None,
+                       yarn: "YarnScaling | None" = None) -> torch.Tensor:
+    """[max_position, head_dim] fp32: cos of each frequency in the first half, sin in the second
+    (with YaRN, its frequencies, and both scaled by its attention factor as transformers scales them)."""
+    if yarn is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    else:
+        inv_freq = yarn.inverse_frequencies(head_dim, theta, device)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.int64, device=device).float(), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    scale = 1.0 if yarn is None else yarn.attention_scaling()
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # fp32 whatever the model's dtype: positions up to 40k need the precision before the cast.
-        cos_sin_cache = rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        cos_sin_cache = rope_cos_sin_cache(config.head_dim, config.max_positions, config.rope_theta,
+                                           yarn=config.rope_scaling)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cos_sin_cache)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "rms_norm" in kernels)

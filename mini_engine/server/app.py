@@ -96,14 +96,14 @@ class StreamedEchoes:
             deltas = self.held[k]
             # The prompt's first completion brings what there is of them: it never waits, nor
             # does a sibling once it has gone out.
-            waits = deltas[-1].logprobs is not None and self.prompt_logprobs[k // n] is None \
-                and k % n and not self.sent[k // n * n]
+            asked = any(d.logprobs is not None for d in deltas)   # a last delta may have no tokens
+            waits = asked and self.prompt_logprobs[k // n] is None and k % n and not self.sent[k // n * n]
             if not waits or deltas[-1].finish_reason == "error":
                 del self.held[k]
                 out.append((k, deltas[0] if len(deltas) == 1 else dataclasses.replace(
                     deltas[-1], text="".join(d.text for d in deltas),
                     token_ids=[t for d in deltas for t in d.token_ids],
-                    logprobs=None if deltas[-1].logprobs is None else [lp for d in deltas for lp in d.logprobs])))
+                    logprobs=[lp for d in deltas for lp in d.logprobs or []] if asked else None)))
         return sorted(out, key=lambda item: item[0])
 
     def first(self, k: int, delta: RequestDelta, logprobs_json: LogprobsJSON) -> tuple[RequestDelta, dict | None, int]:

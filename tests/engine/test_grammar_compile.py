@@ -2,6 +2,7 @@
 waits and the others run; once compiled it runs as it would have; a compile that fails or a
 request aborted meanwhile ends that request alone, with every KV block back."""
 import threading
+import time
 
 import pytest
 
@@ -111,13 +112,82 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_alone(tokenized_model,
 
 
 def test_with_only_a_compiling_request_a_step_returns_nothing(tokenized_model, held_compiles):
-    """Nothing can run: the step waits a moment for the compile, returns no output and changes
-    nothing; once the compile is done the request runs."""
+    """Nothing can run: the step waits a moment for the compile (it does not spin), returns no
+    output and changes nothing; once the compile is done the request runs."""
     release, _ = held_compiles
     engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
     structured = engine.add_request("Hello", choice_params(), "structured")
+    start = time.monotonic()
     assert [engine.step() for _ in range(3)] == [[], [], []]
+    assert time.monotonic() - start >= 0.1
     assert structured.status == SequenceStatus.WAITING and engine.num_free_blocks == engine.block_manager.num_blocks
     release.set()
     run_until_done(engine, {"structured"})
     assert engine.tokenizer.decode(structured.output_token_ids) in CHOICES
+
+
+def test_a_compiled_request_keeps_its_place_in_the_queue(tokenized_model, held_compiles):
+    """Two sequences at a time: the plain requests behind the compiling one run first, but once
+    compiled it goes before the plain one that came after it (FCFS)."""
+    release, _ = held_compiles
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64, max_num_seqs=2).engine
+    engine.add_request("Hello", choice_params(), "structured")
+    engine.add_request("Hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), "short")
+    engine.add_request("Ho", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "long")
+    engine.add_request("Hey", PLAIN, "last")
+    started = []
+    while engine.has_unfinished_requests():
+        if {"short", "long"} <= {seq.request_id for seq in engine.scheduler.running}:
+            release.set()
+        started += [r for r in (seq.request_id for seq in engine.scheduler.running) if r not in started]
+        engine.step()
+    assert started == ["short", "long", "structured", "last"]
+
+
+def test_the_last_output_is_not_held_up_by_another_compile(tokenized_model, monkeypatch):
+    """A step that has outputs to return (here the end of a structured request) returns them at
+    once, though nothing else can run while another grammar compiles."""
+    release, waits = threading.Event(), []
+    compile_now = GrammarCompiler.compile_now
+
+    def held_for_regex(self, kind, text):
+        if kind == "regex":
+            assert release.wait(30)
+        return compile_now(self, kind, text)
+    monkeypatch.setattr(GrammarCompiler, "compile_now", held_for_regex)
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
+    engine.wait_for_a_grammar = lambda: waits.append(len(engine.requests))
+    engine.add_request("Hello", choice_params(), "choice")
+    while not engine.scheduler.running:
+        engine.step()
+    engine.add_request("Hi", SamplingParams(max_tokens=4, structured_outputs={"regex": "[0-9]+"}), "regex")
+    ended = False
+    waits.clear()
+    while not ended:
+        outputs = engine.step()
+        ended = any(out.finished for out in outputs)
+        assert not (outputs and waits), "a step with outputs waited for a compile"
+        waits.clear()
+    release.set()
+    run_until_done(engine, {"regex"})
+
+
+def test_an_abort_calls_off_a_compile_nobody_else_waits_for(tokenized_model, held_compiles):
+    """Aborted before its turn on the compiler's thread, a compile never runs; a later request
+    with the same spec has it compiled then."""
+    release, started = held_compiles
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
+    engine.add_request("Hello", SamplingParams(max_tokens=4, structured_outputs={"regex": "[0-9]+"}), "busy")
+    engine.add_request("Hi", choice_params(), "gone")
+    engine.add_request("Hey", choice_params(), "shares")         # the same spec: the compile stays
+    engine.abort_request("gone")
+    engine.add_request("Yo", SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]+"}), "alone")
+    engine.abort_request("alone")
+    release.set()
+    run_until_done(engine, {"busy", "shares"})
+    assert [kind for kind, _ in started] == ["regex", "grammar"], "the aborted regex never compiled"
+    again = engine.add_request("Yo", SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]+"}), "again")
+    run_until_done(engine, {"again"})
+    text = engine.tokenizer.decode(again.output_token_ids)
+    assert again.finish_reason in ("stop", "length") and text.isalpha() and text.islower()
+    assert engine.num_free_blocks == engine.block_manager.num_blocks

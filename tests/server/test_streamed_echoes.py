@@ -62,3 +62,13 @@ def test_once_the_first_completion_has_gone_out_a_sibling_is_not_held():
     streamed.first(k, first, LogprobsJSON(None))
     sibling = delta(10)
     assert streamed.ready([(1, sibling)]) == [(1, sibling)]
+
+
+def test_a_held_sibling_whose_last_delta_has_no_tokens_still_waits():
+    """A grammar's dead end ends a completion with a delta of no tokens and no logprobs: the
+    sibling still waits for its prompt's log-probabilities, and keeps the ones it has."""
+    streamed = echoes()
+    assert streamed.ready([(1, delta(10))]) == []
+    assert streamed.ready([(1, RequestDelta("", [], None, "stop", 3, 1))]) == []
+    out = dict(streamed.ready([(0, delta(20, "length", prompt_logprobs=PROMPT_LOGPROBS))]))
+    assert out[1].token_ids == [10] and len(out[1].logprobs) == 1 and out[1].finish_reason == "stop"
