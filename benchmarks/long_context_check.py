@@ -3,7 +3,8 @@
 `hf_overrides` gives it), max_model_len 131,072.
 
 The kernel path (Triton attention and rotary/KV write, CUDA graphs for decode) against the
-PyTorch reference path (kernels="none", no graphs, the prompt in 4,096-token chunks), both bf16:
+PyTorch reference path (kernels="none", no graphs, one sequence, the prompt in 4,096-token
+chunks), both bf16:
 the first sampled token's top-20 log-probabilities, and the greedy tokens after it; then the
 kernel path without graphs, whose tokens must equal the graphs'. Every run must give back all
 its KV blocks. A kernel that read the cache or the rotary table wrong past some position would
@@ -56,8 +57,9 @@ def main():
     prompt = random.Random(0).choices(range(151_000), k=args.tokens)
     runs = {"kernels, graphs": run(path, prompt, args.new_tokens),
             "kernels, no graphs": run(path, prompt, args.new_tokens, enforce_eager=True),
+            # One sequence at a time: the eager decode gathers every row's max_model_len context.
             "reference": run(path, prompt, args.new_tokens, kernels="none", enforce_eager=True,
-                             max_num_batched_tokens=4096)}
+                             max_num_batched_tokens=4096, max_num_seqs=1)}
     graphs, reference = runs["kernels, graphs"], runs["reference"]
     common = graphs["top"].keys() & reference["top"].keys()
     worst = max(abs(graphs["top"][t] - reference["top"][t]) for t in common)
