@@ -152,6 +152,9 @@ class EngineConfig:
     # waits for its own tokens first.
     async_scheduling: bool = True
     seed: int = 0
+    # As vLLM's: "fcfs", or "priority" (requests carry a priority; a lower value is admitted first
+    # and preempted last, ties by arrival).
+    scheduling_policy: str = "fcfs"
     # The most top tokens a request's logprobs or prompt_logprobs may ask for, as vLLM's
     # max_logprobs (each is a Python object on the host, per token).
     max_logprobs: int = 20
@@ -185,6 +188,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         if self.cpu_kv_blocks < 1:

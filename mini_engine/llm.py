@@ -53,7 +53,9 @@ class LLM:
 
     def generate(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """priority: one for each prompt, with scheduling_policy "priority" (vLLM's): a lower value
+        is scheduled first."""
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = [prompts]                   # one prompt's token ids
         elif isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
@@ -64,13 +66,21 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        for value in priority:
+            self.engine.check_priority(value)
 
         engine = self.engine
         # A sequence for each completion: n of a prompt whose SamplingParams ask for n.
         num_completions = [p.n if isinstance(p, SamplingParams) else 1 for p in sampling_params]
-        requests = ((i, k, n, prompt, params.completion(k) if n > 1 else params)
+        requests = [(i, k, n, prompt, params.completion(k) if n > 1 else params)
                     for i, (prompt, params, n) in enumerate(zip(prompts, sampling_params, num_completions))
-                    for k in range(n))
+                    for k in range(n)]
+        # All arrive at once: added in priority order (stable, so ties keep theirs), the requests
+        # reach the scheduler as its priority queue would take them.
+        requests = iter(sorted(requests, key=lambda r: priority[r[0]]))
         seqs: list[Sequence] = []
         completion_of: dict[str, tuple[int, int]] = {}      # request id -> (prompt, completion)
         # Stop strings are matched on the text as it grows, so that a request that hits one is
@@ -92,11 +102,11 @@ class LLM:
             # the others nothing, and leaves the engine as it found it.
             budget = engine.config.max_num_batched_tokens
             admission = Admission()
-            pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission)
+            pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission, priority)
             while pending or engine.has_unfinished_requests():
                 outputs = engine.step()
                 if pending:
-                    pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission)
+                    pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission, priority)
                 prefill_tokens += engine.last_step_prefill_tokens
                 decode_tokens += engine.last_step_decode_tokens
                 elapsed = time.perf_counter() - start
@@ -142,7 +152,7 @@ class LLM:
 
     def add_requests(self, requests: Iterator[tuple[int, int, int, object, SamplingParams]], seqs: list[Sequence],
                      completion_of: dict[str, tuple[int, int]], stoppers: dict[str, IncrementalDetokenizer],
-                     max_tokens: int, admission: "Admission") -> bool:
+                     max_tokens: int, admission: "Admission", priority: list[int]) -> bool:
         """Validates and adds the next (prompt index, completion index, completions, prompt,
         params) of requests, into seqs and completion_of (and stoppers, where params have stop strings),
         until the engine's waiting requests hold max_tokens tokens to compute or as many requests
@@ -171,7 +181,7 @@ class LLM:
                 admission.last_request_id = str(next(engine.request_counter))
             # One completion takes its prompt's request id; several, vLLM's ids for its children.
             request_id = admission.last_request_id if n == 1 else f"{k}_{admission.last_request_id}"
-            seq = engine.add_request(ids, params, request_id, validated=True)
+            seq = engine.add_request(ids, params, request_id, validated=True, priority=priority[i])
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if params.stop:

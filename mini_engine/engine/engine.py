@@ -61,7 +61,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
-                                   config.max_model_len)
+                                   config.max_model_len, config.scheduling_policy)
         self.limits = RequestLimits(config.model_config.vocab_size, config.max_model_len, config.block_size,
                                     self.block_manager.num_blocks, self.tokenizer is not None, config.max_logprobs,
                                     tuple(config.model_config.eos_token_ids))
@@ -83,6 +83,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.request_counter = itertools.count()
+        self.arrivals = itertools.count()
         self.last_step_prefill_tokens = 0    # prompt tokens (prompt or recomputed) the last step ran
         self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
         # Everything alive now (imported modules, the model, compiled kernels) lives as long as the
@@ -105,16 +106,18 @@ class LLMEngine:
         self.limits.validate(prompt_token_ids, params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    validated: bool = False) -> Sequence:
+                    validated: bool = False, priority: int = 0) -> Sequence:
         """validated: the caller has already passed these token ids and params to validate() (a
-        batch is validated whole before any of it is added), so the prompt is not checked twice."""
+        batch is validated whole before any of it is added), so the prompt is not checked twice.
+        priority: with scheduling_policy "priority", a lower value is scheduled first (vLLM's)."""
         prompt_token_ids = self.tokenize(prompt)
         if not validated:
             self.validate(prompt_token_ids, params)
+        self.check_priority(priority)
         request_id = request_id if request_id is not None else str(next(self.request_counter))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, arrival=next(self.arrivals))
         stop_token_ids = self.eos_token_ids | set(params.stop_token_ids)
         if params.bad_words:            # before anything of the engine's changes: it may raise
             seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
@@ -134,6 +137,13 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' "
+                             "(--scheduling-policy priority); the engine schedules first come, first served")
 
     def waiting_load(self, prompt_costs: dict[str, int]) -> tuple[int, int]:
         """The waiting requests, and the tokens they have left to compute: a request never run

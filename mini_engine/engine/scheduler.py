@@ -1,6 +1,9 @@
 """Continuous batching in vLLM v1's style: no prefill or decode phase. Each step every running
 sequence gets the tokens it needs to catch up (one for a decode, a chunk of its prompt for a
-prefill), under one token budget; then waiting sequences are admitted in FCFS order."""
+prefill), under one token budget; then waiting sequences are admitted in FCFS order, or, with
+the "priority" policy (vLLM's), by (priority, arrival): a lower value first. When the pool runs
+short the last of the running is preempted: the newest under FCFS, the least urgent by priority."""
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,13 +24,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 max_model_len: int):
+                 max_model_len: int, policy: str = "fcfs"):
         self.max_num_seqs = max_num_seqs
+        self.by_priority = policy == "priority"
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []          # in admission order: the last is the newest
+        # In admission order (FCFS: the last is the newest) or by priority (the last is the least
+        # urgent), so that a step schedules from the front and preempts from the back.
+        self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Rows of the runner's penalty counts (PenaltyState): one for each running penalised
         # request, and at most max_num_seqs run.
@@ -35,7 +41,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=Sequence.scheduling_key)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,7 +92,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.sampling_params.penalized:
                 seq.penalty_row, seq.penalty_row_filled = self.free_penalty_rows.pop(), False
-            self.running.append(seq)
+            if self.by_priority:
+                bisect.insort(self.running, seq, key=Sequence.scheduling_key)
+            else:
+                self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
@@ -103,7 +115,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=Sequence.scheduling_key)
+        else:
+            self.waiting.appendleft(seq)
 
     def release_penalty_row(self, seq: Sequence) -> None:
         if seq.penalty_row >= 0:

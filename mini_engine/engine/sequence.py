@@ -57,6 +57,9 @@ class Sequence:
     # the scheduler at admission; filled from token_ids at the first step that samples in it.
     penalty_row: int = -1
     penalty_row_filled: bool = False
+    # The "priority" scheduling policy's order: a lower priority value first, then the earlier arrival.
+    priority: int = 0
+    arrival: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -81,6 +84,9 @@ class Sequence:
         prompt's last position): token_ids[start + 1 : ...] up to the prompt's end."""
         end = min(start + num_tokens, self.num_prompt_tokens - 1)
         return np.asarray(self.token_ids[start + 1:end + 1], dtype=np.int64)
+
+    def scheduling_key(self) -> tuple[int, int]:
+        return self.priority, self.arrival
 
     @property
     def num_tokens(self) -> int:

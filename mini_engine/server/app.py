@@ -204,6 +204,9 @@ class OpenAIServer:
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
                                 param="prompt_logprobs")
+        if req.priority and self.config.scheduling_policy != "priority":
+            raise ProtocolError(f"priority {req.priority} needs a server started with --scheduling-policy priority",
+                                param="priority")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -241,7 +244,8 @@ class OpenAIServer:
         except ValueError as e:
             raise ProtocolError(f"{where}: {e}" if where != "prompt" else str(e), param="prompt") from None
 
-    def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+    def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+            priority: int = 0) -> list[RequestStream]:
         """A stream for each of the params.n completions of each prompt, in that order: one request
         for one prompt and n = 1; else vLLM's ids ("{request_id}-{prompt}" for a batch of prompts,
         "{index}_..." for each of n, seeded seed + index), and the n of a prompt share it, which the
@@ -257,7 +261,7 @@ class OpenAIServer:
                        for child_id, child in ([(prompt_id, params)] if params.n == 1 else
                                                [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
-            return [self.async_engine.add_request(child_id, prompt, child, validated=True)
+            return [self.async_engine.add_request(child_id, prompt, child, validated=True, priority=priority)
                     for prompt, child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
@@ -519,7 +523,7 @@ class OpenAIServer:
                 max_tokens = 1
         params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echoes else None)
         request_id = random_id("cmpl")
-        streams = self.add(request_id, prompts, params)
+        streams = self.add(request_id, prompts, params, req.priority)
         return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
                                   Prompts(prompts, params.n, echoes))
 
@@ -554,7 +558,7 @@ class OpenAIServer:
                                 param="top_logprobs")
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
-        streams = self.add(request_id, [prompt_token_ids], params)
+        streams = self.add(request_id, [prompt_token_ids], params, req.priority)
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
                                   Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, params))
 

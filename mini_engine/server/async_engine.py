@@ -102,7 +102,7 @@ class AsyncEngine:
         return self.process.is_alive() and self.reader is not None and self.reader.is_alive()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    validated: bool = False) -> RequestStream:
+                    validated: bool = False, priority: int = 0) -> RequestStream:
         """Raises ValueError for a request the engine could never run, before it is sent
         (validated: the caller has checked these ids and params already)."""
         if not validated:
@@ -112,7 +112,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self.commands.put(("add", request_id, list(prompt_token_ids), params))
+        self.commands.put(("add", request_id, list(prompt_token_ids), params, priority))
         return stream
 
     def abort(self, request_id: str) -> None:

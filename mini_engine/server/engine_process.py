@@ -97,10 +97,10 @@ class EngineLoop:
 
     def apply(self, command: tuple) -> list[tuple]:
         if command[0] == "add":
-            _, request_id, prompt_token_ids, params = command
+            _, request_id, prompt_token_ids, params, priority = command
             try:
                 # The API process validated it with the same RequestLimits.
-                self.engine.add_request(prompt_token_ids, params, request_id, validated=True)
+                self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority)
             except (ValueError, TypeError) as e:
                 return [(request_id, "", [], None, "error", 0, str(e), None)]
             self.states[request_id] = RequestState(IncrementalDetokenizer(

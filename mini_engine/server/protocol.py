@@ -66,6 +66,7 @@ class SamplingRequest(BaseModel):
     # {"json_object": true}, and disable_any_whitespace
     structured_outputs: dict[str, Any] | None = None
     n: int | None = 1
+    priority: int = 0                   # extension (vLLM's): with --scheduling-policy priority, lower first
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None             # accepted and ignored, as OpenAI's own

@@ -34,16 +34,21 @@ class FakeRunner:
         return StepHandle.done(list(self.prev), None)
 
 
-def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_scheduling=True):
+def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_scheduling=True,
+                policy="fcfs"):
     config = EngineConfig("unused", device="cpu", block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=budget, max_model_len=256, enable_prefix_caching=prefix_caching,
-                          async_scheduling=async_scheduling, model_config=MODEL)
+                          async_scheduling=async_scheduling, model_config=MODEL, scheduling_policy=policy)
     engine = LLMEngine.__new__(LLMEngine)
 
     def check(rows):
         assert sum(len(r.token_ids) for r in rows) <= budget
         assert len(rows) <= max_num_seqs
         assert len(engine.scheduler.running) <= max_num_seqs
+        if policy == "priority":       # running and waiting in (priority, arrival) order
+            for queue in (engine.scheduler.running, engine.scheduler.waiting):
+                keys = [seq.scheduling_key() for seq in queue]
+                assert keys == sorted(keys)
         lengths = [len(r.token_ids) for r in rows]
         assert lengths == sorted(lengths, key=lambda n: n != 1), "single-token rows must come first"
         contexts = [r.start_position for r in rows if len(r.token_ids) == 1]
@@ -73,10 +78,12 @@ requests = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(requests=requests, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4, 16]),
        max_num_seqs=st.integers(1, 6), budget=st.integers(1, 64), prefix_caching=st.booleans(),
-       arrival_gap=st.integers(0, 3), async_scheduling=st.booleans())
+       arrival_gap=st.integers(0, 3), async_scheduling=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
+       priorities=st.lists(st.integers(-2, 2), min_size=12, max_size=12))
 def test_random_streams_finish_exactly_and_free_everything(requests, num_blocks, block_size, max_num_seqs,
-                                                           budget, prefix_caching, arrival_gap, async_scheduling):
-    engine = make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_scheduling)
+                                                           budget, prefix_caching, arrival_gap, async_scheduling,
+                                                           policy, priorities):
+    engine = make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_scheduling, policy)
     pending = list(enumerate(requests))
     seqs = {}
     for step in range(10_000):
@@ -85,7 +92,7 @@ def test_random_streams_finish_exactly_and_free_everything(requests, num_blocks,
             i, (prompt, max_tokens) = pending.pop(0)
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
             try:
-                seqs[i] = engine.add_request(prompt, params)
+                seqs[i] = engine.add_request(prompt, params, priority=priorities[i] if policy == "priority" else 0)
             except ValueError:
                 assert engine.block_manager.blocks_for(len(prompt) + max_tokens - 1) > num_blocks
             if arrival_gap:

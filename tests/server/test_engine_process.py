@@ -73,3 +73,19 @@ def test_the_engine_process_logs_at_the_servers_level(tiny_model, tmp_path):
             assert status == "failed" and "safetensors" in detail
     finally:
         root.setLevel(before)
+
+
+def test_a_priority_server_takes_each_requests_priority(tiny_model, tmp_path):
+    """--scheduling-policy priority (vLLM's): a request's priority reaches the engine, and the
+    completions are the ones LLM.generate gives."""
+    from mini_engine import LLM, SamplingParams
+    from tests.server.conftest import NUM_KV_BLOCKS
+    want = LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS).generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    with launched_server(tiny_model, tmp_path, options=("--scheduling-policy", "priority")) as server:
+        for priority in (-3, 0, 7):
+            r = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+                "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "priority": priority})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want[0].outputs[0].text

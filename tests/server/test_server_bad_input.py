@@ -24,6 +24,7 @@ BAD_COMPLETIONS = {
     "greedy n > 1": (OK | {"n": 2, "temperature": 0}, 400, "n must be 1 when sampling greedily"),
     "best_of": (OK | {"best_of": 3}, 400, "best_of"),
     "echo of an empty prompt": (OK | {"echo": True, "prompt": []}, 400, "the prompt is empty"),
+    "priority under fcfs": (OK | {"priority": 1}, 400, "--scheduling-policy priority"),
     "echo with negative max_tokens": (OK | {"echo": True, "max_tokens": -1}, 400, "max_tokens"),
     "echo alone of a max_model_len prompt": (OK | {"echo": True, "max_tokens": 0, "prompt": [1] * MAX_MODEL_LEN}, 400,
                                              "needs a prompt shorter than max_model_len"),
