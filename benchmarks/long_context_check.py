@@ -12,7 +12,9 @@ the original context, where benchmarks/gpu_correctness.py has judged both agains
 bf16's rounding moves the two paths apart there too, and a kernel that read the cache or the
 rotary table wrong past some position would move them far further apart at 72,000 than at 2,000.
 (A first limit of 0.1 on the log-probabilities, set with no control, was failed at 0.187 by
-paths whose greedy tokens agreed for 12 of 16: benchmarks/NOTES.md, entry 51.)
+paths whose greedy tokens agreed for 12 of 16: benchmarks/NOTES.md, entry 51.) Both paths read
+the same rotary table, so this checks the kernels at long positions, not YaRN's numbers, which
+tests/model/test_yarn.py checks against transformers.
 
     PYTHONPATH=. python benchmarks/long_context_check.py [--tokens 72000] [--out DIR]
 """
@@ -52,7 +54,7 @@ def compare(kernels: dict, reference: dict, new_tokens: int) -> tuple[float, int
     """The largest difference of the top-20 log-probabilities both have, how many they share, and
     for how many tokens the greedy outputs agree."""
     common = kernels["top"].keys() & reference["top"].keys()
-    worst = max(abs(kernels["top"][t] - reference["top"][t]) for t in common)
+    worst = max((abs(kernels["top"][t] - reference["top"][t]) for t in common), default=float("inf"))
     same = 0
     while same < new_tokens and kernels["tokens"][same] == reference["tokens"][same]:
         same += 1
@@ -87,7 +89,8 @@ def main():
     limit = CONTROL_FACTOR * control_worst
     graphs = runs["kernels, graphs"]
     checks = {
-        "top-20 tokens shared with the reference (control's)": (f"{shared} ({control_shared})", shared >= 18),
+        "top-20 tokens shared with the reference (control's)": (f"{shared} ({control_shared})",
+                                                                 shared >= control_shared - 2),
         "largest top-20 log-probability difference (limit)": (f"{worst:.4f} ({limit:.4f})", worst <= limit),
         "greedy tokens equal to the reference's, from the first (control's)": (f"{same} ({control_same})", same >= 1),
         "graphs' tokens equal no graphs'": (graphs["tokens"] == runs["kernels, no graphs"]["tokens"], None),

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling
+from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
 
@@ -44,13 +44,13 @@ class ModelConfig:
                 f"config.json: unsupported architecture (model_type={model_type!r}, "
                 f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM only")
         rope_scaling = parse_rope_scaling(raw)
-        params = raw.get("rope_parameters") or {}
+        params = rope_parameters(raw)
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
         for name in required:
             if name not in raw:
                 raise ValueError(f"config.json: missing field {name!r}")
-        rope_theta = raw.get("rope_theta", params.get("rope_theta"))
+        rope_theta = params.get("rope_theta", raw.get("rope_theta"))        # the dict's first, as transformers
         if rope_theta is None:
             raise ValueError("config.json: missing field 'rope_theta'")
         if raw.get("use_sliding_window"):
@@ -198,6 +198,8 @@ class EngineConfig:
             raise ValueError(f"hf_overrides must be a dict of config.json's fields, got {self.hf_overrides!r}")
         if self.model_config is None:
             self.model_config = ModelConfig.from_pretrained(self.model, self.hf_overrides)
+        elif self.hf_overrides:
+            raise ValueError("hf_overrides change config.json as it is read: give them or a model_config, not both")
         limit = self.model_config.max_positions
         if self.max_model_len is None:
             self.max_model_len = limit

@@ -4,6 +4,7 @@ import concurrent.futures
 import gc
 import itertools
 import logging
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -117,7 +118,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self.request_counter))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, arrival=next(self.arrivals))
+        seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals))
         stop_token_ids = self.eos_token_ids | set(params.stop_token_ids)
         if params.bad_words:            # before anything of the engine's changes: it may raise
             seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
@@ -139,7 +140,7 @@ class LLMEngine:
         return seq
 
     def check_priority(self, priority: int) -> None:
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' "
@@ -297,7 +298,6 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
         self.needs_last_token.discard(seq.request_id)
-        self.stop_compiling(seq.request_id, seq)
 
     def stop_compiling(self, request_id: str, seq: Sequence | None) -> None:
         """A request that ends while its grammar compiles: the compile is called off if it has not

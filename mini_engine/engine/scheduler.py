@@ -107,8 +107,10 @@ class Scheduler:
                 or seq.num_tokens >= self.max_model_len)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and send it to the head of the waiting queue, to be recomputed
-        (its prefix, prompt and output alike, may come back from the prefix cache)."""
+        """Free seq's blocks and send it back to wait, to be recomputed (its prefix, prompt and
+        output alike, may come back from the prefix cache): at the head of the queue under FCFS,
+        by (priority, arrival) under priority, which puts it before the later arrivals of its
+        priority."""
         self.block_manager.free(seq)
         self.release_penalty_row(seq)
         seq.num_computed_tokens = 0

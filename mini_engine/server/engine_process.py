@@ -8,7 +8,7 @@ sends it commands and reads, once a step, what every request gained. If the HTTP
 behind, its deltas pile up and are sent merged; the engine never waits for it.
 
 Messages (tuples, cheap to pickle), the API process to the engine:
-    ("add", request_id, prompt_token_ids, params), ("abort", request_id), ("shutdown",)
+    ("add", request_id, prompt_token_ids, params, priority), ("abort", request_id), ("shutdown",)
 and the engine to the API process:
     ("ready", RequestLimits) or ("failed", traceback text), once, at start-up;
     ("step", deltas, EngineStats) after every step, and after every batch of commands it applies,

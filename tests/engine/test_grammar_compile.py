@@ -191,3 +191,23 @@ def test_an_abort_calls_off_a_compile_nobody_else_waits_for(tokenized_model, hel
     text = engine.tokenizer.decode(again.output_token_ids)
     assert again.finish_reason in ("stop", "length") and text.isalpha() and text.islower()
     assert engine.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_failed_compile_is_tried_again_for_the_next_request(tokenized_model, monkeypatch):
+    """A compile that failed (for want of memory, say) is not kept: the next request with the
+    same spec compiles it again, and runs."""
+    compile_now, calls = GrammarCompiler.compile_now, []
+
+    def fails_once(self, kind, text):
+        calls.append(kind)
+        if len(calls) == 1:
+            raise MemoryError("no room")
+        return compile_now(self, kind, text)
+    monkeypatch.setattr(GrammarCompiler, "compile_now", fails_once)
+    engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64).engine
+    first = engine.add_request("Hello", choice_params(), "first")
+    run_until_done(engine, {"first"})
+    second = engine.add_request("Hello", choice_params(), "second")
+    run_until_done(engine, {"second"})
+    assert first.finish_reason == "abort" and len(calls) == 2
+    assert engine.tokenizer.decode(second.output_token_ids) in CHOICES

@@ -93,3 +93,27 @@ def test_under_fcfs_a_priority_is_refused(tiny_checkpoint):
     assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, priority=[0])[0].finished
     with pytest.raises(ValueError, match="scheduling_policy must be"):
         LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16, scheduling_policy="lifo")
+
+
+def test_a_preempted_request_goes_back_before_later_arrivals_of_its_priority(tiny_checkpoint):
+    """All of one priority: the pool runs short, the newest running request is preempted, and it
+    is admitted again before the request that arrived after it and has waited since."""
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(30)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=10, max_num_seqs=2, scheduling_policy="priority").engine
+    seqs = [engine.add_request(p, params, str(i), priority=4) for i, p in enumerate(prompts)]
+    admitted, running = [], set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        now = {s.request_id for s in engine.scheduler.running}
+        admitted += sorted(now - running)
+        running = now
+    assert seqs[1].num_preemptions and admitted[:2] == ["0", "1"]
+    assert admitted.index("1", 2) < admitted.index("2"), admitted
+
+
+def test_numpy_priorities_are_taken(tiny_checkpoint):
+    import numpy as np
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, scheduling_policy="priority")
+    outputs = llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False, priority=np.array([1, 0]))
+    assert all(o.finished for o in outputs)

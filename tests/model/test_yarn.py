@@ -23,8 +23,8 @@ TINY_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddin
 
 
 @pytest.mark.parametrize("extra", [{}, {"beta_fast": 16, "beta_slow": 2}, {"mscale": 0.707, "mscale_all_dim": 0.707},
-                                   {"attention_factor": 1.5, "truncate": False}],
-                         ids=["qwen3", "betas", "mscales", "attention factor"])
+                                   {"attention_factor": 1.5, "truncate": False}, {"factor": 2.5}],
+                         ids=["qwen3", "betas", "mscales", "attention factor", "factor 2.5"])
 def test_frequencies_and_scale_are_transformers(extra):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     hf_config = transformers.Qwen3Config(head_dim=128, max_position_embeddings=40960,
@@ -32,7 +32,7 @@ def test_frequencies_and_scale_are_transformers(extra):
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
     yarn = parse_rope_scaling({"max_position_embeddings": 40960, "rope_scaling": QWEN3_YARN | extra})
     assert torch.equal(yarn.inverse_frequencies(128, 1e6), inv_freq) and yarn.attention_scaling() == scale
-    assert yarn.max_positions == 131072
+    assert yarn.max_positions == int(32768 * yarn.factor)
     table = rope_cos_sin_cache(128, 1000, 1e6, yarn=yarn)
     positions = torch.arange(1000, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
@@ -97,17 +97,49 @@ def test_hf_overrides_give_yarn_to_a_checkpoint_without_it(yarn_checkpoint, tmp_
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="hf_overrides must be a dict"):
         EngineConfig(plain, device="cpu", hf_overrides="yarn")
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(plain, device="cpu", hf_overrides=overrides, model_config=ModelConfig.from_pretrained(plain))
 
 
 @pytest.mark.parametrize("scaling, match", [
     ({"rope_type": "yarn"}, "YaRN needs a factor"),
-    ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 16}, "YaRN needs a factor"),
-    ({"rope_type": "yarn", "factor": 2, "beta_fast": "fast"}, "numbers for its other fields"),
+    ({"rope_type": "yarn", "factor": None}, "integer original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 16}, "factor >= 1"),
+    ({"rope_type": "yarn", "factor": float("inf"), "original_max_position_embeddings": 16}, "factor >= 1"),
+    ({"rope_type": "yarn", "factor": float("nan"), "original_max_position_embeddings": 16}, "factor >= 1"),
+    ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": True}, "original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 16, "beta_fast": "fast"}, "finite numbers"),
+    ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 16, "beta_slow": -1}, "finite numbers"),
+    ({"rope_type": "yarn", "factor": True, "original_max_position_embeddings": 16}, "factor >= 1"),
+    ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64}, "without a factor"),
     ({"rope_type": "dynamic", "factor": 2}, "not supported"),
 ])
 def test_bad_scalings_are_refused(scaling, match):
     with pytest.raises(ValueError, match=match):
-        parse_rope_scaling({"rope_scaling": scaling})
+        parse_rope_scaling({"rope_scaling": scaling} | ({} if "original_max_position_embeddings" not in scaling
+                                                         else {"max_position_embeddings": 32}))
+
+
+def test_config_json_is_read_as_transformers_reads_it():
+    """rope_scaling, when it has anything, before rope_parameters (even a plain one); the dict's
+    rope_theta before the top level's; a beta of 0 is the default; with a null factor, the ratio of
+    the two lengths, and the positions are max_position_embeddings'."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    base = tiny_config("tied-gqa2") | {"max_position_embeddings": 61}
+    assert ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "default"}, "rope_parameters": yarn}
+                                 ).rope_scaling is None
+    config = ModelConfig.from_dict(base | {"rope_parameters": yarn | {"rope_theta": 500.0}})
+    assert config.rope_theta == 500.0 and config.max_positions == 64
+    assert parse_rope_scaling(base | {"rope_scaling": yarn | {"beta_fast": 0}}).beta_fast == 32.0
+    ratio = parse_rope_scaling(base | {"rope_scaling": {"rope_type": "yarn", "factor": None,
+                                                        "original_max_position_embeddings": 7}})
+    assert ratio.factor == 61 / 7 and ratio.max_positions == 61
+    hf_config = transformers.Qwen3Config(head_dim=16, max_position_embeddings=61, rope_parameters={
+        "rope_theta": 1e4, "rope_type": "yarn", "factor": None, "original_max_position_embeddings": 7})
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    assert torch.equal(ratio.inverse_frequencies(16, 1e4), inv_freq) and ratio.attention_scaling() == scale
 
 
 def test_the_server_takes_hf_overrides_as_json():

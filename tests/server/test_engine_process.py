@@ -76,16 +76,42 @@ def test_the_engine_process_logs_at_the_servers_level(tiny_model, tmp_path):
 
 
 def test_a_priority_server_takes_each_requests_priority(tiny_model, tmp_path):
-    """--scheduling-policy priority (vLLM's): a request's priority reaches the engine, and the
-    completions are the ones LLM.generate gives."""
+    """--scheduling-policy priority (vLLM's), one sequence at a time: behind a long request, an
+    urgent one sent after a lax one finishes first; and the completions are LLM.generate's."""
+    import threading
+    import time
+
     from mini_engine import LLM, SamplingParams
     from tests.server.conftest import NUM_KV_BLOCKS
     want = LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS).generate(
         [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    with launched_server(tiny_model, tmp_path, options=("--scheduling-policy", "priority")) as server:
-        for priority in (-3, 0, 7):
-            r = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
-                "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-                "priority": priority})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+    finished = []
+
+    def complete(name: str, priority: int, max_tokens: int):
+        r = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+            "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "priority": priority})
+        assert r.status_code == 200, r.text
+        finished.append((name, r.json()["choices"][0]["text"]))
+
+    def wait_until(condition):
+        for _ in range(600):
+            if condition(server.metrics()):
+                return
+            time.sleep(0.01)
+        raise AssertionError("the server never got there")
+    options = ("--scheduling-policy", "priority", "--max-num-seqs", "1")
+    with launched_server(tiny_model, tmp_path, options=options) as server:
+        threads = [threading.Thread(target=complete, args=args) for args in
+                   [("long", 0, 500), ("lax", 7, 5), ("urgent", -3, 5)]]
+        threads[0].start()
+        wait_until(lambda m: m["mini_engine:num_requests_running"] == 1)
+        threads[1].start()
+        wait_until(lambda m: m["mini_engine:num_requests_waiting"] == 1)
+        threads[2].start()
+        wait_until(lambda m: m["mini_engine:num_requests_waiting"] == 2)
+        assert server.metrics()["mini_engine:num_requests_running"] == 1, "the long request ended too soon"
+        for thread in threads:
+            thread.join(120)
+    assert [name for name, _ in finished] == ["long", "urgent", "lax"]
+    assert {text for name, text in finished if name != "long"} == {want[0].outputs[0].text}
