@@ -31,9 +31,12 @@ class Admission:
     each was estimated to cost a step's budget."""
     shared_blocks: set[int] = field(default_factory=set)
     prompt_costs: dict[str, int] = field(default_factory=dict)
-    # The prompt added last: its token ids and request id, which its other completions share.
+    # The prompt added last: its token ids, which its other completions share.
     last_prompt_ids: list[int] = field(default_factory=list)
-    last_request_id: str = ""
+    # Each prompt's request id (drawn in the prompts' order, as vLLM's, whatever order they are
+    # added in) and priority.
+    request_ids: list[str] = field(default_factory=list)
+    priorities: list[int] = field(default_factory=list)
 
 
 class LLM:
@@ -101,12 +104,13 @@ class LLM:
             # and 41). A bad request aborts those already added and fails the call: it still costs
             # the others nothing, and leaves the engine as it found it.
             budget = engine.config.max_num_batched_tokens
-            admission = Admission()
-            pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission, priority)
+            admission = Admission(request_ids=[str(next(engine.request_counter)) for _ in prompts],
+                                  priorities=priority)
+            pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission)
             while pending or engine.has_unfinished_requests():
                 outputs = engine.step()
                 if pending:
-                    pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission, priority)
+                    pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission)
                 prefill_tokens += engine.last_step_prefill_tokens
                 decode_tokens += engine.last_step_decode_tokens
                 elapsed = time.perf_counter() - start
@@ -152,7 +156,7 @@ class LLM:
 
     def add_requests(self, requests: Iterator[tuple[int, int, int, object, SamplingParams]], seqs: list[Sequence],
                      completion_of: dict[str, tuple[int, int]], stoppers: dict[str, IncrementalDetokenizer],
-                     max_tokens: int, admission: "Admission", priority: list[int]) -> bool:
+                     max_tokens: int, admission: "Admission") -> bool:
         """Validates and adds the next (prompt index, completion index, completions, prompt,
         params) of requests, into seqs and completion_of (and stoppers, where params have stop strings),
         until the engine's waiting requests hold max_tokens tokens to compute or as many requests
@@ -177,11 +181,9 @@ class LLM:
                     engine.abort_request(seq.request_id)
                 engine.wait_in_flight()          # a launched step, if any: its tokens are dropped
                 raise type(e)(f"prompt {i}: {e}") from None
-            if k == 0:
-                admission.last_request_id = str(next(engine.request_counter))
             # One completion takes its prompt's request id; several, vLLM's ids for its children.
-            request_id = admission.last_request_id if n == 1 else f"{k}_{admission.last_request_id}"
-            seq = engine.add_request(ids, params, request_id, validated=True, priority=priority[i])
+            request_id = admission.request_ids[i] if n == 1 else f"{k}_{admission.request_ids[i]}"
+            seq = engine.add_request(ids, params, request_id, validated=True, priority=admission.priorities[i])
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if params.stop:

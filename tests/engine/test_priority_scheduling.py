@@ -74,6 +74,8 @@ def test_generate_takes_a_priority_for_each_prompt(tiny_checkpoint):
     llm.engine.add_request = lambda ids, *args, **kwargs: added.append(list(ids)) or add_request(ids, *args, **kwargs)
     got = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[2, 0, 1])
     assert added == [prompts[1], prompts[2], prompts[0]]
+    ids = [int(o.request_id) for o in got]
+    assert ids == sorted(ids), "request ids are drawn in the prompts' order, as vLLM's"
     want = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.prompt_token_ids for o in got] == prompts
