@@ -44,7 +44,7 @@ class ModelConfig:
                 f"config.json: unsupported architecture (model_type={model_type!r}, "
                 f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM only")
         rope_scaling = parse_rope_scaling(raw)
-        params = rope_parameters(raw)
+        _, params = rope_parameters(raw)
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
         for name in required:

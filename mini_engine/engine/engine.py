@@ -119,7 +119,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals))
-        stop_token_ids = self.eos_token_ids | set(params.stop_token_ids)
+        stop_token_ids = self.stop_token_ids(params)
         if params.bad_words:            # before anything of the engine's changes: it may raise
             seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             check_bad_words(seq.bad_words_ids, params, stop_token_ids)
@@ -138,6 +138,10 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a request: EOS and its own stop_token_ids."""
+        return self.eos_token_ids | frozenset(params.stop_token_ids)
 
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
@@ -216,8 +220,8 @@ class LLMEngine:
             compiled, seq.grammar_compiling = seq.grammar_compiling, None
             self.compiling.discard(request_id)
             try:
-                stop_token_ids = sorted(self.eos_token_ids | set(seq.sampling_params.stop_token_ids))
-                seq.grammar = self.grammar_compiler.matcher(compiled.result(), stop_token_ids)
+                seq.grammar = self.grammar_compiler.matcher(compiled.result(),
+                                                            sorted(self.stop_token_ids(seq.sampling_params)))
             except Exception as e:      # whatever it was, it ends this request only
                 logger.warning("request %s: its grammar did not compile: %s", request_id, e)
                 self.end(seq, "abort")

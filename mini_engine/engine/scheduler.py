@@ -41,10 +41,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        if self.by_priority:
-            bisect.insort(self.waiting, seq, key=Sequence.scheduling_key)
-        else:
-            self.waiting.append(seq)
+        self.place(self.waiting, seq, self.waiting.append)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,10 +89,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.sampling_params.penalized:
                 seq.penalty_row, seq.penalty_row_filled = self.free_penalty_rows.pop(), False
-            if self.by_priority:
-                bisect.insort(self.running, seq, key=Sequence.scheduling_key)
-            else:
-                self.running.append(seq)
+            self.place(self.running, seq, self.running.append)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
@@ -117,10 +111,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.place(self.waiting, seq, self.waiting.appendleft)
+
+    def place(self, queue, seq: Sequence, fcfs_insert) -> None:
+        """seq into queue (waiting or running): at its (priority, arrival) place under the priority
+        policy, where fcfs_insert puts it under FCFS."""
         if self.by_priority:
-            bisect.insort(self.waiting, seq, key=Sequence.scheduling_key)
+            bisect.insort(queue, seq, key=Sequence.scheduling_key)
         else:
-            self.waiting.appendleft(seq)
+            fcfs_insert(seq)
 
     def release_penalty_row(self, seq: Sequence) -> None:
         if seq.penalty_row >= 0:

@@ -49,14 +49,15 @@ class YarnScaling:
         return 1.0 / (self.factor * speeds) * (1 - kept) + 1.0 / speeds * kept
 
 
-def rope_parameters(raw: dict) -> dict:
-    """The RoPE dict config.json gives, as transformers reads it: rope_scaling (the old name) when
-    it has anything, else transformers 5's rope_parameters."""
+def rope_parameters(raw: dict) -> tuple[str, dict]:
+    """The RoPE dict config.json gives, and its key, as transformers reads it: rope_scaling (the
+    old name) when it has anything, else transformers 5's rope_parameters."""
     for key in ("rope_scaling", "rope_parameters"):
         value = raw.get(key)
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"config.json: {key} {value!r} is not an object")
-    return raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    return key, raw.get(key) or {}
 
 
 def is_number(value) -> bool:
@@ -66,8 +67,8 @@ def is_number(value) -> bool:
 def parse_rope_scaling(raw: dict) -> YarnScaling | None:
     """None for plain RoPE, or YaRN's parameters; any other scaling, or a YaRN field that is not
     a number in range, is refused."""
-    params = rope_parameters(raw)
-    where = f"config.json: {'rope_scaling' if raw.get('rope_scaling') else 'rope_parameters'} {params!r}"
+    key, params = rope_parameters(raw)
+    where = f"config.json: {key} {params!r}"
     kind = params.get("rope_type", params.get("type")) or "default"
     if kind == "default":
         return None
