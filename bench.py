@@ -80,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="GPUs the model is split over (mini and vllm); the floor counts their bandwidth together")
     p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "
                    "table by batch size, write steps.jsonl and profile.png to DIR")
     engine.add_argument("--hf-attn", default="paged|sdpa", help="hf only: attn_implementation to load with")
@@ -118,7 +120,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     from benchmarks.peers import sampling_options
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching,
-                  kv_cache_dtype=opts.kv_cache_dtype)
+                  kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
@@ -148,8 +150,10 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                "cuda_graph_pool_bytes": getattr(runner, "cuda_graph_pool_bytes", None),
                "cuda_graph_reserve_bytes": getattr(runner, "graph_reserve_bytes", None),
                "gemm_warmup_s": getattr(runner, "gemm_warmup_s", None)}
+    kv_blocks_free = engine.num_free_blocks == engine.block_manager.num_blocks
+    llm.shutdown()
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
-            "kv_blocks_free": engine.num_free_blocks == engine.block_manager.num_blocks,
+            "kv_blocks_free": kv_blocks_free,
             "dtype_bytes": runner.dtype.itemsize, "kv_dtype_bytes": runner.kv_cache_dtype.itemsize,
             "engine_version": None, "engine_config": config,
             "engine_stats": {"num_preemptions": engine.num_preemptions,
@@ -210,10 +214,11 @@ def main(argv=None) -> int:
     with open(os.path.join(model, "config.json")) as f:
         model_config = json.load(f)
     dtype_bytes = result["dtype_bytes"]
+    # Split over N GPUs, the bytes are read N at a time: each GPU reads its share at its own bandwidth.
     floor = floor_report(workload_floor([len(p) for p in prompts], max_tokens,
                                         checkpoint_num_params(model) * dtype_bytes,
                                         kv_bytes_per_token(model_config, result["kv_dtype_bytes"])),
-                         bandwidth, wall)
+                         bandwidth * opts.tensor_parallel_size, wall)
     exact = result["output_counts"] == max_tokens
     commit, dirty = git_commit()
     try:
@@ -226,6 +231,7 @@ def main(argv=None) -> int:
         "label": opts.label, "workload": workload, "cpu_smoke": workload == "cpu-smoke",
         "git_commit": commit, "git_dirty": dirty,
         "device": torch.cuda.get_device_name(device) if has_cuda else "cpu",
+        "tensor_parallel_size": opts.tensor_parallel_size,
         "torch": torch.__version__, "triton": triton_version, "engine_version": result["engine_version"],
         "model": model, "num_seqs": len(prompts), "input_tokens": input_tokens, "output_tokens": output_tokens,
         "wall_s": wall, "output_tok_s": output_tokens / wall, "total_tok_s": (input_tokens + output_tokens) / wall,

@@ -30,7 +30,7 @@ def run_vllm(model: str, prompts, max_tokens, opts) -> dict:
     has_tokenizer = os.path.isfile(os.path.join(model, "tokenizer.json"))
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, enforce_eager=opts.enforce_eager,
                   enable_prefix_caching=not opts.no_prefix_caching, skip_tokenizer_init=not has_tokenizer,
-                  kv_cache_dtype=opts.kv_cache_dtype)
+                  kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
@@ -66,6 +66,8 @@ def run_hf(model: str, prompts, max_tokens, opts) -> dict:
     eos_token_id=-1 (what transformers itself uses for 'no EOS')."""
     if opts.kv_cache_dtype != "auto":
         sys.exit(f"bench.py --engine hf: --kv-cache-dtype {opts.kv_cache_dtype} is for mini and vllm; nothing was run")
+    if opts.tensor_parallel_size != 1:
+        sys.exit("bench.py --engine hf: --tensor-parallel-size is for mini and vllm; nothing was run")
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
     try:

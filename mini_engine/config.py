@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from mini_engine.distributed import check_divisible
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
@@ -168,6 +169,9 @@ class EngineConfig:
     # As vLLM's hf_overrides: fields that replace config.json's, e.g. Qwen's YaRN for 131k tokens,
     # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}.
     hf_overrides: dict | None = None
+    # As vLLM's (-tp): the model's heads, MLP columns and vocabulary split over this many processes,
+    # one GPU each (cuda:0 .. cuda:N-1; gloo between CPU processes): mini_engine/distributed.py.
+    tensor_parallel_size: int = 1
     model_config: ModelConfig | None = field(default=None, repr=False)
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
     sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
@@ -200,6 +204,15 @@ class EngineConfig:
             self.model_config = ModelConfig.from_pretrained(self.model, self.hf_overrides)
         elif self.hf_overrides:
             raise ValueError("hf_overrides change config.json as it is read: give them or a model_config, not both")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        mc = self.model_config
+        check_divisible({"num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
+                         "intermediate_size": mc.intermediate_size, "vocab_size": mc.vocab_size},
+                        self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.device not in (None, "cuda", "cpu"):
+            raise ValueError(f"with tensor_parallel_size > 1, rank r runs on cuda:r: give device 'cuda' or 'cpu', "
+                             f"not {self.device!r}")
         limit = self.model_config.max_positions
         if self.max_model_len is None:
             self.max_model_len = limit

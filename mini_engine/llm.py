@@ -44,6 +44,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self.chat_template = None       # the checkpoint's, read on the first chat()
 
+    def shutdown(self) -> None:
+        """With tensor_parallel_size > 1: stops the other ranks' processes (they stop at exit too)."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

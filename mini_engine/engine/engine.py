@@ -94,6 +94,11 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
 
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks' processes and leaves their process group (they
+        stop at exit too); then this process may start another tensor-parallel engine."""
+        self.runner.shutdown()
+
     # ---- requests ----
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

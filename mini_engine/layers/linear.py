@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mini_engine.distributed import TensorParallel, all_reduce
 from mini_engine.kernels.linear import skinny_config
 from mini_engine.kernels.rms_norm import rms_norm_ref
 
@@ -14,10 +15,16 @@ class Linear(nn.Linear):
     forward(x, residual) adds the product to the residual stream in place, in the product's own
     epilogue (cuBLAS's beta = 1, or the skinny kernel's store): the decoder's residual adds cost
     no launch of their own."""
+    # Under tensor parallelism, the dimension of the checkpoint's weight that a rank holds a slice
+    # of (model/loader.py cuts it): 0, output rows (a column-parallel layer); 1, input columns
+    # (row-parallel); None, all of it.
+    tp_dim: int | None = None
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, use_triton: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool, use_triton: bool = False,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__(in_features, out_features, bias=bias)
         self.use_triton = use_triton
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.bias is not None:
@@ -33,12 +40,36 @@ class Linear(nn.Linear):
         return residual.addmm_(x, self.weight.t())      # linear_ref's add, in cuBLAS's epilogue
 
 
+class RowParallelLinear(Linear):
+    """o_proj and down_proj: under tensor parallelism each rank holds the input columns of its
+    share of the heads (or of the MLP's columns), so its product is one term of a sum over ranks.
+    Rank 0 adds its term to the residual stream, the others write theirs in the stream's place,
+    and one all-reduce of the stream leaves every rank h + x W^T (the bias, too, added by rank 0
+    alone). in_features is this rank's share."""
+    tp_dim = 1
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x, residual)
+        if residual is None:
+            raise ValueError("a row-parallel product under tensor parallelism sums into the residual stream")
+        if self.tp.rank == 0:
+            super().forward(x, residual)
+        else:
+            torch.mm(x, self.weight.t(), out=residual)
+        return all_reduce(residual, self.tp)
+
+
 class PackedLinear(Linear):
     """Several projections that read the same input, stacked into one GEMM (q/k/v, gate/up).
-    The checkpoint stores them apart; `load_shard` copies each into its rows."""
+    The checkpoint stores them apart; `load_shard` copies each into its rows. Under tensor
+    parallelism the layer is column-parallel: each projection keeps this rank's share of its rows
+    (output_sizes are the shares), so the heads or columns a rank holds stay together."""
+    tp_dim = 0
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, use_triton: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias=bias, use_triton=use_triton)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, use_triton: bool = False,
+                 tp: TensorParallel = TensorParallel()):
+        super().__init__(in_features, sum(output_sizes), bias=bias, use_triton=use_triton, tp=tp)
         self.output_sizes = output_sizes
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
@@ -59,8 +90,9 @@ class NormedPackedLinear(PackedLinear):
     A bias is added after the norm, which a divided product cannot do: a layer with one is not
     folded and norms x itself (returning None in place of x)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, eps: float, use_triton: bool = False):
-        super().__init__(in_features, output_sizes, bias, use_triton)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, eps: float, use_triton: bool = False,
+                 tp: TensorParallel = TensorParallel()):
+        super().__init__(in_features, output_sizes, bias, use_triton, tp)
         self.norm_weight = nn.Parameter(torch.ones(in_features))
         self.eps = eps
 

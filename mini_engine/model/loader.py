@@ -56,12 +56,16 @@ def load_model(model: nn.Module, path: str) -> None:
                 tensor = f.get_tensor(ckpt_name)
                 module = module_of(model, name)
                 if shard is None:
-                    expected = tuple(param.shape)
+                    expected = list(param.shape)
                 else:
-                    expected = (module.output_sizes[shard], *param.shape[1:])
-                if tuple(tensor.shape) != expected:
+                    expected = [module.output_sizes[shard], *param.shape[1:]]
+                dim = split_dim(module, name)
+                if dim is not None:           # the parameter is this rank's slice of the tensor
+                    expected[dim] *= module.tp.size
+                if tuple(tensor.shape) != tuple(expected):
                     raise ValueError(f"{file}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {expected}")
+                                     f"expected {tuple(expected)}")
+                tensor = rank_slice(module, name, tensor)
                 with torch.no_grad():
                     if shard is None:
                         param.copy_(tensor)
@@ -72,10 +76,32 @@ def load_model(model: nn.Module, path: str) -> None:
     if missing:
         names = [untranslate(model, name, shard) for name, shard in missing]
         raise ValueError(f"{path}: checkpoint is missing tensors {names[:8]}" + (" ..." if len(names) > 8 else ""))
-    if tied_copy is not None and not torch.equal(tied_copy.to(model.embed_tokens.weight), model.embed_tokens.weight):
+    embed = model.embed_tokens.weight
+    if tied_copy is not None and not torch.equal(rank_slice(model.embed_tokens, "embed_tokens.weight",
+                                                            tied_copy).to(embed), embed):
         raise ValueError(f"{path}: config.json ties lm_head to the embedding (tie_word_embeddings), but the "
                          "checkpoint's lm_head.weight differs from model.embed_tokens.weight")
     model.fold_norm_weights()
+
+
+def split_dim(module: nn.Module, param_name: str) -> int | None:
+    """The dimension of a checkpoint tensor that tensor parallelism splits among the ranks, each
+    loading its slice (layers' tp_dim), or None: every rank loads it whole. A bias is split with
+    its weight's output rows; a row-parallel layer's is whole (rank 0 adds it), as are norms'."""
+    dim, tp = getattr(module, "tp_dim", None), getattr(module, "tp", None)
+    attr = param_name.rpartition(".")[2]
+    if dim is None or tp is None or tp.size == 1 or attr not in ("weight", "bias") or (attr == "bias" and dim != 0):
+        return None
+    return dim
+
+
+def rank_slice(module: nn.Module, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a checkpoint tensor that this rank holds."""
+    dim = split_dim(module, param_name)
+    if dim is None:
+        return tensor
+    size = tensor.shape[dim] // module.tp.size
+    return tensor.narrow(dim, module.tp.rank * size, size)
 
 
 def num_shards(model: nn.Module, param_name: str) -> int:

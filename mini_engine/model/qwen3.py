@@ -3,24 +3,26 @@ import torch
 from torch import nn
 
 from mini_engine.config import ModelConfig
+from mini_engine.distributed import TensorParallel
 from mini_engine.kernels.rotary_kv import rope_cos_sin_cache
 from mini_engine.layers.activation import SiluAndMul
 from mini_engine.layers.attention import Attention, AttentionMetadata
+from mini_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from mini_engine.layers.layernorm import RMSNorm
-from mini_engine.layers.linear import Linear, NormedPackedLinear
+from mini_engine.layers.linear import NormedPackedLinear, RowParallelLinear
 from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor, tp: TensorParallel):
         super().__init__()
-        h, d = config.num_attention_heads, config.head_dim
-        hkv = config.num_key_value_heads
+        # This rank's heads (all of them without tensor parallelism), and their share of the KV cache.
+        h, hkv, d = tp.shard(config.num_attention_heads), tp.shard(config.num_key_value_heads), config.head_dim
         skinny = "linear" in kernels
         # The layer's input_layernorm lives here, folded into the QKV projection.
         self.qkv_proj = NormedPackedLinear(config.hidden_size, [h * d, hkv * d, hkv * d], config.attention_bias,
-                                           config.rms_norm_eps, skinny)
-        self.o_proj = Linear(h * d, config.hidden_size, config.attention_bias, skinny)
+                                           config.rms_norm_eps, skinny, tp)
+        self.o_proj = RowParallelLinear(h * d, config.hidden_size, config.attention_bias, skinny, tp)
         self.qk_norm_rope = QKNormRopeKVWrite(h, hkv, d, config.rms_norm_eps, cos_sin_cache,
                                               use_triton="rope_kv" in kernels)
         self.attn = Attention(d, use_triton="attention" in kernels)
@@ -34,13 +36,13 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: frozenset[str]):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str], tp: TensorParallel):
         super().__init__()
-        i = config.intermediate_size
+        i = tp.shard(config.intermediate_size)
         skinny = "linear" in kernels
         # The layer's post_attention_layernorm lives here, folded into the gate/up projection.
-        self.gate_up_proj = NormedPackedLinear(config.hidden_size, [i, i], False, config.rms_norm_eps, skinny)
-        self.down_proj = Linear(i, config.hidden_size, False, skinny)
+        self.gate_up_proj = NormedPackedLinear(config.hidden_size, [i, i], False, config.rms_norm_eps, skinny, tp)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, False, skinny, tp)
         self.act = SiluAndMul(config.rms_norm_eps, use_triton="silu_and_mul" in kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -52,12 +54,14 @@ class Qwen3DecoderLayer(nn.Module):
     """transformers' layer computes h = h + attn(norm1(h)), then h = h + mlp(norm2(h)). Here each norm
     is folded into the projection after it and each residual add into the projection before it,
     so a layer is 7 launches: qkv, qk-norm/rope/kv-write, attention, o_proj(+h), gate_up, SwiGLU,
-    down(+h); at few rows also decode attention's split reduce and down_proj's split-K sum."""
+    down(+h); at few rows also decode attention's split reduce and down_proj's split-K sum. Under
+    tensor parallelism o_proj and down_proj each add one all-reduce (layers/linear.py)."""
 
-    def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor,
+                 tp: TensorParallel):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, kernels, cos_sin_cache)
-        self.mlp = Qwen3MLP(config, kernels)
+        self.self_attn = Qwen3Attention(config, kernels, cos_sin_cache, tp)
+        self.mlp = Qwen3MLP(config, kernels, tp)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.mlp(self.self_attn(hidden, positions, meta))
@@ -75,17 +79,18 @@ class Qwen3ForCausalLM(nn.Module):
         "input_layernorm.": "self_attn.qkv_proj.norm_", "post_attention_layernorm.": "mlp.gate_up_proj.norm_",
     }
 
-    def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset()):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset(), tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         # fp32 whatever the model's dtype: positions up to 40k need the precision before the cast.
         cos_sin_cache = rope_cos_sin_cache(config.head_dim, config.max_positions, config.rope_theta,
                                            yarn=config.rope_scaling)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cos_sin_cache)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cos_sin_cache, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "rms_norm" in kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -103,8 +108,5 @@ class Qwen3ForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, hidden] -> [T, vocab]; into `out` when given (a CUDA graph's static buffer: writing
-        there directly saves copying 256 x 152k logits, ~0.1 ms, every step)."""
-        if out is None:
-            return self.lm_head(hidden)
-        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
+        """[T, hidden] -> [T, vocab] (every rank's, under tensor parallelism); into `out` when given."""
+        return self.lm_head.logits(hidden, out)

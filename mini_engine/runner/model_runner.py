@@ -8,6 +8,8 @@ import numpy as np
 import torch
 
 from mini_engine.config import KV_CACHE_DTYPES, EngineConfig
+from mini_engine.distributed import (TensorParallel, check_no_process_group, init_process_group, leave_process_group,
+                                     min_over_ranks)
 from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
@@ -23,6 +25,7 @@ from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
+from mini_engine.runner.tensor_parallel_workers import TensorParallelWorkers
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -60,8 +63,14 @@ MODEL_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": to
                 "float16": torch.float16, "half": torch.float16, "float64": torch.float64, "double": torch.float64}
 
 
-def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(config: EngineConfig, tp: TensorParallel = TensorParallel()) -> tuple[torch.device, torch.dtype]:
     device = config.resolved_device()
+    if device.type == "cuda" and tp.size > 1:
+        if torch.cuda.device_count() < tp.size:
+            raise ValueError(f"tensor_parallel_size={tp.size} needs {tp.size} GPUs, this machine has "
+                             f"{torch.cuda.device_count()}")
+        device = torch.device("cuda", tp.rank)
+        torch.cuda.set_device(device)
     if config.dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
@@ -88,10 +97,38 @@ def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dty
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, port: int | None = None):
+        """tp and port: a tensor-parallel worker's rank, and where rank 0 gathers the ranks. Rank 0
+        (tp None) starts the other ranks itself when config.tensor_parallel_size > 1."""
+        # Set once started: every rank runs start-up's steps (the pool's sizing) by itself, and
+        # rank 0 sends the others only the engine's.
+        self.workers: TensorParallelWorkers | None = None
+        workers = None
+        if tp is None:
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            if tp.size > 1:
+                check_no_process_group()
+                workers = TensorParallelWorkers(config)
+                port = workers.port
+        self.tp = tp
+        self.in_process_group = False
+        try:
+            self.start(config, port)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown(graceful=False)
+            self.shutdown()
+            raise
+        self.workers = workers
+
+    def start(self, config: EngineConfig, port: int | None) -> None:
         self.config = config
         self.model_config = mc = config.model_config
-        self.device, self.dtype = resolve_device_dtype(config)
+        tp = self.tp
+        self.device, self.dtype = resolve_device_dtype(config, tp)
+        if tp.size > 1:
+            init_process_group(tp, port, self.device)
+            self.in_process_group = True
         self.kernels = resolve_kernels(config.kernels, self.device.type)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.device, self.dtype, self.kernels)
         self.block_size = config.block_size
@@ -102,15 +139,17 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = Qwen3ForCausalLM(mc, self.kernels)
+                self.model = Qwen3ForCausalLM(mc, self.kernels, tp)
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         self.model.eval()
         self.sampler = Sampler(use_triton="sampler" in self.kernels)
 
-        # One slot's K and V across all layers, in bytes.
-        self.kv_bytes_per_token = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+        # This rank's KV heads (all of them without tensor parallelism); one slot's K and V across
+        # all layers, in bytes.
+        self.num_kv_heads = tp.shard(mc.num_key_value_heads)
+        self.kv_bytes_per_token = (2 * mc.num_hidden_layers * self.num_kv_heads * mc.head_dim
                                    * self.kv_cache_dtype.itemsize)
         # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
@@ -149,14 +188,15 @@ class ModelRunner:
         if self.triton_attention:
             # One scratch for every layer's decode splits: allocated before the KV pool is sized, so
             # it is counted there, and never inside a CUDA graph's pool (decode_workspace_numel).
-            numel = decode_workspace_numel(config.max_num_seqs, mc.num_attention_heads, mc.num_key_value_heads,
+            numel = decode_workspace_numel(config.max_num_seqs, tp.shard(mc.num_attention_heads), self.num_kv_heads,
                                            mc.head_dim, config.max_model_len, self.device)
             self.decode_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
             for layer in self.model.layers:
                 layer.self_attn.attn.decode_workspace = self.decode_workspace
         # Penalised requests' counts, a row for each request that can run: before the KV pool is sized.
         self.penalty_state = PenaltyState.allocate(config.max_num_seqs, mc.vocab_size, self.device)
-        self.num_kv_blocks = config.num_kv_blocks or self.profile_num_kv_blocks()
+        # Every rank holds its heads' share of the same blocks: the pool is the smallest rank's.
+        self.num_kv_blocks = min_over_ranks(config.num_kv_blocks or self.profile_num_kv_blocks(), tp, self.device)
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
             self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device, self.sampled_tokens,
@@ -207,13 +247,23 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.gemm_warmup_s = time.perf_counter() - start
 
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (rank 0) and leaves the process group, so that this
+        process may start another tensor-parallel engine. Nothing to do without tensor parallelism."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+        if self.in_process_group:
+            leave_process_group()
+            self.in_process_group = False
+
     # ---- the KV pool ----
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         mc = self.model_config
         # Zeroed, not empty: attention reads whole blocks and masks the slots past a sequence's
         # end, and a masked weight of 0 times a NaN left in uninitialised memory is still NaN.
-        kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
+        kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
                                mc.head_dim, dtype=self.kv_cache_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = kv_cache[0, i]
@@ -293,6 +343,8 @@ class ModelRunner:
         first (they take the batched decode path). A row whose prev_token_index is set takes its
         input token from the previous launch's samples, still on the device: the host need not
         know it, so the engine can schedule step n+1 while step n runs."""
+        if self.workers is not None:
+            self.workers.send(rows)             # the other ranks run the same step on their shares
         turn = self.turn
         try:
             handle = self.enqueue(rows, turn)

@@ -160,7 +160,10 @@ def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: 
         outputs.put(("failed", traceback.format_exc()))
         return
     outputs.put(("ready", engine.limits))
-    EngineLoop(engine, outputs).run(commands)
+    try:
+        EngineLoop(engine, outputs).run(commands)
+    finally:
+        engine.shutdown()
 
 
 def start_engine_process(config: EngineConfig, timeout: float = 900.0):
@@ -170,8 +173,10 @@ def start_engine_process(config: EngineConfig, timeout: float = 900.0):
     # torch's state is not safe to.
     ctx = multiprocessing.get_context("spawn")
     commands, outputs = ctx.Queue(), ctx.Queue()
+    # A daemonic process may not start processes of its own, as tensor parallelism's ranks are: then
+    # the engine process stops by itself when the server is gone (EngineLoop.run), and they with it.
     process = ctx.Process(target=engine_main, args=(config, commands, outputs, logging.getLogger().getEffectiveLevel()),
-                          name="mini_engine-engine", daemon=True)
+                          name="mini_engine-engine", daemon=config.tensor_parallel_size == 1)
     process.start()
     waited = 0.0
     while True:

@@ -1,0 +1,118 @@
+"""Tensor parallelism on CPU: two processes joined by gloo, each holding half of every layer's heads,
+MLP columns and vocabulary (mini_engine/distributed.py). The same engine code runs with NCCL on
+GPUs; benchmarks/tensor_parallel_check.py runs it there."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.config import EngineConfig
+from mini_engine.distributed import TensorParallel
+from mini_engine.layers.linear import PackedLinear
+from mini_engine.model.loader import load_model
+from mini_engine.model.qwen3 import Qwen3ForCausalLM
+from tests.engine.test_greedy_vs_transformers import MAX_TOKENS, expected, mixed_prompts
+
+CONFIGS = ["tied-gqa2", "untied-bias-gqa4"]    # the second: o_proj's bias (rank 0 adds it) and an untied lm_head
+
+
+@pytest.fixture
+def split_llm(checkpoint_factory):
+    """A two-rank engine on a tiny checkpoint, shut down after the test."""
+    made = []
+
+    def make(name: str, **options) -> LLM:
+        made.append(LLM(checkpoint_factory(name), device="cpu", tensor_parallel_size=2, **options))
+        return made[-1]
+    yield make
+    for llm in made:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_split_model_matches_transformers_and_one_process(checkpoint_factory, split_llm, name):
+    """Greedy tokens equal transformers' through chunked prefill and preemption. Sampled tokens and
+    their log-probabilities equal the unsplit engine's (up to fp32 sums taken in another order):
+    every rank samples from the same gathered logits with the same seeds."""
+    path = checkpoint_factory(name)
+    # 16 blocks of 4 slots, and 16 tokens a step: chunked prompts, and preemptions (the longest
+    # request alone needs 13 blocks).
+    llm = split_llm(name, num_kv_blocks=16, block_size=4, max_num_batched_tokens=16)
+    prompts = mixed_prompts()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected(path, prompts)
+    assert llm.engine.num_preemptions > 0
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks, "KV blocks leaked"
+
+    prompts = prompts[:4]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+              for i in range(len(prompts))]
+    split = llm.generate(prompts, params, use_tqdm=False)
+    whole = LLM(path, device="cpu", num_kv_blocks=64, block_size=4).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(split, whole):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
+    assert len({tuple(o.outputs[0].token_ids) for o in split}) == len(prompts)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_rank_loads_its_slice_of_the_checkpoint(checkpoint_factory, name):
+    """Rank r's parameters are the checkpoint's rows (column-parallel: q/k/v, gate/up, the
+    vocabulary) or columns (row-parallel: o_proj, down_proj) of its share; norms and a
+    row-parallel bias whole. Loading needs no process group."""
+    path = checkpoint_factory(name)
+    mc = EngineConfig(path, device="cpu").model_config
+
+    def loaded(tp: TensorParallel) -> Qwen3ForCausalLM:
+        model = Qwen3ForCausalLM(mc, tp=tp)
+        load_model(model, path)
+        return model
+
+    whole = loaded(TensorParallel())
+    ranks = [loaded(TensorParallel(r, 2)) for r in range(2)]
+    for name_, param in whole.named_parameters():
+        module = whole.get_submodule(name_.rpartition(".")[0])
+        attr, dim = name_.rpartition(".")[2], getattr(module, "tp_dim", None)
+        parts = [dict(rank.named_parameters())[name_] for rank in ranks]
+        if isinstance(module, PackedLinear) and attr in ("weight", "bias"):
+            # Each projection's share, in its own place: [q_r, k_r, v_r], not a cut of [q, k, v].
+            for r, part in enumerate(parts):
+                full = param.split(module.output_sizes)
+                mine = part.split([size // 2 for size in module.output_sizes])
+                for f, m in zip(full, mine):
+                    assert torch.equal(m, f.chunk(2)[r]), (name_, r)
+        elif dim is None or attr == "norm_weight" or (attr == "bias" and dim == 1):
+            assert all(torch.equal(part, param) for part in parts), name_
+        else:
+            assert parts[0].shape[dim] * 2 == param.shape[dim], name_
+            assert torch.equal(torch.cat(parts, dim=dim), param), name_
+
+
+def test_shutdown_stops_the_ranks_and_frees_the_process_group(checkpoint_factory, split_llm):
+    llm = split_llm("tied-gqa2", num_kv_blocks=16)
+    processes = list(llm.engine.runner.workers.processes)
+    assert [p.is_alive() for p in processes] == [True]
+    with pytest.raises(RuntimeError, match="already holds a tensor-parallel engine"):
+        split_llm("tied-gqa2", num_kv_blocks=16)
+    llm.shutdown()
+    assert not any(p.is_alive() for p in processes)
+    assert not dist.is_initialized()
+    # and the process may start another
+    path = checkpoint_factory("tied-gqa2")
+    out = split_llm("tied-gqa2", num_kv_blocks=16).generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected(path, [[5, 6, 7]], 3)[0]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(tensor_parallel_size=3), "must divide the model's num_attention_heads"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
+    (dict(tensor_parallel_size=2, device="cuda:1"), "rank r runs on cuda:r"),
+])
+def test_bad_tensor_parallel_options(tiny_checkpoint, options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(tiny_checkpoint, **options)
