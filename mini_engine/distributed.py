@@ -7,6 +7,7 @@ residual stream's update, which one all-reduce adds up; the embedding's rows are
 way, and the logits' shares gathered, so every rank samples the same tokens from the same logits.
 Rank 0 is the engine's own process: it schedules, and sends each step's rows to the other ranks
 (runner/tensor_parallel_workers.py), which run the same step on their shares."""
+import datetime
 import socket
 from dataclasses import dataclass
 
@@ -47,8 +48,10 @@ def check_no_process_group() -> None:
 
 def init_process_group(tp: TensorParallel, port: int, device: torch.device) -> None:
     """Joins the N ranks (blocks until all have): NCCL between GPUs, gloo between CPU processes."""
+    # A rank that never comes (it failed to start) or a collective that never ends is an error after
+    # the timeout, not a hang: no step of this engine waits on the other ranks for that long.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=tp.rank, world_size=tp.size,
+                            rank=tp.rank, world_size=tp.size, timeout=datetime.timedelta(minutes=5),
                             device_id=device if device.type == "cuda" else None)
 
 

@@ -1,5 +1,6 @@
 """Owns the model and the KV pool on the device: turns a scheduled batch into tensors, runs the
 forward pass and the sampler, and sizes the pool from measured memory."""
+import atexit
 import random
 import time
 import warnings
@@ -115,11 +116,14 @@ class ModelRunner:
         try:
             self.start(config, port)
         except BaseException:
+            # The other ranks may wait in a collective for this one: they are terminated. (The
+            # process group, whose destruction every rank must join, is left as it is.)
             if workers is not None:
-                workers.shutdown(graceful=False)
-            self.shutdown()
+                workers.terminate()
             raise
         self.workers = workers
+        if workers is not None:
+            atexit.register(self.shutdown)      # the other ranks leave the group with this one
 
     def start(self, config: EngineConfig, port: int | None) -> None:
         self.config = config
@@ -248,14 +252,24 @@ class ModelRunner:
         self.gemm_warmup_s = time.perf_counter() - start
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks (rank 0) and leaves the process group, so that this
-        process may start another tensor-parallel engine. Nothing to do without tensor parallelism."""
+        """Tensor parallelism's end, on every rank at once (rank 0 tells the others): NCCL destroys
+        a communicator only when every rank destroys it, and not while a CUDA graph still holds its
+        operations, so each rank drops its graphs and then leaves the process group; rank 0 then
+        waits for the other processes to end. This process may then start another tensor-parallel
+        engine. Nothing to do without tensor parallelism."""
+        if not self.in_process_group:
+            return
         if self.workers is not None:
-            self.workers.shutdown()
+            self.workers.stop()
+        if self.graph_runner is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph_runner = None
+        leave_process_group()
+        self.in_process_group = False
+        if self.workers is not None:
+            self.workers.join()
             self.workers = None
-        if self.in_process_group:
-            leave_process_group()
-            self.in_process_group = False
+            atexit.unregister(self.shutdown)
 
     # ---- the KV pool ----
 

@@ -10,6 +10,7 @@ Everything the ranks run at start-up (the KV pool's sizing, the graphs' capture)
 sequence of steps on each, so their collectives pair up."""
 import logging
 import multiprocessing
+import os
 import pickle
 import weakref
 from multiprocessing.connection import Connection
@@ -30,17 +31,19 @@ def worker_main(config: EngineConfig, tp: TensorParallel, port: int, conn: Conne
     while True:
         try:
             message = conn.recv_bytes()
-        except (EOFError, OSError):         # rank 0's process is gone
-            break
+        except (EOFError, OSError):
+            # Rank 0's process is gone, and the process group's destruction would wait for it
+            # forever: this process ends without it.
+            os._exit(1)
         rows = pickle.loads(message)
         if rows is None:
-            break
+            runner.shutdown()
+            return
         try:
             runner.launch(rows)
         except Exception:
             # The same rows failed the same way on rank 0, whose engine reports it to the request.
             logger.exception("tensor-parallel rank %d: a step failed", tp.rank)
-    runner.shutdown()
 
 
 class TensorParallelWorkers:
@@ -60,30 +63,34 @@ class TensorParallelWorkers:
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
-        # At exit or when the runner is dropped, whichever comes first.
-        self.finalizer = weakref.finalize(self, stop_workers, self.conns, self.processes)
+        # Once the workers were told to stop, or were never started: at exit at the latest.
+        self.finalizer = weakref.finalize(self, end_workers, self.conns, self.processes)
 
     def send(self, rows) -> None:
         message = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             conn.send_bytes(message)
 
-    def shutdown(self, graceful: bool = True) -> None:
-        """graceful: each worker finishes the steps it was sent; else (rank 0 failed to start,
-        and the others may wait on it in a collective) they are terminated."""
-        if not graceful:
-            for process in self.processes:
-                process.terminate()
+    def stop(self) -> None:
+        """Tells each worker to shut its runner down once it has run the steps sent before."""
+        message = pickle.dumps(None)
+        for conn in self.conns:
+            try:
+                conn.send_bytes(message)
+            except OSError:
+                pass                # that worker is gone already
+
+    def join(self) -> None:
+        """Waits for the workers' processes to end (terminating any that outlives the wait)."""
+        self.finalizer()
+
+    def terminate(self) -> None:
+        for process in self.processes:
+            process.terminate()
         self.finalizer()
 
 
-def stop_workers(conns: list[Connection], processes: list[multiprocessing.Process], timeout: float = 60.0) -> None:
-    message = pickle.dumps(None)
-    for conn in conns:
-        try:
-            conn.send_bytes(message)
-        except OSError:
-            pass                # that worker is gone already
+def end_workers(conns: list[Connection], processes: list[multiprocessing.Process], timeout: float = 60.0) -> None:
     for process in processes:
         process.join(timeout)
         if process.is_alive():
