@@ -208,8 +208,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         mc = self.model_config
         check_divisible({"num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-                         "intermediate_size": mc.intermediate_size, "vocab_size": mc.vocab_size},
-                        self.tensor_parallel_size)
+                         "intermediate_size": mc.intermediate_size}, self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"with tensor_parallel_size > 1, rank r runs on cuda:r: give device 'cuda' or 'cpu', "
                              f"not {self.device!r}")

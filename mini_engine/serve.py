@@ -14,6 +14,8 @@ from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSE
 
 # --reasoning-parser is the server's own flag below, and sets the engine's field too.
 SKIPPED_FIELDS = {"model", "model_config", "reasoning_parser"}
+# vLLM's short forms
+SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
 
 
 def option_type(annotation) -> type:
@@ -32,14 +34,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (EngineConfig)")
     for f in engine_option_fields():
         default = None if f.default is MISSING else f.default
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *([SHORT_FLAGS[f.name]] if f.name in SHORT_FLAGS else [])]
         kind = option_type(f.type)
         if kind is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         elif kind is dict:      # JSON, as vLLM's --hf-overrides takes it
-            group.add_argument(flag, dest=f.name, type=json.loads, default=default, help="JSON")
+            group.add_argument(*flags, dest=f.name, type=json.loads, default=default, help="JSON")
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default: {default}")
+            group.add_argument(*flags, dest=f.name, type=kind, default=default, help=f"default: {default}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

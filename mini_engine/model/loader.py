@@ -61,7 +61,7 @@ def load_model(model: nn.Module, path: str) -> None:
                     expected = [module.output_sizes[shard], *param.shape[1:]]
                 dim = split_dim(module, name)
                 if dim is not None:           # the parameter is this rank's slice of the tensor
-                    expected[dim] *= module.tp.size
+                    expected[dim] = getattr(module, "vocab_size", expected[dim] * module.tp.size)
                 if tuple(tensor.shape) != tuple(expected):
                     raise ValueError(f"{file}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(expected)}")
@@ -96,12 +96,19 @@ def split_dim(module: nn.Module, param_name: str) -> int | None:
 
 
 def rank_slice(module: nn.Module, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a checkpoint tensor that this rank holds."""
+    """The part of a checkpoint tensor that this rank holds: ceil(size / N) along the split
+    dimension, the last rank's padded with zeros where N does not divide it (a vocabulary's rows)."""
     dim = split_dim(module, param_name)
     if dim is None:
         return tensor
-    size = tensor.shape[dim] // module.tp.size
-    return tensor.narrow(dim, module.tp.rank * size, size)
+    share = -(-tensor.shape[dim] // module.tp.size)
+    start = min(module.tp.rank * share, tensor.shape[dim])
+    part = tensor.narrow(dim, start, min(share, tensor.shape[dim] - start))
+    if part.shape[dim] < share:
+        padding = list(part.shape)
+        padding[dim] = share - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(padding)], dim=dim)
+    return part
 
 
 def num_shards(model: nn.Module, param_name: str) -> int:

@@ -11,9 +11,11 @@ from mini_engine.distributed import TensorParallel
 from mini_engine.layers.linear import PackedLinear
 from mini_engine.model.loader import load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM
+from mini_engine.model.random_checkpoint import write_random_checkpoint
+from tests.conftest import tiny_config
 from tests.engine.test_greedy_vs_transformers import MAX_TOKENS, expected, mixed_prompts
 
-CONFIGS = ["tied-gqa2", "untied-bias-gqa4"]    # the second: o_proj's bias (rank 0 adds it) and an untied lm_head
+CONFIGS = ["tied-gqa2", "untied-bias-gqa4"]    # the second: o_proj's bias (rank 0 adds it), an untied lm_head, GQA 4
 
 
 @pytest.fixture
@@ -29,11 +31,13 @@ def split_llm(checkpoint_factory):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_split_model_matches_transformers_and_one_process(checkpoint_factory, split_llm, name):
+def test_split_model_matches_transformers_and_one_process(checkpoint_factory, split_llm):
     """Greedy tokens equal transformers' through chunked prefill and preemption. Sampled tokens and
     their log-probabilities equal the unsplit engine's (up to fp32 sums taken in another order):
-    every rank samples from the same gathered logits with the same seeds."""
+    every rank samples from the same gathered logits with the same seeds. (The tied checkpoint runs
+    end to end in the shutdown test below, and the server's, whose vocabulary two ranks do not
+    divide, in tests/server/test_engine_process.py: each engine start costs CI seconds.)"""
+    name = "untied-bias-gqa4"
     path = checkpoint_factory(name)
     # 16 blocks of 4 slots, and 16 tokens a step: chunked prompts, and preemptions (the longest
     # request alone needs 13 blocks).
@@ -59,21 +63,23 @@ def test_split_model_matches_transformers_and_one_process(checkpoint_factory, sp
     assert len({tuple(o.outputs[0].token_ids) for o in split}) == len(prompts)
 
 
+def loaded_ranks(path: str, ranks: list[TensorParallel]) -> list[Qwen3ForCausalLM]:
+    """The model as each rank loads it (loading needs no process group)."""
+    mc = EngineConfig(path, device="cpu").model_config
+    models = []
+    for tp in ranks:
+        models.append(Qwen3ForCausalLM(mc, tp=tp))
+        load_model(models[-1], path)
+    return models
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_each_rank_loads_its_slice_of_the_checkpoint(checkpoint_factory, name):
     """Rank r's parameters are the checkpoint's rows (column-parallel: q/k/v, gate/up, the
     vocabulary) or columns (row-parallel: o_proj, down_proj) of its share; norms and a
-    row-parallel bias whole. Loading needs no process group."""
+    row-parallel bias whole."""
     path = checkpoint_factory(name)
-    mc = EngineConfig(path, device="cpu").model_config
-
-    def loaded(tp: TensorParallel) -> Qwen3ForCausalLM:
-        model = Qwen3ForCausalLM(mc, tp=tp)
-        load_model(model, path)
-        return model
-
-    whole = loaded(TensorParallel())
-    ranks = [loaded(TensorParallel(r, 2)) for r in range(2)]
+    whole, *ranks = loaded_ranks(path, [TensorParallel(), TensorParallel(0, 2), TensorParallel(1, 2)])
     for name_, param in whole.named_parameters():
         module = whole.get_submodule(name_.rpartition(".")[0])
         attr, dim = name_.rpartition(".")[2], getattr(module, "tp_dim", None)
@@ -90,6 +96,20 @@ def test_each_rank_loads_its_slice_of_the_checkpoint(checkpoint_factory, name):
         else:
             assert parts[0].shape[dim] * 2 == param.shape[dim], name_
             assert torch.equal(torch.cat(parts, dim=dim), param), name_
+
+
+def test_a_vocabulary_the_ranks_do_not_divide_is_padded(tmp_path):
+    """255 rows over two ranks: 128 each, the last rank's final row zeros (never looked up); the
+    logits drop it (the server's test runs such a model end to end)."""
+    path = write_random_checkpoint(str(tmp_path), tiny_config("untied-bias-gqa4") | {"vocab_size": 255},
+                                   dtype=torch.float32, std=0.3)
+    whole, *ranks = loaded_ranks(path, [TensorParallel(), TensorParallel(0, 2), TensorParallel(1, 2)])
+    for module in ("embed_tokens", "lm_head"):
+        full = whole.get_submodule(module).weight
+        parts = [rank.get_submodule(module).weight for rank in ranks]
+        assert [p.shape[0] for p in parts] == [128, 128]
+        assert torch.equal(torch.cat(parts)[:255], full)
+        assert not parts[1][127].any()
 
 
 def test_shutdown_stops_the_ranks_and_frees_the_process_group(checkpoint_factory, split_llm):

@@ -115,3 +115,27 @@ def test_a_priority_server_takes_each_requests_priority(tiny_model, tmp_path):
             thread.join(120)
     assert [name for name, _ in finished] == ["long", "urgent", "lax"]
     assert {text for name, text in finished if name != "long"} == {want[0].outputs[0].text}
+
+
+def test_a_tensor_parallel_server_answers_and_its_ranks_end_with_it(tiny_model, tmp_path):
+    """`-tp 2` (vLLM's flag): the engine process starts the second rank's process (it may, being no
+    daemon), completions are the unsplit engine's, and stopping the server ends both processes."""
+    import time
+
+    from mini_engine import LLM, SamplingParams
+    from tests.server.conftest import NUM_KV_BLOCKS
+    want = LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS, block_size=16).generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    with launched_server(tiny_model, tmp_path, options=("-tp", "2")) as server:
+        engine = engine_pid(server.process.pid)
+        ranks = [pid for pid in child_pids(engine) if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(ranks) == 1
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+    for _ in range(100):
+        if not any(os.path.exists(f"/proc/{pid}") for pid in (engine, *ranks)):
+            break
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in (engine, *ranks)), "a rank outlived the server"
