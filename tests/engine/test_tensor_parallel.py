@@ -136,3 +136,42 @@ def test_shutdown_stops_the_ranks_and_frees_the_process_group(checkpoint_factory
 def test_bad_tensor_parallel_options(tiny_checkpoint, options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(tiny_checkpoint, **options)
+
+
+def test_rows_cross_to_the_workers_whole_with_each_params_sent_once():
+    """StepEncoder/decode_rows: every field of every row arrives (block_table_array, the engine's
+    padded copy, stays behind); a SamplingParams object crosses once, and again only after the
+    tables were reset."""
+    import pickle
+
+    import numpy as np
+
+    from mini_engine.runner.batch import BatchRow
+    from mini_engine.runner.tensor_parallel_workers import StepEncoder, decode_rows
+    shared, other = SamplingParams(temperature=0.5, top_k=3), SamplingParams(temperature=0, max_tokens=7)
+    rows = [BatchRow([1, 2, 3], 0, [4, 5], True, shared, seed=9, penalty_row=2, history=np.array([7, 8]),
+                     num_prompt_tokens=1, prompt_logprob_targets=np.array([2, 3]), num_prompt_logprobs=2,
+                     grammar_bitmask=torch.tensor([5, 6], dtype=torch.int32), banned_tokens=[11]),
+            BatchRow([4], 9, [6], True, shared, block_table_array=np.array([6, -1], dtype=np.int32),
+                     prev_token_index=0, num_output_tokens=3),
+            BatchRow([5], 2, [1], False)]
+    encoder, table = StepEncoder(max_params=1), {}
+
+    def cross(batch):
+        message = pickle.loads(pickle.dumps(encoder.encode(batch)))
+        return message, decode_rows(message, table)
+    message, got = cross(rows)
+    assert len(message[1]) == 1                       # shared crossed once
+    for sent, arrived in zip(rows, got):
+        for name in ("token_ids", "start_position", "block_table", "sample", "seed", "prev_token_index",
+                     "penalty_row", "num_prompt_tokens", "num_output_tokens", "num_prompt_logprobs", "banned_tokens"):
+            assert getattr(arrived, name) == getattr(sent, name), name
+        for name in ("history", "prompt_logprob_targets", "grammar_bitmask"):
+            a, b = getattr(arrived, name), getattr(sent, name)
+            assert (a is None and b is None) or (a == b).all(), name
+        assert arrived.params == sent.params and arrived.block_table_array is None
+    message, got = cross([rows[1], BatchRow([6], 3, [2], True, other)])
+    assert list(message[1].values()) == [other] and got[0].params == shared and got[1].params == other
+    equal_but_new = SamplingParams(temperature=0, max_tokens=7)
+    message, got = cross([BatchRow([6], 3, [2], True, equal_but_new)])     # 2 known > 1: reset
+    assert message[0] and list(message[1].values()) == [equal_but_new] and table == {2: equal_but_new}
