@@ -59,6 +59,15 @@ def leave_process_group() -> None:
     dist.destroy_process_group()
 
 
+def abandon_process_group() -> None:
+    """Leaves the group alone, the other ranks being gone (a failed start): NCCL's communicators are
+    aborted, since destroying them would wait for the others."""
+    if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """The sum over ranks, in place."""
     if tp.size > 1:

@@ -58,6 +58,9 @@ class LLMEngine:
         """`runner` lets tests drive the scheduling logic with a stand-in for the model."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
+        # With a reasoning parser, a grammar holds only what follows the output's thought. (Before
+        # the runner starts: a tensor-parallel one's processes and group would outlive this error.)
+        self.think_tokens = ThinkTokens.from_tokenizer(self.tokenizer) if config.reasoning_parser else None
         self.runner = runner or ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
@@ -75,8 +78,6 @@ class LLMEngine:
         self.in_flight: InFlightStep | None = None
         self.grammar_compiler: GrammarCompiler | None = None     # made at the first structured request
         self.compiling: set[str] = set()        # the requests whose grammars are compiling
-        # With a reasoning parser, a grammar holds only what follows the output's thought.
-        self.think_tokens = ThinkTokens.from_tokenizer(self.tokenizer) if config.reasoning_parser else None
         # The unfinished requests whose next row needs the token in flight, which the host must
         # know (the runner feeds it to the model, not to host-side logic): a grammar's, or a bad
         # word's of several tokens.

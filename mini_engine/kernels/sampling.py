@@ -26,10 +26,11 @@ from mini_engine.host_to_device import to_device
 
 
 def exponential_noise_ref(num_rows: int, vocab_size: int, seeds: list[int | None],
-                          device: torch.device) -> torch.Tensor:
+                          device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
     """Exp(1) noise, [num_rows, vocab_size]. A row with a seed draws from its own generator, so its
-    sample depends on nothing but its logits and its seed; the others share the global generator."""
-    noise = torch.empty(num_rows, vocab_size, device=device, dtype=torch.float32).exponential_()
+    sample depends on nothing but its logits and its seed; the others share `generator` (the runner's,
+    which every tensor-parallel rank draws alike), or torch's global one."""
+    noise = torch.empty(num_rows, vocab_size, device=device, dtype=torch.float32).exponential_(generator=generator)
     for row, seed in enumerate(seeds):
         if seed is not None:
             gen = torch.Generator(device=device).manual_seed(seed)

@@ -112,9 +112,10 @@ def sample_logprobs(num_rows: int, rows: list[int], num_top: list[int], sampled:
 
 
 class Sampler(nn.Module):
-    def __init__(self, use_triton: bool = False):
+    def __init__(self, use_triton: bool = False, generator: torch.Generator | None = None):
         super().__init__()
         self.use_triton = use_triton
+        self.generator = generator      # unseeded rows' noise (the PyTorch path); None: torch's global one
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if any(x is not None for x in (params.grammar, params.allowed, params.logit_bias, params.banned,
@@ -165,5 +166,6 @@ class Sampler(nn.Module):
         if self.use_triton:
             from mini_engine.kernels.sampling import sample
             return sample(logits, temperatures, params.seeds)
-        noise = exponential_noise_ref(logits.shape[0], logits.shape[1], params.row_seeds, logits.device)
+        noise = exponential_noise_ref(logits.shape[0], logits.shape[1], params.row_seeds, logits.device,
+                                      self.generator)
         return sample_ref(logits, temperatures, noise)

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from mini_engine.config import KV_CACHE_DTYPES, EngineConfig
-from mini_engine.distributed import (TensorParallel, check_no_process_group, init_process_group, leave_process_group,
-                                     min_over_ranks)
+from mini_engine.distributed import (TensorParallel, abandon_process_group, check_no_process_group, init_process_group,
+                                     leave_process_group, min_over_ranks)
 from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
 from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
@@ -104,6 +104,7 @@ class ModelRunner:
         # Set once started: every rank runs start-up's steps (the pool's sizing) by itself, and
         # rank 0 sends the others only the engine's.
         self.workers: TensorParallelWorkers | None = None
+        self.broken: str | None = None          # a step that failed under tensor parallelism
         workers = None
         if tp is None:
             tp = TensorParallel(0, config.tensor_parallel_size)
@@ -116,10 +117,13 @@ class ModelRunner:
         try:
             self.start(config, port)
         except BaseException:
-            # The other ranks may wait in a collective for this one: they are terminated. (The
-            # process group, whose destruction every rank must join, is left as it is.)
+            # The other ranks may wait in a collective for this one: they are terminated, and this
+            # process leaves the group without them (else no engine could start in it again).
             if workers is not None:
                 workers.terminate()
+            if self.in_process_group:
+                abandon_process_group()
+                self.in_process_group = False
             raise
         self.workers = workers
         if workers is not None:
@@ -148,7 +152,10 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         self.model.eval()
-        self.sampler = Sampler(use_triton="sampler" in self.kernels)
+        # Unseeded rows' noise on the PyTorch path from the runner's own generator, not the process's:
+        # every tensor-parallel rank then draws the same, whatever else rank 0's process draws.
+        self.sampler = Sampler(use_triton="sampler" in self.kernels,
+                               generator=torch.Generator(self.device).manual_seed(config.seed))
 
         # This rank's KV heads (all of them without tensor parallelism); one slot's K and V across
         # all layers, in bytes.
@@ -261,10 +268,11 @@ class ModelRunner:
             return
         if self.workers is not None:
             self.workers.stop()
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and self.broken is None:
             torch.cuda.synchronize(self.device)
-            self.graph_runner = None
-        leave_process_group()
+        self.graph_runner = None
+        # Out of step, the other ranks are gone or stuck: NCCL's collective destruction would wait.
+        (abandon_process_group if self.broken is not None else leave_process_group)()
         self.in_process_group = False
         if self.workers is not None:
             self.workers.join()
@@ -357,11 +365,18 @@ class ModelRunner:
         first (they take the batched decode path). A row whose prev_token_index is set takes its
         input token from the previous launch's samples, still on the device: the host need not
         know it, so the engine can schedule step n+1 while step n runs."""
-        if self.workers is not None:
-            self.workers.send(rows)             # the other ranks run the same step on their shares
+        if self.broken is not None:
+            raise RuntimeError(f"tensor parallelism: a step failed on rank 0 ({self.broken}) after the other "
+                               "ranks had started it; their collectives no longer pair up: restart the engine")
         turn = self.turn
         try:
+            if self.workers is not None:
+                self.workers.send(rows)         # the other ranks run the same step on their shares
             handle = self.enqueue(rows, turn)
+        except BaseException as e:
+            if self.tp.size > 1:                # where it failed, the other ranks (some of them) went on
+                self.broken = f"{type(e).__name__}: {e}"
+            raise
         finally:
             self.inputs[turn].release()       # (also after a failed launch: its kernels may be queued)
         self.turn = 1 - turn                  # a failed launch leaves the turn, and its samples, as they were

@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import weakref
 from multiprocessing.connection import Connection
 
@@ -83,6 +84,8 @@ def decode_rows(message: tuple, params: dict[int, SamplingParams]) -> list[Batch
 
 def worker_main(config: EngineConfig, tp: TensorParallel, port: int, conn: Connection) -> None:
     from mini_engine.runner.model_runner import ModelRunner
+    # Ctrl-C reaches every process of the terminal's group: rank 0 handles it, and tells this rank to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         runner = ModelRunner(config, tp, port)
     except BaseException:
@@ -102,8 +105,10 @@ def worker_main(config: EngineConfig, tp: TensorParallel, port: int, conn: Conne
         try:
             runner.launch(decode_rows(message, params))
         except Exception:
-            # The same rows failed the same way on rank 0, whose engine reports it to the request.
+            # Where the step failed, rank 0 may have gone on, or stopped elsewhere: out of step, this
+            # rank ends (rank 0 refuses every later step).
             logger.exception("tensor-parallel rank %d: a step failed", tp.rank)
+            os._exit(1)
 
 
 class TensorParallelWorkers:

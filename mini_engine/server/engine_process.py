@@ -17,6 +17,7 @@ prompt_logprobs): the last only on a request's first delta, where it asked for t
 Detokenization and stop strings run here, beside the scheduler, so that a request that hits a
 stop string is aborted, and its blocks freed, before the next step.
 """
+import atexit
 import logging
 import multiprocessing
 import queue
@@ -178,6 +179,10 @@ def start_engine_process(config: EngineConfig, timeout: float = 900.0):
     process = ctx.Process(target=engine_main, args=(config, commands, outputs, logging.getLogger().getEffectiveLevel()),
                           name="mini_engine-engine", daemon=config.tensor_parallel_size == 1)
     process.start()
+    if not process.daemon:
+        # multiprocessing joins a non-daemonic child at exit, and this one ends only when told to or
+        # when this process is gone: a server that exits without AsyncEngine.shutdown tells it first.
+        atexit.register(stop_engine_process, process, commands)
     waited = 0.0
     while True:
         try:
@@ -194,3 +199,14 @@ def start_engine_process(config: EngineConfig, timeout: float = 900.0):
         process.join(timeout=10)
         raise RuntimeError(f"the engine failed to start:\n{message[1]}")
     return process, commands, outputs, message[1]
+
+
+def stop_engine_process(process, commands: multiprocessing.Queue, timeout: float = 30.0) -> None:
+    if process.is_alive():
+        try:
+            commands.put(("shutdown",))
+        except (ValueError, OSError):
+            pass                # the queue was closed: AsyncEngine.shutdown ran
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()

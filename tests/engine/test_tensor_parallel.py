@@ -175,3 +175,52 @@ def test_rows_cross_to_the_workers_whole_with_each_params_sent_once():
     equal_but_new = SamplingParams(temperature=0, max_tokens=7)
     message, got = cross([BatchRow([6], 3, [2], True, equal_but_new)])     # 2 known > 1: reset
     assert message[0] and list(message[1].values()) == [equal_but_new] and table == {2: equal_but_new}
+
+
+def test_every_rank_samples_alike_whatever_the_row_asks(checkpoint_factory, split_llm):
+    """With async scheduling a worker's next input token is its own sample: a rank that sampled
+    otherwise than rank 0 (a penalty, a bias or a restriction applied on one rank only, or a
+    random draw from a generator that only rank 0's process touched) computes its share of the
+    next token's KV from another token, and every later logit is off. So each split run's tokens,
+    teacher-forced through one process, must have the log-probabilities the split run reported."""
+    name = "untied-bias-gqa4"
+    path = checkpoint_factory(name)
+    llm = split_llm(name, num_kv_blocks=64, block_size=4)
+    prompts = mixed_prompts()[:6]
+    common = dict(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    params = [SamplingParams(seed=1, repetition_penalty=1.5, frequency_penalty=1.0, **common),
+              SamplingParams(seed=2, logit_bias={7: 4.0, 9: 4.0}, **common),
+              SamplingParams(seed=3, top_k=5, top_p=0.8, **common),
+              SamplingParams(seed=4, min_p=0.2, **common),
+              SamplingParams(seed=5, allowed_token_ids=list(range(50, 90)), **common),
+              SamplingParams(**common)]                 # unseeded
+    torch.rand(1)           # this process (rank 0's) draws from torch's generator; the worker's does not
+    split = llm.generate(prompts, params, use_tqdm=False)
+    whole = LLM(path, device="cpu", num_kv_blocks=64, block_size=4)
+    for prompt, out in zip(prompts, split):
+        tokens = out.outputs[0].token_ids
+        forced = whole.generate([prompt + tokens], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                                use_tqdm=False)[0].prompt_logprobs[len(prompt):]
+        assert [x.logprob for x in out.outputs[0].logprobs] == pytest.approx([x.logprob for x in forced], abs=1e-4), \
+            (prompts.index(prompt), out.outputs[0].token_ids)
+
+
+def test_a_step_that_fails_on_rank_0_alone_ends_the_split_engine(split_llm, monkeypatch):
+    """Rank 0 sent the rows, then failed (a Ctrl-C, an OOM on one GPU) where the other rank went
+    on: their collectives no longer pair up, so every later step is refused with a clear error, and
+    shutdown leaves the group without waiting for the lost rank."""
+    from mini_engine.runner.model_runner import ModelRunner
+    llm = split_llm("tied-gqa2", num_kv_blocks=16)
+    worker = llm.engine.runner.workers.processes[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def interrupted(self, rows, turn):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "enqueue", interrupted)       # rank 0's process only
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="restart the engine"):
+        llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+    llm.shutdown()
+    assert not worker.is_alive() and not dist.is_initialized()
