@@ -224,3 +224,20 @@ def test_a_step_that_fails_on_rank_0_alone_ends_the_split_engine(split_llm, monk
         llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
     llm.shutdown()
     assert not worker.is_alive() and not dist.is_initialized()
+
+
+def test_a_failed_start_leaves_the_process_free_for_the_next_engine(checkpoint_factory, split_llm, tmp_path):
+    """A checkpoint whose tensors do not fit config.json fails every rank's load: the error is the
+    loader's, the other rank's process is ended, and this process leaves the group (else it could
+    never start a tensor-parallel engine again)."""
+    import json
+    import shutil
+    good = checkpoint_factory("tied-gqa2")
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] // 2}))
+    with pytest.raises(ValueError, match="has shape"):
+        LLM(str(bad), device="cpu", tensor_parallel_size=2, num_kv_blocks=16)
+    assert not dist.is_initialized()
+    assert split_llm("tied-gqa2", num_kv_blocks=16).engine.runner.workers.processes[0].is_alive()
