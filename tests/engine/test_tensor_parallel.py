@@ -31,10 +31,9 @@ def split_llm(checkpoint_factory):
         llm.shutdown()
 
 
-def test_split_model_matches_transformers_and_one_process(checkpoint_factory, split_llm):
-    """Greedy tokens equal transformers' through chunked prefill and preemption. Sampled tokens and
-    their log-probabilities equal the unsplit engine's (up to fp32 sums taken in another order):
-    every rank samples from the same gathered logits with the same seeds. (The tied checkpoint runs
+def test_split_model_matches_transformers(checkpoint_factory, split_llm):
+    """Greedy tokens equal transformers' through chunked prefill and preemption (sampled ones are
+    test_every_rank_samples_alike_whatever_the_row_asks's). (The tied checkpoint runs
     end to end in the shutdown test below, and the server's, whose vocabulary two ranks do not
     divide, in tests/server/test_engine_process.py: each engine start costs CI seconds.)"""
     name = "untied-bias-gqa4"
@@ -48,19 +47,6 @@ def test_split_model_matches_transformers_and_one_process(checkpoint_factory, sp
     assert [o.outputs[0].token_ids for o in outputs] == expected(path, prompts)
     assert llm.engine.num_preemptions > 0
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks, "KV blocks leaked"
-
-    prompts = prompts[:4]
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
-              for i in range(len(prompts))]
-    split = llm.generate(prompts, params, use_tqdm=False)
-    whole = LLM(path, device="cpu", num_kv_blocks=64, block_size=4).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(split, whole):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
-            assert [t for t, _ in x.top] == [t for t, _ in y.top]
-            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
-    assert len({tuple(o.outputs[0].token_ids) for o in split}) == len(prompts)
 
 
 def loaded_ranks(path: str, ranks: list[TensorParallel]) -> list[Qwen3ForCausalLM]:
