@@ -36,6 +36,18 @@ def free_gpu():
         torch.cuda.empty_cache()
 
 
+def std006_checkpoint(cpu_dry_run: bool, device: str) -> tuple[str, dict]:
+    """Qwen3-0.6B's shape with N(0, 0.06) weights (a tiny one for a CPU dry run): its folder and config."""
+    from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
+    config = QWEN3_0_6B
+    if cpu_dry_run:
+        config = QWEN3_0_6B | dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    path = write_random_checkpoint(os.path.join(tempfile.gettempdir(), f"qwen3-std006-{config['hidden_size']}"),
+                                   config, std=0.06, seed=1, device=device)
+    return path, config
+
+
 def common_prefix(a, b):
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -58,14 +70,8 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     from transformers import Qwen3ForCausalLM as HFQwen3
     from mini_engine import LLM, SamplingParams
-    from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
 
-    config = QWEN3_0_6B
-    if args.cpu_dry_run:
-        config = QWEN3_0_6B | dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    path = write_random_checkpoint(os.path.join(tempfile.gettempdir(), f"qwen3-std006-{config['hidden_size']}"),
-                                   config, std=0.06, seed=1, device=dev)
+    path, config = std006_checkpoint(args.cpu_dry_run, dev)
     rng = random.Random(0)
     vocab = config["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 64, 200, 333, 1000, 31, 128)]

@@ -10,6 +10,8 @@ closer than bf16's rounding, so exact agreement is reported, not required). The 
   3. split, a pool small enough to preempt, graphs; and 4. the same without graphs (enforce_eager):
      tokens identical to 3's (graphs replay what the eager path computes, collectives included).
   5. bf16, split (the benchmark's dtype), margin 0.25 as gpu_correctness.py's; 6. bf16 on one GPU.
+  7. fp32, split, sampled rows (top-k 20, top-p 0.95, half of them unseeded): each token's reported
+     log-probability within 0.01 of the reference's, teacher-forced.
 Every run must end with all KV blocks free."""
 import argparse
 import gc
@@ -17,7 +19,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 
 import torch
 
@@ -32,16 +33,11 @@ def main() -> int:
         sys.exit("tensor_parallel_check.py needs two GPUs (or --cpu-dry-run)")
     from transformers import Qwen3ForCausalLM as HFQwen3
 
+    from benchmarks.gpu_correctness import std006_checkpoint
     from mini_engine import LLM, SamplingParams
-    from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
 
     dev = "cpu" if args.cpu_dry_run else "cuda"
-    config = QWEN3_0_6B
-    if args.cpu_dry_run:
-        config = QWEN3_0_6B | dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    path = write_random_checkpoint(os.path.join(tempfile.gettempdir(), f"qwen3-std006-{config['hidden_size']}"),
-                                   config, std=0.06, seed=1, device=dev)
+    path, config = std006_checkpoint(args.cpu_dry_run, dev)
     rng = random.Random(0)
     prompts = [[rng.randrange(config["vocab_size"]) for _ in range(n)]
                for n in (5, 17, 64, 200, 333, 1000, 31, 128, 2, 45, 700, 90, 12)]
@@ -57,10 +53,24 @@ def main() -> int:
             worst = max(worst, (logits.max(-1).values - chosen).max().item())
         return worst
 
-    def run(tp: int, **options) -> tuple[list[list[int]], dict]:
+    @torch.inference_mode()
+    def worst_logprob_gap(outputs) -> float:
+        """The largest gap between a sampled token's reported log-probability and the fp32
+        reference's, teacher-forced: a rank that sampled otherwise than rank 0 computes its share
+        of every later token from another token, and the gap grows to nats."""
+        worst = 0.0
+        for p, out in zip(prompts, outputs):
+            gen = out.outputs[0].token_ids
+            logits = hf32(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
+            got = torch.tensor([x.logprob for x in out.outputs[0].logprobs], device=dev)
+            worst = max(worst, (want - got).abs().max().item())
+        return worst
+
+    def run(tp: int, params=greedy, **options) -> tuple[list, dict]:
         llm = LLM(path, tensor_parallel_size=tp, max_num_seqs=64, **({"gpu_memory_utilization": 0.5} if dev == "cuda"
                                                                        else {"device": "cpu"}) | options)
-        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         engine = llm.engine
         info = dict(preemptions=engine.num_preemptions,
                     leaked_blocks=engine.block_manager.num_blocks - engine.num_free_blocks,
@@ -85,7 +95,8 @@ def main() -> int:
         runs = {name: (tp, options | {"block_size": 64}, margin) for name, (tp, options, margin) in runs.items()}
     results, tokens, failures = {}, {}, []
     for name, (tp, options, margin) in runs.items():
-        tokens[name], info = run(tp, **options)
+        outputs, info = run(tp, **options)
+        tokens[name] = [o.outputs[0].token_ids for o in outputs]
         info["worst_margin"] = worst_margin(tokens[name])
         info["margin_limit"] = margin
         results[name] = info
@@ -94,6 +105,20 @@ def main() -> int:
             failures.append(f"{name}: a greedy token {info['worst_margin']:.4g} under the fp32 argmax (limit {margin})")
         if info["leaked_blocks"]:
             failures.append(f"{name}: {info['leaked_blocks']} KV blocks leaked")
+
+    # Sampled rows (Qwen3's top-k 20, top-p 0.95, in the graphs' top-k sampler), half seeded, half
+    # drawing the runner's per-step seeds: every rank must draw the same token.
+    sampled = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_tokens=args.tokens, ignore_eos=True,
+                              logprobs=0, seed=i if i % 2 else None) for i in range(len(prompts))]
+    outputs, info = run(2, sampled, dtype="float32", **({"block_size": 64} if args.cpu_dry_run else {}))
+    info["worst_logprob_gap"] = worst_logprob_gap(outputs)
+    results["fp32 tp2 graphs sampled"] = info
+    print("fp32 tp2 graphs sampled", info, flush=True)
+    if info["worst_logprob_gap"] > 1e-2:
+        failures.append(f"sampled rows: a token's log-probability {info['worst_logprob_gap']:.4g} from the "
+                        "reference's, teacher-forced (limit 0.01): the ranks drew differently")
+    if info["leaked_blocks"]:
+        failures.append(f"sampled rows: {info['leaked_blocks']} KV blocks leaked")
 
     def same(a: str, b: str) -> int:
         return sum(x == y for x, y in zip(tokens[a], tokens[b]))
