@@ -4,14 +4,18 @@ script on CPU processes joined by gloo, with a tiny model).
 Qwen3-0.6B's shape with N(0, 0.06) weights (as gpu_correctness.py), transformers fp32 the reference.
 Every greedy token is judged teacher-forced: given the same prefix, the fp32 reference's logit of
 the token chosen must be within the margin of its largest (a random model's top two are often
-closer than bf16's rounding, so exact agreement is reported, not required). The runs:
-  1. fp32, split over two ranks, CUDA graphs: 13 prompts (a batch padded to the captured 16), margin 1e-3.
-  2. the same on one GPU: the control, judged the same way; its tokens against run 1's.
+closer than bf16's rounding, so exact agreement is reported, not required). Each split run is
+judged against the same run on one GPU, its control: its worst at most 1.5x the control's, plus a
+little. (The first version judged fp32 by an absolute 1e-3, which the one-GPU control failed as
+much as the split runs, at 0.0061: Triton's fp32 dots run in TF32; NOTES entry 52.) The runs:
+  1. fp32 on one GPU, CUDA graphs: 13 prompts (a batch padded to the captured 16): the control;
+     2. the same split over two ranks.
   3. split, a pool small enough to preempt, graphs; and 4. the same without graphs (enforce_eager):
-     tokens identical to 3's (graphs replay what the eager path computes, collectives included).
-  5. bf16, split (the benchmark's dtype), margin 0.25 as gpu_correctness.py's; 6. bf16 on one GPU.
-  7. fp32, split, sampled rows (top-k 20, top-p 0.95, half of them unseeded): each token's reported
-     log-probability within 0.01 of the reference's, teacher-forced.
+     tokens agreed for at least 8 (as gpu_correctness.py judges graphs against no graphs).
+  5. bf16 on one GPU (the benchmark's dtype): the control; 6. bf16 split.
+  7. sampled rows (top-k 20, top-p 0.95, half of them unseeded), fp32 on one GPU: the control; 8.
+     split: each token's reported log-probability against the reference's, teacher-forced (a rank
+     that drew otherwise than rank 0 puts it nats away).
 Every run must end with all KV blocks free."""
 import argparse
 import gc
@@ -82,55 +86,65 @@ def main() -> int:
             torch.cuda.empty_cache()
         return outputs, info
 
-    small_pool = 20 if args.cpu_dry_run else 40     # blocks of 64: fewer than the 13 prompts need at once
+    # Blocks of 64 tokens: fewer than the 13 prompts need at once, so that running ones are preempted.
+    small_pool = 20
+    # name: (ranks, options, the one-GPU run it is judged against: None for a control)
     runs = {
-        "fp32 tp2 graphs": (2, dict(dtype="float32"), 1e-3),
-        "fp32 tp1 graphs (control)": (1, dict(dtype="float32"), 1e-3),
-        "fp32 tp2 graphs small pool": (2, dict(dtype="float32", num_kv_blocks=small_pool), 1e-3),
-        "fp32 tp2 eager small pool": (2, dict(dtype="float32", num_kv_blocks=small_pool, enforce_eager=True), 1e-3),
-        "bf16 tp2 graphs": (2, {}, 0.25),
-        "bf16 tp1 graphs (control)": (1, {}, 0.25),
+        "fp32 tp1 graphs (control)": (1, dict(dtype="float32"), None),
+        "fp32 tp2 graphs": (2, dict(dtype="float32"), "fp32 tp1 graphs (control)"),
+        "fp32 tp2 graphs small pool": (2, dict(dtype="float32", num_kv_blocks=small_pool), "fp32 tp1 graphs (control)"),
+        "fp32 tp2 eager small pool": (2, dict(dtype="float32", num_kv_blocks=small_pool, enforce_eager=True),
+                                      "fp32 tp1 graphs (control)"),
+        "bf16 tp1 graphs (control)": (1, {}, None),
+        "bf16 tp2 graphs": (2, {}, "bf16 tp1 graphs (control)"),
     }
     if args.cpu_dry_run:
-        runs = {name: (tp, options | {"block_size": 64}, margin) for name, (tp, options, margin) in runs.items()}
+        runs = {name: (tp, options | {"block_size": 64}, control) for name, (tp, options, control) in runs.items()}
     results, tokens, failures = {}, {}, []
-    for name, (tp, options, margin) in runs.items():
+
+    def judge(name: str, info: dict, key: str, control: str | None, slack: float) -> None:
+        """A split run's worst against its one-GPU control's: at most 1.5x it, plus slack (the
+        kernels' fp32 is not exact: Triton's fp32 dots run in TF32, so the control's worst is not 0)."""
+        results[name] = info
+        if info["leaked_blocks"]:
+            failures.append(f"{name}: {info['leaked_blocks']} KV blocks leaked")
+        if control is not None:
+            info["limit"] = 1.5 * results[control][key] + slack
+            if info[key] > info["limit"]:
+                failures.append(f"{name}: {key} {info[key]:.4g} past {info['limit']:.4g} (1.5x its control's + {slack})")
+        print(name, info, flush=True)
+
+    for name, (tp, options, control) in runs.items():
         outputs, info = run(tp, **options)
         tokens[name] = [o.outputs[0].token_ids for o in outputs]
         info["worst_margin"] = worst_margin(tokens[name])
-        info["margin_limit"] = margin
-        results[name] = info
-        print(name, info, flush=True)
-        if info["worst_margin"] > margin:
-            failures.append(f"{name}: a greedy token {info['worst_margin']:.4g} under the fp32 argmax (limit {margin})")
-        if info["leaked_blocks"]:
-            failures.append(f"{name}: {info['leaked_blocks']} KV blocks leaked")
+        judge(name, info, "worst_margin", control, 1e-3)
 
     # Sampled rows (Qwen3's top-k 20, top-p 0.95, in the graphs' top-k sampler), half seeded, half
-    # drawing the runner's per-step seeds: every rank must draw the same token.
+    # drawing the runner's per-step seeds: every rank must draw the same token, else the gap is nats.
     sampled = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_tokens=args.tokens, ignore_eos=True,
                               logprobs=0, seed=i if i % 2 else None) for i in range(len(prompts))]
-    outputs, info = run(2, sampled, dtype="float32", **({"block_size": 64} if args.cpu_dry_run else {}))
-    info["worst_logprob_gap"] = worst_logprob_gap(outputs)
-    results["fp32 tp2 graphs sampled"] = info
-    print("fp32 tp2 graphs sampled", info, flush=True)
-    if info["worst_logprob_gap"] > 1e-2:
-        failures.append(f"sampled rows: a token's log-probability {info['worst_logprob_gap']:.4g} from the "
-                        "reference's, teacher-forced (limit 0.01): the ranks drew differently")
-    if info["leaked_blocks"]:
-        failures.append(f"sampled rows: {info['leaked_blocks']} KV blocks leaked")
+    for tp, control in ((1, None), (2, "fp32 tp1 graphs sampled (control)")):
+        outputs, info = run(tp, sampled, dtype="float32", **({"block_size": 64} if args.cpu_dry_run else {}))
+        info["worst_logprob_gap"] = worst_logprob_gap(outputs)
+        judge(f"fp32 tp{tp} graphs sampled" + (" (control)" if control is None else ""), info,
+              "worst_logprob_gap", control, 1e-2)
 
     def same(a: str, b: str) -> int:
         return sum(x == y for x, y in zip(tokens[a], tokens[b]))
+
+    def agree(a: str, b: str) -> list[int]:
+        return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(tokens[a], tokens[b])]
     results["identical outputs, tp2 vs tp1, fp32"] = same("fp32 tp2 graphs", "fp32 tp1 graphs (control)")
     results["identical outputs, tp2 vs tp1, bf16"] = same("bf16 tp2 graphs", "bf16 tp1 graphs (control)")
-    results["identical outputs, graphs vs eager, small pool"] = same("fp32 tp2 graphs small pool",
-                                                                     "fp32 tp2 eager small pool")
-    if results["identical outputs, graphs vs eager, small pool"] != len(prompts):
-        failures.append("split over two ranks, CUDA graphs changed the outputs of the eager path")
+    # As gpu_correctness.py judges graphs against no graphs: the padded batch's products may round
+    # otherwise, so a near-tie may go the other way, but not within the first 8 tokens.
+    results["tokens agreed, graphs vs eager, small pool"] = agree("fp32 tp2 graphs small pool", "fp32 tp2 eager small pool")
+    if min(results["tokens agreed, graphs vs eager, small pool"]) < min(8, args.tokens):
+        failures.append("split over two ranks, CUDA graphs and the eager path parted within 8 tokens")
     if results["fp32 tp2 graphs small pool"]["preemptions"] == 0:
         failures.append("the small pool preempted nothing")
-    if not all(results[name]["cuda_graphs"] for name in runs if "graphs" in name) and not args.cpu_dry_run:
+    if not all(results[name]["cuda_graphs"] for name in results if "graphs" in name) and not args.cpu_dry_run:
         failures.append("a run meant to use CUDA graphs did not")
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}, indent=1))
     for failure in failures:
