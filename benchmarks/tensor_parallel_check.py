@@ -7,7 +7,8 @@ the token chosen must be within the margin of its largest (a random model's top 
 closer than bf16's rounding, so exact agreement is reported, not required). Each split run is
 judged against the same run on one GPU, its control: its worst at most 1.5x the control's, plus a
 little. (The first version judged fp32 by an absolute 1e-3, which the one-GPU control failed as
-much as the split runs, at 0.0061: Triton's fp32 dots run in TF32; NOTES entry 52.) The runs:
+much as the split runs, at 0.0061: the attention kernels' fp32 dots take Triton's default, TF32; NOTES
+entry 52.) The runs:
   1. fp32 on one GPU, CUDA graphs: 13 prompts (a batch padded to the captured 16): the control;
      2. the same split over two ranks.
   3. split, a pool small enough to preempt, graphs; and 4. the same without graphs (enforce_eager):
@@ -103,8 +104,8 @@ def main() -> int:
     results, tokens, failures = {}, {}, []
 
     def judge(name: str, info: dict, key: str, control: str | None, slack: float) -> None:
-        """A split run's worst against its one-GPU control's: at most 1.5x it, plus slack (the
-        kernels' fp32 is not exact: Triton's fp32 dots run in TF32, so the control's worst is not 0)."""
+        """A split run's worst against its one-GPU control's: at most 1.5x it, plus slack (the kernel
+        path's fp32 is not exact, its attention dots taking Triton's default TF32: the control's is not 0)."""
         results[name] = info
         if info["leaked_blocks"]:
             failures.append(f"{name}: {info['leaked_blocks']} KV blocks leaked")
