@@ -27,7 +27,8 @@ class TensorParallel:
 
 
 def check_divisible(sizes: dict[str, int], tensor_parallel_size: int) -> None:
-    """Every split dimension must divide evenly: no rank holds a ragged share."""
+    """The heads and the MLP's columns must divide evenly: no rank holds a ragged share of them
+    (a vocabulary the ranks do not divide is padded instead: layers/embed_head.py)."""
     for name, size in sizes.items():
         if size % tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the model's {name} ({size})")
