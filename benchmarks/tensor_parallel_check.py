@@ -38,7 +38,7 @@ def main() -> int:
         sys.exit("tensor_parallel_check.py needs two GPUs (or --cpu-dry-run)")
     from transformers import Qwen3ForCausalLM as HFQwen3
 
-    from benchmarks.gpu_correctness import std006_checkpoint
+    from benchmarks.gpu_correctness import common_prefix, std006_checkpoint
     from mini_engine import LLM, SamplingParams
 
     dev = "cpu" if args.cpu_dry_run else "cuda"
@@ -135,7 +135,7 @@ def main() -> int:
         return sum(x == y for x, y in zip(tokens[a], tokens[b]))
 
     def agree(a: str, b: str) -> list[int]:
-        return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(tokens[a], tokens[b])]
+        return [common_prefix(p, q) for p, q in zip(tokens[a], tokens[b])]
     results["identical outputs, tp2 vs tp1, fp32"] = same("fp32 tp2 graphs", "fp32 tp1 graphs (control)")
     results["identical outputs, tp2 vs tp1, bf16"] = same("bf16 tp2 graphs", "bf16 tp1 graphs (control)")
     # As gpu_correctness.py judges graphs against no graphs: the padded batch's products may round
