@@ -7,6 +7,7 @@ import torch
 
 from mini_engine.distributed import check_divisible
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
+from mini_engine.pooling_params import PoolerConfig
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
 
@@ -29,6 +30,10 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: YarnScaling | None = None     # YaRN's parameters, where config.json asks for it
+    # An embedding model trained for Matryoshka cuts (vLLM reads config.json's is_matryoshka, or the
+    # cuts it allows, matryoshka_dimensions): PoolingParams.dimensions may ask for a shorter vector.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def max_positions(self) -> int:
@@ -82,6 +87,8 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", False),
             eos_token_ids=eos_ids,
             rope_scaling=rope_scaling,
+            is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
+            matryoshka_dimensions=tuple(raw["matryoshka_dimensions"]) if raw.get("matryoshka_dimensions") else None,
         )
 
     @classmethod
@@ -172,7 +179,14 @@ class EngineConfig:
     # As vLLM's (-tp): the model's heads, MLP columns and vocabulary split over this many processes,
     # one GPU each (cuda:0 .. cuda:N-1; gloo between CPU processes): mini_engine/distributed.py.
     tensor_parallel_size: int = 1
+    # As vLLM's --runner: "generate", or "pooling", an embedding model (LLM.embed, the server's
+    # /v1/embeddings): each prompt's final hidden states pooled into one vector, no lm_head, no
+    # sampling (mini_engine/pooling_params.py). pooler_config (vLLM's): its pooling_type, "LAST"
+    # or "MEAN", and normalize, over what the checkpoint's Sentence Transformers files say.
+    runner: str = "generate"
+    pooler_config: dict | PoolerConfig | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
+    pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
     sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
 
@@ -218,6 +232,14 @@ class EngineConfig:
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
         self.sampling_defaults = self.read_sampling_defaults()
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.runner == "pooling":
+            self.pooler = PoolerConfig.resolve(self.model, self.pooler_config)
+            if self.reasoning_parser is not None:
+                raise ValueError("reasoning_parser is for generation: a pooling runner samples nothing")
+        elif self.pooler_config is not None:
+            raise ValueError("pooler_config needs runner='pooling'")
 
     def read_sampling_defaults(self) -> dict:
         if self.generation_config == "none":

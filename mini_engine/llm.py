@@ -1,4 +1,5 @@
 """LLM: the offline entry point, shaped like vLLM's."""
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -10,7 +11,8 @@ from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
 from mini_engine.engine.sequence import Sequence
-from mini_engine.outputs import CompletionOutput, RequestOutput
+from mini_engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -58,15 +60,24 @@ class LLM:
         sets them (EngineConfig's generation_config), SamplingParams' own defaults for the rest."""
         return self.engine.config.default_sampling_params()
 
+    @staticmethod
+    def prompt_list(prompts) -> list:
+        """One prompt (text, token ids, or vLLM's prompt dict) as a list of one; a list as it is."""
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            return [prompts]                      # one prompt's token ids
+        if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            return [prompts]
+        return prompts
+
     def generate(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """priority: one for each prompt, with scheduling_policy "priority" (vLLM's): a lower value
         is scheduled first."""
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
-            prompts = [prompts]                   # one prompt's token ids
-        elif isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
+        if self.engine.config.runner == "pooling":
+            raise ValueError("this LLM runs an embedding model (runner='pooling'): use LLM.embed; generation needs "
+                             "runner='generate'")
+        prompts = self.prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -78,12 +89,46 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         for value in priority:
             self.engine.check_priority(value)
+        seqs, completion_of, stoppers = self.run_requests(prompts, sampling_params, priority, use_tqdm, "Generating")
+        groups: list[list[tuple[int, Sequence]]] = [[] for _ in prompts]
+        for seq in seqs:
+            i, k = completion_of[seq.request_id]
+            groups[i].append((k, seq))
+        return [self.to_output(prompt, group, stoppers) for prompt, group in zip(prompts, groups)]
 
+    def embed(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
+              pooling_params: PoolingParams | list[PoolingParams] | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed, for an LLM started with runner="pooling": each prompt's embedding, its
+        final hidden states pooled as the engine's pooler says (Qwen3-Embedding: the last token's,
+        normalised; mini_engine/pooling_params.py). Text gets the tokenizer's special tokens.
+        truncate_prompt_tokens: embed each prompt's last k tokens (PoolingParams' own, for all)."""
+        if self.engine.config.runner != "pooling":
+            raise ValueError("LLM.embed needs an embedding model: LLM(path, runner='pooling')")
+        prompts = self.prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(pooling_params)} pooling params")
+        if truncate_prompt_tokens is not None:
+            pooling_params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                              for p in pooling_params]
+        seqs, completion_of, _ = self.run_requests(prompts, pooling_params, [0] * len(prompts), use_tqdm, "Embedding")
+        by_prompt = {completion_of[seq.request_id][0]: seq for seq in seqs}
+        return [EmbeddingRequestOutput(seq.request_id, seq.prompt_token_ids, EmbeddingOutput(seq.embedding))
+                for seq in (by_prompt[i] for i in range(len(prompts)))]
+
+    def run_requests(self, prompts: list, params: list[SamplingParams | PoolingParams], priority: list[int],
+                     use_tqdm: bool, desc: str) -> tuple[list[Sequence], dict[str, tuple[int, int]],
+                                                         dict[str, IncrementalDetokenizer]]:
+        """Runs the prompts to the end: their sequences (n of a prompt whose SamplingParams ask for
+        n), each one's (prompt, completion) index by request id, and the stop-string matchers of
+        those with stop strings."""
         engine = self.engine
         # A sequence for each completion: n of a prompt whose SamplingParams ask for n.
-        num_completions = [p.n if isinstance(p, SamplingParams) else 1 for p in sampling_params]
-        requests = [(i, k, n, prompt, params.completion(k) if n > 1 else params)
-                    for i, (prompt, params, n) in enumerate(zip(prompts, sampling_params, num_completions))
+        num_completions = [p.n if isinstance(p, SamplingParams) else 1 for p in params]
+        requests = [(i, k, n, prompt, p.completion(k) if n > 1 else p)
+                    for i, (prompt, p, n) in enumerate(zip(prompts, params, num_completions))
                     for k in range(n)]
         # All arrive at once: added in priority order (stable, so ties keep theirs), the requests
         # reach the scheduler as its priority queue would take them.
@@ -93,7 +138,7 @@ class LLM:
         # Stop strings are matched on the text as it grows, so that a request that hits one is
         # aborted (its blocks freed) before the engine spends another step on it.
         stoppers: dict[str, IncrementalDetokenizer] = {}
-        bar = tqdm(total=sum(num_completions), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=sum(num_completions), desc=desc, dynamic_ncols=True, disable=not use_tqdm)
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
         try:
@@ -129,11 +174,7 @@ class LLM:
             for seq in seqs:           # on an exception (e.g. KeyboardInterrupt) free what is left
                 if not seq.is_finished:
                     engine.abort_request(seq.request_id)
-        groups: list[list[tuple[int, Sequence]]] = [[] for _ in prompts]
-        for seq in seqs:
-            i, k = completion_of[seq.request_id]
-            groups[i].append((k, seq))
-        return [self.to_output(prompt, group, stoppers) for prompt, group in zip(prompts, groups)]
+        return seqs, completion_of, stoppers
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -177,7 +218,7 @@ class LLM:
             i, k, n, prompt, params = request
             try:
                 if k == 0:                       # a prompt's completions share its token ids
-                    admission.last_prompt_ids = engine.tokenize(unwrap_prompt(prompt))
+                    admission.last_prompt_ids = engine.tokenize(unwrap_prompt(prompt), params)
                 ids = admission.last_prompt_ids
                 engine.validate(ids, params)
             except (ValueError, TypeError) as e:
@@ -190,7 +231,7 @@ class LLM:
             seq = engine.add_request(ids, params, request_id, validated=True, priority=admission.priorities[i])
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
-            if params.stop:
+            if isinstance(params, SamplingParams) and params.stop:
                 stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens,
                                                                   params.include_stop_str_in_output)
             cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks)

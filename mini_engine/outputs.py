@@ -25,3 +25,21 @@ class RequestOutput:
     # Where SamplingParams.prompt_logprobs asked, as vLLM's: None for the first prompt token (nothing
     # comes before it), then a SampleLogprobs for each (its log-probability, rank and top ones).
     prompt_logprobs: list | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]          # the pooled vector (normalised, cut to dimensions, where asked)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result for one prompt, as vLLM's."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

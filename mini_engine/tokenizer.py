@@ -18,12 +18,14 @@ def load_tokenizer_config(path: str) -> dict:
         return json.load(f)
 
 
-def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int]) -> list[int]:
-    """A prompt as token ids: text through the tokenizer (no special tokens added), ids as given."""
+def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+    """A prompt as token ids: text through the tokenizer, ids as given. add_special_tokens: the
+    tokenizer's post-processor adds its tokens, as Qwen3-Embedding's appends the <|endoftext|>
+    whose state the model pools (an embedding engine's prompts); Qwen3's own adds none."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token ids")
-        return tokenizer.encode(prompt, add_special_tokens=False).ids
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
     if isinstance(prompt, (bytes, bytearray)):
         raise ValueError("a prompt is text (str) or token ids, not bytes")
     return list(prompt)

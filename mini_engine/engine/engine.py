@@ -14,7 +14,9 @@ from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from mini_engine.layers.pooler import chunk_chain, finish_embedding
 from mini_engine.layers.sampler import SampleLogprobs
+from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
@@ -28,6 +30,10 @@ atexit.register(gc.unfreeze)
 
 logger = logging.getLogger("mini_engine.engine")
 
+# An embedding request's Sequence.sampling_params: the scheduler reads a request's, and this one is
+# never sampled (a pooling engine has no lm_head).
+POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
+
 
 @dataclass
 class InFlightStep:
@@ -38,6 +44,8 @@ class InFlightStep:
     # The sequences whose prompt log-probabilities it computes, in the runner's row order, and the
     # prompt position of each one's first.
     prompt_logprob_rows: list[tuple[Sequence, int]]
+    # The embedding requests that pool in it, in the runner's row order, and their chunks' (start, end).
+    pooled_rows: list[tuple[Sequence, int, int]]
 
 
 @dataclass
@@ -66,9 +74,11 @@ class LLMEngine:
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len, config.scheduling_policy)
-        self.limits = RequestLimits(config.model_config.vocab_size, config.max_model_len, config.block_size,
+        mc = config.model_config
+        self.limits = RequestLimits(mc.vocab_size, config.max_model_len, config.block_size,
                                     self.block_manager.num_blocks, self.tokenizer is not None, config.max_logprobs,
-                                    tuple(config.model_config.eos_token_ids))
+                                    tuple(mc.eos_token_ids), config.runner == "pooling", mc.hidden_size,
+                                    mc.is_matryoshka, mc.matryoshka_dimensions)
         if config.num_kv_blocks is None and self.limits.max_sequence_tokens() < config.max_model_len:
             # vLLM refuses to start here; requests that fit the pool still run, so this one warns,
             # and each request the pool can never hold is refused with its own error.
@@ -102,28 +112,40 @@ class LLMEngine:
 
     # ---- requests ----
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
+    def tokenize(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None) -> list[int]:
+        """An embedding engine's text gets the tokenizer's special tokens (Qwen3-Embedding's
+        <|endoftext|>, whose state it pools), as vLLM's embedding path adds them; a request's
+        truncate_prompt_tokens keeps the prompt's last tokens."""
+        ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=self.config.runner == "pooling")
+        return truncate_prompt(ids, params, self.config.max_model_len) if isinstance(params, PoolingParams) else ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raises ValueError for a request that could never run; it then touches no engine state."""
         self.limits.validate(prompt_token_ids, params)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    validated: bool = False, priority: int = 0) -> Sequence:
-        """validated: the caller has already passed these token ids and params to validate() (a
-        batch is validated whole before any of it is added), so the prompt is not checked twice.
-        priority: with scheduling_policy "priority", a lower value is scheduled first (vLLM's)."""
-        prompt_token_ids = self.tokenize(prompt)
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                    request_id: str | None = None, validated: bool = False, priority: int = 0) -> Sequence:
+        """params: SamplingParams, or an embedding engine's PoolingParams. validated: the caller
+        has already passed these token ids and params to validate() (a batch is validated whole
+        before any of it is added), so the prompt is not checked twice. priority: with
+        scheduling_policy "priority", a lower value is scheduled first (vLLM's)."""
+        prompt_token_ids = self.tokenize(prompt, params)
         if not validated:
             self.validate(prompt_token_ids, params)
         self.check_priority(priority)
         request_id = request_id if request_id is not None else str(next(self.request_counter))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            seq = Sequence(request_id, prompt_token_ids, POOLING_PLACEHOLDER, priority=int(priority),
+                           arrival=next(self.arrivals), pooling_params=params,
+                           pooling_type=self.config.pooler.pooling_type)
+            self.requests[request_id] = seq
+            self.scheduler.add(seq)
+            return seq
         seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals))
         stop_token_ids = self.stop_token_ids(params)
         if params.bad_words:            # before anything of the engine's changes: it may raise
@@ -258,25 +280,27 @@ class LLMEngine:
         samples = []
         prompt_logprob_rows = [(batch.seqs[i], row.start_position + 1) for i, row in zip(order, rows)
                                if row.prompt_logprob_targets is not None]
+        pooled_rows = [(batch.seqs[i], row.start_position, row.start_position + len(row.token_ids))
+                       for i, row in zip(order, rows) if row.pooling is not None]
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             self.last_step_decode_tokens += is_decode
             self.last_step_prefill_tokens += 0 if is_decode else n
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:          # not a prefill chunk: it samples
+            if seq.num_computed_tokens == seq.num_tokens and seq.pooling_type is None:   # not a prefill chunk: it samples
                 seq.penalty_row_filled = seq.penalty_row >= 0       # the launch filled it, if it was not
                 seq.pending_sample_index = len(samples)
                 samples.append((seq, seq.num_tokens))
                 seq.token_ids.append(PENDING_TOKEN)
-        return InFlightStep(handle, samples, prompt_logprob_rows)
+        return InFlightStep(handle, samples, prompt_logprob_rows, pooled_rows)
 
     def resolve(self, step: InFlightStep) -> list[StepOutput]:
         tokens, logprobs = step.handle.result()
         logprobs = logprobs or [None] * len(tokens)
         for (seq, position), values in zip(step.prompt_logprob_rows, step.handle.prompt_logprobs or []):
             seq.prompt_logprobs[position:position + len(values)] = values
-        outputs = []
+        outputs = self.resolve_pooled(step) if step.pooled_rows else []
         for (seq, position), token, lp in zip(step.samples, tokens, logprobs):
             if seq.is_finished:
                 continue                          # aborted, or ended by the step before
@@ -302,6 +326,24 @@ class LLMEngine:
                 del seq.token_ids[position + 1:]     # a token computed past a stop is dropped
                 self.end(seq, reason)
             outputs.append(StepOutput(seq, [token], reason is not None, None if lp is None else [lp]))
+        return outputs
+
+    def resolve_pooled(self, step: InFlightStep) -> list[StepOutput]:
+        """Each pooling row's share of its prompt's vector (layers/pooler.py): kept by its chunk's
+        start under MEAN; the prompt's last chunk gives the request its embedding, and ends it."""
+        outputs = []
+        for (seq, start, end), share in zip(step.pooled_rows, step.handle.pooled):
+            if seq.is_finished:
+                continue                          # aborted
+            if seq.pooling_type == "MEAN":
+                seq.pooled_shares[start] = (end, share)
+            if end < seq.num_prompt_tokens:
+                continue
+            pooled = share if seq.pooling_type == "LAST" else chunk_chain(seq.pooled_shares, end) / end
+            seq.embedding = finish_embedding(pooled, seq.pooling_params, self.config.pooler.normalize)
+            seq.pooled_shares = {}
+            self.end(seq, "stop")
+            outputs.append(StepOutput(seq, [], True))
         return outputs
 
     def end(self, seq: Sequence, reason: str) -> None:
@@ -332,6 +374,12 @@ class LLMEngine:
         for i in order:
             seq, n = seqs[i], num_new[i]
             start = seq.num_computed_tokens
+            if seq.pooling_type is not None:      # an embedding request's chunk: it pools, never samples
+                last = start + n == seq.num_tokens
+                rows.append(BatchRow(seq.token_ids[start:start + n], start, seq.block_table, False,
+                                     block_table_array=seq.block_table_array,
+                                     pooling=seq.pooling_type if last or seq.pooling_type == "MEAN" else None))
+                continue
             sample = start + n == seq.num_tokens
             p = seq.sampling_params
             seed = hash((p.seed, seq.num_output_tokens)) & 0x7FFFFFFF if sample and p.seed is not None else None

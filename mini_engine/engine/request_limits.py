@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -16,6 +17,12 @@ class RequestLimits:
     has_tokenizer: bool
     max_logprobs: int = 20      # EngineConfig.max_logprobs
     eos_token_ids: tuple[int, ...] = ()
+    # An embedding engine's (runner "pooling"): its requests carry PoolingParams, whose dimensions
+    # may cut a Matryoshka model's vector (to one of matryoshka_dimensions, where config.json lists them).
+    pooling: bool = False
+    hidden_size: int = 0
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def max_sequence_tokens(self) -> int:
         """The longest sequence (prompt and output) that max_model_len and the KV pool allow. Its
@@ -23,8 +30,13 @@ class RequestLimits:
         return min(self.max_model_len, self.num_blocks * self.block_size + 1)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError (TypeError for params that are not SamplingParams) for a request that
-        could never run."""
+        """Raises ValueError (TypeError for params of the wrong kind: SamplingParams for a generating
+        engine, PoolingParams for a pooling one) for a request that could never run."""
+        if self.pooling:
+            self.validate_pooling(prompt_token_ids, params)
+            return
+        if isinstance(params, PoolingParams):
+            raise TypeError("an embedding request (PoolingParams) needs an engine started with runner='pooling'")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.stop and not self.has_tokenizer:
@@ -36,13 +48,7 @@ class RequestLimits:
                 raise ValueError("structured outputs need the checkpoint's tokenizer.json, which it does not have")
             params.structured_outputs.check()
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        # One numpy pass, not a Python test per token: a mix of ints and anything else (floats,
-        # strings, None) makes a float or object array.
-        ids = np.asarray(prompt_token_ids)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        self.check_token_ids(prompt_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > min(self.max_logprobs, self.vocab_size):
@@ -66,3 +72,41 @@ class RequestLimits:
         if blocks > self.num_blocks:          # i.e. n + max_tokens > max_sequence_tokens(), by the pool
             raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.num_blocks}; "
                              "it could never run")
+
+    def check_token_ids(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty")
+        # One numpy pass, not a Python test per token: a mix of ints and anything else (floats,
+        # strings, None) makes a float or object array.
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+
+    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        """An embedding request: its prompt (truncated already, where it asked) is computed whole,
+        every token's k/v in the pool, and nothing is sampled after it."""
+        if isinstance(params, SamplingParams):
+            raise TypeError("this engine runs an embedding model (runner='pooling'): it takes PoolingParams "
+                            "(LLM.embed, /v1/embeddings); generation needs runner='generate'")
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling params must be PoolingParams, got {type(params).__name__}")
+        self.check_token_ids(prompt_token_ids)
+        n = len(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={params.truncate_prompt_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt of {n} tokens exceeds max_model_len={self.max_model_len} "
+                             "(truncate_prompt_tokens keeps its last tokens)")
+        blocks = -(-n // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.num_blocks}; "
+                             "it could never run")
+        d = params.dimensions
+        if d is not None:
+            if not self.is_matryoshka:
+                raise ValueError("dimensions asks for a Matryoshka cut, and this model was not trained for one "
+                                 "(config.json's is_matryoshka or matryoshka_dimensions; hf_overrides can set them)")
+            if d > self.hidden_size or (self.matryoshka_dimensions and d not in self.matryoshka_dimensions):
+                allowed = self.matryoshka_dimensions or f"1 to {self.hidden_size}"
+                raise ValueError(f"dimensions={d} is not a cut this model allows: {allowed}")

@@ -78,7 +78,7 @@ class Scheduler:
             if seq.grammar_compiling is not None:
                 compiling.append(self.waiting.popleft())
                 continue
-            cached = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
+            cached = [] if seq.computes_whole_prompt else bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             n = min(seq.num_tokens - num_computed, budget)
             if not bm.allocate_slots(seq, n, cached):
@@ -97,6 +97,8 @@ class Scheduler:
         return out
 
     def reached_length(self, seq: Sequence) -> bool:
+        if seq.pooling_type is not None:        # an embedding request: its whole prompt, nothing after
+            return seq.num_computed_tokens == seq.num_tokens
         return (seq.num_output_tokens >= seq.sampling_params.max_tokens
                 or seq.num_tokens >= self.max_model_len)
 

@@ -4,6 +4,7 @@ from enum import Enum, auto
 
 import numpy as np
 
+from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -60,6 +61,13 @@ class Sequence:
     # The "priority" scheduling policy's order: a lower priority value first, then the earlier arrival.
     priority: int = 0
     arrival: int = 0
+    # An embedding request's (runner "pooling"; its sampling_params are then a placeholder, never
+    # sampled): its PoolingParams and the engine's pooling type, each pooled chunk's share by its
+    # start (layers/pooler.py) and, once the whole prompt is computed, its embedding.
+    pooling_params: PoolingParams | None = None
+    pooling_type: str | None = None
+    pooled_shares: dict = field(default_factory=dict)
+    embedding: list[float] | None = None
 
     def __post_init__(self):
         if not self.token_ids:
@@ -78,6 +86,12 @@ class Sequence:
         """Does some prompt position still lack its log-probabilities (so the prefix cache may not
         serve this sequence's prompt)?"""
         return self.prompt_logprobs is not None and None in self.prompt_logprobs[1:]
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Must every prompt token be computed, none served by the prefix cache? (Its prompt
+        log-probabilities, or a MEAN embedding, read every position's hidden state.)"""
+        return self.needs_prompt_logprobs or self.pooling_type == "MEAN"
 
     def prompt_logprob_targets(self, start: int, num_tokens: int) -> np.ndarray:
         """The prompt tokens that positions [start, start + num_tokens) predict (start before the

@@ -46,6 +46,8 @@ def load_model(model: nn.Module, path: str) -> None:
             elif missing := sorted(set(names) - set(f.keys())):
                 raise ValueError(f"{file}: the index places {missing[:4]} here, but the file does not hold them")
             for ckpt_name in names:
+                if ckpt_name == "lm_head.weight" and model.lm_head is None:
+                    continue                    # an embedding model pools the hidden states
                 if tied and ckpt_name == "lm_head.weight":
                     tied_copy = f.get_tensor(ckpt_name)    # some exporters write the tied copy too
                     continue

@@ -79,7 +79,10 @@ class Qwen3ForCausalLM(nn.Module):
         "input_layernorm.": "self_attn.qkv_proj.norm_", "post_attention_layernorm.": "mlp.gate_up_proj.norm_",
     }
 
-    def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset(), tp: TensorParallel = TensorParallel()):
+    def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset(), tp: TensorParallel = TensorParallel(),
+                 lm_head: bool = True):
+        """lm_head False: an embedding model's (runner "pooling"), whose output is the final hidden
+        states; a checkpoint's lm_head.weight is then not loaded (Qwen3-Embedding has none)."""
         super().__init__()
         self.config = config
         self.tp = tp
@@ -90,8 +93,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cos_sin_cache, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "rms_norm" in kernels)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
-        if config.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp) if lm_head else None
+        if lm_head and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def fold_norm_weights(self) -> None:

@@ -3,6 +3,7 @@ model.safetensors), for benchmarks and tests: no weights can be downloaded here,
 throughput nor the engine's agreement with transformers depends on the weights' values."""
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -70,4 +71,18 @@ def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str
         write_random_checkpoint(tmp, QWEN3_0_6B, device=device)
         if not os.path.exists(path):        # else another process wrote it meanwhile
             os.replace(tmp, path)
+    return path
+
+
+def write_embedding_layout(source: str, path: str) -> str:
+    """source's checkpoint as Qwen3-Embedding lays itself out (saved from transformers' Qwen3Model):
+    its tensors without the "model." prefix and without lm_head, beside source's other files."""
+    from safetensors.torch import load_file
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(source):
+        if name != "model.safetensors" and os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), path)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    save_file({name.removeprefix("model."): t for name, t in tensors.items() if name != "lm_head.weight"},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path

@@ -37,6 +37,9 @@ class BatchRow:
     grammar_bitmask: torch.Tensor | None = None
     # For a sampling row with bad words: the tokens that would complete one now.
     banned_tokens: list[int] | None = None
+    # For an embedding request's row that pools this step (layers/pooler.py): its pooling type,
+    # "LAST" (its prompt's last chunk) or "MEAN" (every chunk). It never samples.
+    pooling: str | None = None
 
 
 @dataclass(slots=True)
@@ -157,14 +160,17 @@ class StepInputBuffers:
 class StepHandle:
     """A launched step's sampled tokens (and log-probabilities, where asked), on their way to the
     host. finish turns the extras' host lists into (the sampling rows' logprobs, the prompt
-    log-probabilities of the rows that asked), either None."""
+    log-probabilities of the rows that asked), either None. pooled: the pooling rows' vectors, a
+    [rows, hidden] fp32 array, in their row order (layers/pooler.py), or None."""
 
     def __init__(self, tokens: list[int] | None = None, logprobs: list | None = None,
                  host: list[torch.Tensor] | None = None, ready: torch.cuda.Event | None = None,
                  finish: Callable[..., tuple[list | None, list | None]] | None = None,
-                 prompt_logprobs: list | None = None):
+                 prompt_logprobs: list | None = None, pooled: np.ndarray | None = None,
+                 pooled_host: torch.Tensor | None = None):
         self.tokens, self.logprobs, self.host, self.ready, self.finish = tokens, logprobs, host, ready, finish
         self.prompt_logprobs = prompt_logprobs
+        self.pooled, self.pooled_host = pooled, pooled_host
 
     @classmethod
     def done(cls, tokens: list[int], logprobs: list | None) -> "StepHandle":
@@ -173,7 +179,8 @@ class StepHandle:
     @classmethod
     def copying(cls, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None,
                 extras: list[torch.Tensor] = (),
-                finish: Callable[..., tuple[list | None, list | None]] | None = None) -> "StepHandle":
+                finish: Callable[..., tuple[list | None, list | None]] | None = None,
+                pooled: torch.Tensor | None = None) -> "StepHandle":
         """Copies tokens (and extras, whose host lists finish turns into the step's logprobs), once
         the current stream has produced them, into pinned memory without blocking; the handle's
         event marks when they are there (and so the step is done). On a stream of its own the copy
@@ -182,19 +189,22 @@ class StepHandle:
         until the event has fired."""
         if not tokens.is_cuda:
             logprobs, prompt_logprobs = finish(*(t.tolist() for t in extras)) if finish else (None, None)
-            return cls(tokens.tolist(), logprobs, prompt_logprobs=prompt_logprobs)
+            return cls(tokens.tolist(), logprobs, prompt_logprobs=prompt_logprobs,
+                       pooled=None if pooled is None else pooled.numpy())
         ready = torch.cuda.Event()
         stream = stream or torch.cuda.current_stream(tokens.device)
         stream.wait_stream(torch.cuda.current_stream(tokens.device))
         host = []
-        for t in (tokens, *extras):
+        copied = (tokens, *extras) if pooled is None else (tokens, *extras, pooled)
+        for t in copied:
             t.record_stream(stream)          # an eager step's tensors: not reused before the copy
             host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
         with torch.cuda.stream(stream):
-            for h, t in zip(host, (tokens, *extras)):
+            for h, t in zip(host, copied):
                 h.copy_(t, non_blocking=True)
             ready.record(stream)
-        return cls(host=host, ready=ready, finish=finish)
+        pooled_host = host.pop() if pooled is not None else None
+        return cls(host=host, ready=ready, finish=finish, pooled_host=pooled_host)
 
     def result(self) -> tuple[list[int], list | None]:
         if self.tokens is None:
@@ -202,4 +212,6 @@ class StepHandle:
             self.tokens, *extras = (h.tolist() for h in self.host)
             if self.finish:
                 self.logprobs, self.prompt_logprobs = self.finish(*extras)
+            if self.pooled_host is not None:
+                self.pooled = self.pooled_host.numpy()
         return self.tokens, self.logprobs

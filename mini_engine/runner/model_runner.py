@@ -18,6 +18,7 @@ from mini_engine.kernels.rotary_kv import FP8_DTYPES
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.host_to_device import to_device
+from mini_engine.layers.pooler import pool_chunks, pooled_token_indices
 from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, banned_token_tensors,
                                          grammar_bitmask_tensors, logit_bias_tensors, penalty_tensors)
 from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors, needs_top_k_top_p,
@@ -143,11 +144,13 @@ class ModelRunner:
         self.rng = random.Random(config.seed)
         torch.manual_seed(config.seed)
 
+        # An embedding model (runner "pooling") returns pooled hidden states: no lm_head, no sampling.
+        self.pooling = config.runner == "pooling"
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = Qwen3ForCausalLM(mc, self.kernels, tp)
+                self.model = Qwen3ForCausalLM(mc, self.kernels, tp, lm_head=not self.pooling)
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
@@ -163,8 +166,9 @@ class ModelRunner:
         self.kv_bytes_per_token = (2 * mc.num_hidden_layers * self.num_kv_heads * mc.head_dim
                                    * self.kv_cache_dtype.itemsize)
         # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
+        # An embedding model runs no decode steps, which are what the graphs serve.
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                                and "attention" in self.kernels)
+                                and "attention" in self.kernels and not self.pooling)
         self.graph_runner = None
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
@@ -205,7 +209,8 @@ class ModelRunner:
             for layer in self.model.layers:
                 layer.self_attn.attn.decode_workspace = self.decode_workspace
         # Penalised requests' counts, a row for each request that can run: before the KV pool is sized.
-        self.penalty_state = PenaltyState.allocate(config.max_num_seqs, mc.vocab_size, self.device)
+        self.penalty_state = PenaltyState.allocate(0 if self.pooling else config.max_num_seqs, mc.vocab_size,
+                                                   self.device)
         # Every rank holds its heads' share of the same blocks: the pool is the smallest rank's.
         self.num_kv_blocks = min_over_ranks(config.num_kv_blocks or self.profile_num_kv_blocks(), tp, self.device)
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
@@ -248,7 +253,7 @@ class ModelRunner:
         hidden, residual, o_in, down_in = (
             torch.zeros(max_rows, width, dtype=self.dtype, device=self.device)
             for width in (mc.hidden_size, mc.hidden_size, attn.o_proj.in_features, mlp.down_proj.in_features))
-        for n in sample_rows:
+        for n in sample_rows if self.model.lm_head is not None else []:
             self.model.compute_logits(hidden[:n])
         for n in token_rows:
             attn.qkv_proj(hidden[:n])
@@ -336,10 +341,12 @@ class ModelRunner:
         every row's logits in fp32), which also compiles its fp32 kernels before any request needs
         them. The prefill rows fill penalty rows with their zeros, which the decode rows then read."""
         cfg = self.config
-        params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01,
-                                logit_bias={0: 1.0})
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
+        if self.pooling:        # a full budget of prompts whose every token's state is summed (MEAN)
+            return [[BatchRow([0] * per_seq, 0, block_table, False, pooling="MEAN") for _ in range(num_seqs)]]
+        params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01,
+                                logit_bias={0: 1.0})
         prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, penalty_row=i,
                             history=np.zeros(per_seq - 1, dtype=np.int64)) for i in range(num_seqs)]
         decode = [BatchRow([0], cfg.max_model_len - 1, block_table, True, params, penalty_row=i)
@@ -384,9 +391,10 @@ class ModelRunner:
 
     def enqueue(self, rows: list[BatchRow], turn: int) -> "StepHandle":
         graph_size = None
-        # A step with prompt log-probabilities runs eager: it needs the hidden states of its prompt tokens.
+        # A step with prompt log-probabilities or pooling runs eager: it needs its prompts' hidden states.
         prompt_rows = [r for r in rows if r.prompt_logprob_targets is not None]
-        if self.graph_runner is not None and not prompt_rows:
+        pooling_rows = any(r.pooling is not None for r in rows)
+        if self.graph_runner is not None and not prompt_rows and not pooling_rows:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
         t, meta = self.prepare_inputs(rows, graph_size, turn)
         if self.tokens_copied[turn] is not None:
@@ -409,7 +417,8 @@ class ModelRunner:
             hidden = self.model(t.input_ids, t.positions, meta)
             logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
         prompt_extras = self.prompt_logprob_extras(rows, prompt_rows, hidden) if prompt_rows else []
-        if not sample_rows and not prompt_rows:
+        pooled = self.pool(rows, hidden) if pooling_rows else None
+        if not sample_rows and not prompt_rows and pooled is None:
             return StepHandle.done([], None)
         if not sample_rows:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -433,7 +442,7 @@ class ModelRunner:
                         prompt_logprobs_by_row([len(r.prompt_logprob_targets) for r in prompt_rows],
                                                [r.num_prompt_logprobs for r in prompt_rows], *prompt)
                         if prompt_rows else None)
-        handle = StepHandle.copying(tokens, self.tokens_stream, extras + prompt_extras, finish)
+        handle = StepHandle.copying(tokens, self.tokens_stream, extras + prompt_extras, finish, pooled)
         self.tokens_copied[turn] = handle.ready
         return handle
 
@@ -449,6 +458,14 @@ class ModelRunner:
         ints = self.to_device(np.stack([positions, targets]), torch.int64)
         return prompt_logprob_tensors(self.model.compute_logits, hidden, ints[0], ints[1],
                                       max(r.num_prompt_logprobs for r in prompt_rows))
+
+    def pool(self, rows: list[BatchRow], hidden: torch.Tensor) -> torch.Tensor:
+        """The pooling rows' shares of their prompts' vectors, [pooling rows, hidden] fp32, in row
+        order (layers/pooler.py): rows lie in order, each len(token_ids) tokens."""
+        starts = np.cumsum([0] + [len(r.token_ids) for r in rows])
+        chunks = [(start, len(r.token_ids), r.pooling) for r, start in zip(rows, starts) if r.pooling is not None]
+        ints = self.to_device(np.stack(pooled_token_indices(chunks)), torch.int64)
+        return pool_chunks(hidden, ints[0], ints[1], len(chunks))
 
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,14 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.config import EngineConfig
+from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.constraints import forced_tool, structured_outputs
+from mini_engine.server.embeddings import embedding_body
 from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
-                                         DetokenizeRequest, ProtocolError, SamplingRequest, TokenizeRequest,
+                                         DetokenizeRequest, EmbeddingRequest, ProtocolError, SamplingRequest,
+                                         TokenizeRequest,
                                          completion_body, error_body, model_card, random_id, usage)
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
@@ -194,6 +197,8 @@ class OpenAIServer:
 
     def check(self, req: SamplingRequest) -> None:
         self.check_model(req.model)
+        if self.config.runner == "pooling":
+            raise ProtocolError("this server runs an embedding model (--runner pooling): use /v1/embeddings")
         param = req.unsupported()
         if param is not None:
             raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)
@@ -204,8 +209,11 @@ class OpenAIServer:
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
                                 param="prompt_logprobs")
-        if req.priority and self.config.scheduling_policy != "priority":
-            raise ProtocolError(f"priority {req.priority} needs a server started with --scheduling-policy priority",
+        self.check_priority(req.priority)
+
+    def check_priority(self, priority: int) -> None:
+        if priority and self.config.scheduling_policy != "priority":
+            raise ProtocolError(f"priority {priority} needs a server started with --scheduling-policy priority",
                                 param="priority")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
@@ -238,13 +246,14 @@ class OpenAIServer:
         either."""
         return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
 
-    def tokenize(self, prompt: str | list[int], where: str = "prompt") -> list[int]:
+    def tokenize(self, prompt: str | list[int], where: str = "prompt", add_special_tokens: bool = False,
+                 param: str = "prompt") -> list[int]:
         try:
-            return encode_prompt(self.tokenizer, prompt)
+            return encode_prompt(self.tokenizer, prompt, add_special_tokens)
         except ValueError as e:
-            raise ProtocolError(f"{where}: {e}" if where != "prompt" else str(e), param="prompt") from None
+            raise ProtocolError(f"{where}: {e}" if where != param else str(e), param=param) from None
 
-    def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams,
             priority: int = 0) -> list[RequestStream]:
         """A stream for each of the params.n completions of each prompt, in that order: one request
         for one prompt and n = 1; else vLLM's ids ("{request_id}-{prompt}" for a batch of prompts,
@@ -257,8 +266,9 @@ class OpenAIServer:
                 self.async_engine.limits.validate(prompt, params)
             except (ValueError, TypeError) as e:
                 raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        n = params.n if isinstance(params, SamplingParams) else 1
         completions = [(prompt, child_id, child) for prompt_id, prompt in zip(ids, prompts)
-                       for child_id, child in ([(prompt_id, params)] if params.n == 1 else
+                       for child_id, child in ([(prompt_id, params)] if n == 1 else
                                                [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
             return [self.async_engine.add_request(child_id, prompt, child, validated=True, priority=priority)
@@ -458,16 +468,23 @@ class OpenAIServer:
         """streams: one for each completion (choice) asked for (add's); parsers: a chat response's
         output parsers, one for each (output_parsers')."""
 
-        def abort():
-            for stream in streams:
-                if not stream.finished:
-                    self.async_engine.abort(stream.request_id)
         created = int(time.time())
         if streaming:
             return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage,
-                                                           prompts, parsers), abort)
-        # Not streaming: nothing is written until the end, so watch for the client leaving.
-        collector = asyncio.ensure_future(self.collect(streams, request_id, created, chat, prompts, parsers))
+                                                           prompts, parsers), lambda: self.abort(streams))
+        return await self.unless_disconnected(raw, self.collect(streams, request_id, created, chat, prompts, parsers),
+                                              streams)
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.async_engine.abort(stream.request_id)
+
+    async def unless_disconnected(self, raw: Request, response: Awaitable[Response],
+                                  streams: list[RequestStream]) -> Response:
+        """A response written at the end (not streamed): awaited while watching for the client
+        leaving, whose requests are then aborted (their KV blocks freed)."""
+        collector = asyncio.ensure_future(response)
         watcher = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -477,7 +494,7 @@ class OpenAIServer:
             return error_response("the client disconnected", 499)
         finally:
             watcher.cancel()
-            abort()
+            self.abort(streams)
 
     # ---- routes ----
 
@@ -563,6 +580,38 @@ class OpenAIServer:
                                   Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, params))
 
 
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
+        """OpenAI's /v1/embeddings: each input's vector, pooled by the engine's pooler."""
+        self.check_model(req.model)
+        if self.config.runner != "pooling":
+            raise ProtocolError("this server runs a generative model: /v1/embeddings needs a server started "
+                                "with --runner pooling (an embedding model, such as Qwen3-Embedding)")
+        self.check_priority(req.priority)
+        inputs = self.prompt_list(req.input)
+        try:
+            params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
+                                   truncate_prompt_tokens=req.truncate_prompt_tokens)
+        except ValueError as e:     # the message starts with the parameter's name
+            raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
+        several = len(inputs) > 1
+        prompts = [truncate_prompt(self.tokenize(text, f"input {i}" if several else "input", req.add_special_tokens,
+                                                 "input"), params, self.config.max_model_len)
+                   for i, text in enumerate(inputs)]
+        request_id = random_id("embd")
+        streams = self.add(request_id, prompts, params, req.priority)
+
+        async def collect() -> Response:
+            embeddings = []
+            for stream in streams:
+                async for delta in stream:
+                    if delta.finish_reason == "error":
+                        return error_response(delta.error or "the request failed", 500)
+                embeddings.append(delta.embedding)
+            return JSONResponse(embedding_body(request_id, self.model_name, embeddings, req.encoding_format,
+                                               sum(map(len, prompts))))
+        return await self.unless_disconnected(raw, collect(), streams)
+
+
 def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None) -> FastAPI:
     """Starts the engine process (and waits for it) before it returns."""
     server = OpenAIServer(config, model_name, parsers)
@@ -604,6 +653,10 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await server.chat_completions(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        return await server.embeddings(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from mini_engine.config import EngineConfig
 from mini_engine.layers.sampler import SampleLogprobs
+from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.engine_process import EngineStats, start_engine_process
 from mini_engine.server.metrics import ServerMetrics
@@ -29,6 +30,7 @@ class RequestDelta:
     num_output_tokens: int              # so far
     error: str | None = None
     prompt_logprobs: list[SampleLogprobs | None] | None = None     # on the first delta, where asked
+    embedding: list[float] | None = None    # an embedding request's, on its one delta
 
 
 class RequestStream:
@@ -101,7 +103,7 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.process.is_alive() and self.reader is not None and self.reader.is_alive()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     validated: bool = False, priority: int = 0) -> RequestStream:
         """Raises ValueError for a request the engine could never run, before it is sent
         (validated: the caller has checked these ids and params already)."""
@@ -145,7 +147,7 @@ class AsyncEngine:
     def deliver(self, deltas: list[tuple], stats: EngineStats) -> None:
         now = time.perf_counter()
         m = self.metrics
-        for request_id, text, token_ids, logprobs, reason, num_output_tokens, error, prompt_logprobs in deltas:
+        for request_id, text, token_ids, logprobs, reason, num_output_tokens, error, prompt_logprobs, embedding in deltas:
             stream = self.streams.get(request_id)
             if stream is None:
                 continue
@@ -162,7 +164,7 @@ class AsyncEngine:
                 if stream.first_token_time is not None and num_output_tokens > 1:
                     m.tpot.observe((now - stream.first_token_time) / (num_output_tokens - 1))
             stream.queue.put_nowait(RequestDelta(text, token_ids, logprobs, reason, stream.num_prompt_tokens,
-                                                 num_output_tokens, error, prompt_logprobs))
+                                                 num_output_tokens, error, prompt_logprobs, embedding))
         m.update_engine_state(stats)
 
     def fail_all(self, message: str) -> None:

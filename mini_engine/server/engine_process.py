@@ -13,7 +13,8 @@ and the engine to the API process:
     ("ready", RequestLimits) or ("failed", traceback text), once, at start-up;
     ("step", deltas, EngineStats) after every step, and after every batch of commands it applies,
 where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error,
-prompt_logprobs): the last only on a request's first delta, where it asked for them.
+prompt_logprobs, embedding): prompt_logprobs only on a request's first delta, where it asked for
+them; embedding on an embedding request's one delta.
 Detokenization and stop strings run here, beside the scheduler, so that a request that hits a
 stop string is aborted, and its blocks freed, before the next step.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
+from mini_engine.pooling_params import PoolingParams
 
 logger = logging.getLogger("mini_engine.server")
 
@@ -52,7 +54,7 @@ class EngineStats:
 @dataclass(slots=True)
 class RequestState:
     """What the engine process keeps of a request besides its Sequence."""
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None      # None: an embedding request's (it has no text)
     num_output_tokens: int = 0
     prompt_logprobs_sent: bool = False
 
@@ -103,8 +105,8 @@ class EngineLoop:
                 # The API process validated it with the same RequestLimits.
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority)
             except (ValueError, TypeError) as e:
-                return [(request_id, "", [], None, "error", 0, str(e), None)]
-            self.states[request_id] = RequestState(IncrementalDetokenizer(
+                return [(request_id, "", [], None, "error", 0, str(e), None, None)]
+            self.states[request_id] = RequestState(None if isinstance(params, PoolingParams) else IncrementalDetokenizer(
                 self.engine.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output))
             return []
         if command[0] == "abort":
@@ -112,7 +114,7 @@ class EngineLoop:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.engine.abort_request(request_id)
-                return [(request_id, "", [], None, "abort", state.num_output_tokens, None, None)]
+                return [(request_id, "", [], None, "abort", state.num_output_tokens, None, None, None)]
         return []
 
     def process(self, outputs: list[StepOutput]) -> list[tuple]:
@@ -121,6 +123,10 @@ class EngineLoop:
             request_id = out.seq.request_id
             state = self.states.get(request_id)
             if state is None:
+                continue
+            if state.detokenizer is None:           # an embedding request: done, with its vector
+                del self.states[request_id]
+                deltas.append((request_id, "", [], None, out.seq.finish_reason, 0, None, None, out.seq.embedding))
                 continue
             state.num_output_tokens += len(out.new_token_ids)
             text = state.detokenizer.update(out.new_token_ids, out.finished, out.ended_on_stop_token)
@@ -136,14 +142,14 @@ class EngineLoop:
             if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
                 prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
             deltas.append((request_id, text, out.new_token_ids, out.logprobs, reason, state.num_output_tokens, None,
-                           prompt_logprobs))
+                           prompt_logprobs, None))
         return deltas
 
     def fail_all(self, message: str) -> list[tuple]:
         deltas = []
         for request_id, state in self.states.items():
             self.engine.abort_request(request_id)
-            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message, None))
+            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message, None, None))
         self.states.clear()
         return deltas
 

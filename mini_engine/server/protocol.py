@@ -171,6 +171,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings, with vLLM's extensions, for a server started with --runner pooling."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"     # base64: the float32 values' bytes, little-endian
+    dimensions: int | None = None               # a Matryoshka model's cut (PoolingParams.dimensions)
+    user: str | None = None                     # accepted and ignored, as OpenAI's own
+    truncate_prompt_tokens: int | None = None   # extension (vLLM's): embed the last k tokens (-1: max_model_len)
+    normalize: bool | None = None               # extension (vLLM's): None, as the server's pooler says
+    # extension (vLLM's): the tokenizer's own tokens, as Qwen3-Embedding's appends the <|endoftext|> it pools
+    add_special_tokens: bool = True
+    priority: int = 0                           # extension (vLLM's): with --scheduling-policy priority
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

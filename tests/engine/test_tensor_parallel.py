@@ -227,3 +227,15 @@ def test_a_failed_start_leaves_the_process_free_for_the_next_engine(checkpoint_f
         LLM(str(bad), device="cpu", tensor_parallel_size=2, num_kv_blocks=16)
     assert not dist.is_initialized()
     assert split_llm("tied-gqa2", num_kv_blocks=16).engine.runner.workers.processes[0].is_alive()
+
+
+def test_a_split_embedding_model_matches_transformers(checkpoint_factory, split_llm):
+    """runner="pooling" over two ranks: the hidden states each rank holds whole after the last
+    all-reduce, pooled on rank 0, through chunks (MEAN: every chunk's share)."""
+    from tests.engine.test_embeddings import assert_close, hf_embedding
+    name = "untied-bias-gqa4"
+    llm = split_llm(name, runner="pooling", max_num_batched_tokens=16, pooler_config={"pooling_type": "MEAN"})
+    prompts = mixed_prompts()
+    for prompt, out in zip(prompts, llm.embed(prompts, use_tqdm=False)):
+        assert_close(out.outputs.embedding, hf_embedding(checkpoint_factory(name), prompt, "MEAN"))
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks, "KV blocks leaked"

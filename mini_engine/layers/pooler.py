@@ -1,0 +1,55 @@
+"""An embedding model's pooling (runner "pooling"): a prompt's final hidden states into one vector.
+
+A prompt may run in several chunks (chunked prefill), so pooling is done in two halves. On the
+device, each step gives every row that pools one fp32 vector, its chunk's share: under LAST the
+hidden state of the prompt's last token (only its last chunk pools), under MEAN the sum over the
+chunk's tokens. On the host the engine keeps each share by its chunk's start, and once the
+prompt's last chunk is in, combines them (chunk_chain), cuts a Matryoshka model's vector and
+normalises it (finish_embedding). A preempted prompt is computed again, possibly in other chunks:
+its new shares replace the old ones at the same starts, and the walk from position 0 follows the
+new chunks' ends, so an old share is never counted."""
+import numpy as np
+import torch
+
+from mini_engine.pooling_params import PoolingParams
+
+
+def pooled_token_indices(chunks: list[tuple[int, int, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """For the pooling rows' chunks, (flat offset in the step's tokens, its chunk length, pooling
+    type): the step tokens whose hidden states each row sums, and the row (0, 1, ...) each goes to."""
+    tokens, rows = [], []
+    for row, (offset, n, pooling_type) in enumerate(chunks):
+        index = np.arange(offset + n - 1, offset + n) if pooling_type == "LAST" else np.arange(offset, offset + n)
+        tokens.append(index)
+        rows.append(np.full(len(index), row))
+    return np.concatenate(tokens), np.concatenate(rows)
+
+
+def pool_chunks(hidden: torch.Tensor, token_index: torch.Tensor, row_index: torch.Tensor,
+                num_rows: int) -> torch.Tensor:
+    """[T, H] hidden states -> [num_rows, H] fp32: row r is the sum of the hidden states of the
+    tokens whose row_index is r (summed in fp32: a MEAN over thousands of bf16 states)."""
+    out = torch.zeros(num_rows, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, row_index, hidden[token_index].float())
+
+
+def chunk_chain(shares: dict[int, tuple[int, np.ndarray]], num_tokens: int) -> np.ndarray:
+    """The sum of the chunk shares that tile [0, num_tokens), walked from 0: shares[start] is
+    (the chunk's end, its share), the latest computed at that start."""
+    total, position = None, 0
+    while position < num_tokens:
+        end, share = shares[position]
+        total = share.copy() if total is None else total + share
+        position = end
+    if position != num_tokens:
+        raise RuntimeError(f"the pooled chunks end at {position}, not at the prompt's {num_tokens} tokens")
+    return total
+
+
+def finish_embedding(pooled: np.ndarray, params: PoolingParams, default_normalize: bool) -> list[float]:
+    """The request's embedding from its pooled vector: cut to params.dimensions (a Matryoshka
+    cut, before normalising, as vLLM cuts it), then L2-normalised where asked (or by default)."""
+    vector = pooled[:params.dimensions] if params.dimensions is not None else pooled
+    if default_normalize if params.normalize is None else params.normalize:
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    return vector.astype(np.float32).tolist()

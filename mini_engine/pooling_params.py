@@ -1,0 +1,111 @@
+"""Embeddings: what a request asks for (vLLM's PoolingParams), and how an engine started with
+runner="pooling" turns a prompt's final hidden states into one vector (vLLM's PoolerConfig, read from
+a Sentence Transformers checkpoint's modules.json as vLLM reads it).
+
+Qwen3-Embedding is Qwen3 with no lm_head: its embedding is the final hidden state (after the
+last RMSNorm) of the prompt's last token, which its tokenizer makes <|endoftext|>, L2-normalised.
+MEAN averages every prompt token's hidden state instead."""
+import json
+import os
+from dataclasses import dataclass
+
+# CLS, the first token's state, is left out: on a causal decoder it has seen nothing but itself.
+POOLING_TYPES = ("LAST", "MEAN")
+
+# Sentence Transformers' pooling modes (1_Pooling/config.json) that have a pooling type here.
+SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN"}
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """dimensions: a Matryoshka model's embedding cut to its first `dimensions` values (before it
+    is normalised), as OpenAI's `dimensions`; only for a checkpoint trained for it (config.json's
+    is_matryoshka or matryoshka_dimensions). normalize: L2-normalise the vector; None, as the
+    engine's pooler config says. truncate_prompt_tokens: embed only the prompt's last k tokens
+    (-1: the last max_model_len), where a longer prompt is otherwise refused."""
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
+            raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true, false or None, got {self.normalize!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), got {k!r}")
+
+
+def truncate_prompt(prompt_token_ids: list[int], params: PoolingParams, max_model_len: int) -> list[int]:
+    """The prompt's last params.truncate_prompt_tokens tokens (-1: the last max_model_len), as vLLM
+    truncates an embedding request's prompt (from the left); the prompt as it is without it."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return prompt_token_ids
+    return prompt_token_ids[-(max_model_len if k == -1 else k):]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """How the engine pools: which hidden states (pooling_type, one of POOLING_TYPES) and whether a
+    request that leaves `normalize` unset gets an L2-normalised vector."""
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
+                             + (" (the first token of a causal decoder has seen only itself)"
+                                if self.pooling_type == "CLS" else ""))
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+
+    @classmethod
+    def resolve(cls, folder: str, given: "PoolerConfig | dict | None") -> "PoolerConfig":
+        """The engine's pooler: the fields `given` sets (EngineConfig.pooler_config, vLLM's
+        --pooler-config), then the checkpoint's Sentence Transformers modules, then embed's
+        defaults, LAST and normalised (vLLM's for a causal LM run as an embedding model)."""
+        if isinstance(given, PoolerConfig):
+            return given
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"pooler_config must be a dict of pooling_type and normalize, got {given!r}")
+        unknown = set(given or {}) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(f"pooler_config: unknown fields {sorted(unknown)} (it takes pooling_type and normalize)")
+        given = dict(given or {})
+        if isinstance(given.get("pooling_type"), str):
+            given["pooling_type"] = given["pooling_type"].upper()      # vLLM's names are upper case
+        try:
+            return cls(**(sentence_transformers_pooling(folder) | given))
+        except ValueError as e:
+            where = "pooler_config" if "pooling_type" in given else f"{folder}/modules.json's Pooling module"
+            raise ValueError(f"{where}: {e}") from None
+
+
+def sentence_transformers_pooling(folder: str) -> dict:
+    """pooling_type and normalize as a Sentence Transformers checkpoint's modules.json gives them
+    (its Pooling module's config.json and whether a Normalize module follows), or {} without one."""
+    modules_file = os.path.join(folder, "modules.json")
+    if not os.path.isfile(modules_file):
+        return {}
+    with open(modules_file) as f:
+        modules = json.load(f)
+    if not isinstance(modules, list):
+        raise ValueError(f"{modules_file}: not a list of modules")
+    types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+    fields = {"normalize": any(t.endswith(".Normalize") for t in types)}
+    for module in modules:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith(".Pooling"):
+            config_file = os.path.join(folder, str(module.get("path", "")), "config.json")
+            if not os.path.isfile(config_file):
+                raise ValueError(f"{modules_file}: its Pooling module has no {config_file}")
+            with open(config_file) as f:
+                modes = [mode for mode, on in json.load(f).items() if mode.startswith("pooling_mode_") and on]
+            # A mode with no pooling type here stays as it is named, for PoolerConfig to refuse.
+            fields["pooling_type"] = "+".join(SENTENCE_TRANSFORMERS_MODES.get(mode, mode) for mode in modes)
+    return fields
