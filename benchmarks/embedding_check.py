@@ -14,9 +14,12 @@ most 1.5x its control's error, plus 1e-4. The runs:
   3. bf16, MEAN, chunks of 512 tokens in a pool small enough to preempt.
   4. bf16, LAST, prompts sharing a 640-token prefix, embedded twice: the second time the prefix
      cache serves the prefix (hits are required).
-Then the benchmark's 256 prompts (142,827 tokens; bench.make_workload) are embedded in bf16, twice
-after a warm-up, and the faster run is appended to benchmarks/results.jsonl (workload "embed").
-Every run must end with all KV blocks free."""
+Then the benchmark's 256 prompts (142,827 tokens; bench.make_workload) are embedded in bf16, three
+times after a warm-up, with the prefix cache off (else every run after the first finds all but each
+prompt's last block in it), and the fastest run is appended to benchmarks/results.jsonl (workload
+"embed"), with the matrix products' FLOPs a second it reached; so is transformers' Qwen3Model doing
+the same (bf16, SDPA attention, batches of 32 prompts sorted by length, right-padded, each
+prompt's last real token pooled), the peer. Every run must end with all KV blocks free."""
 import argparse
 import gc
 import json
@@ -124,16 +127,17 @@ def main() -> int:
     # Speed: the benchmark's prompts, as one LLM.embed call.
     workload, _ = make_workload(8 if args.cpu_dry_run else None)
     workload = [[t % config["vocab_size"] for t in p] for p in workload]
-    llm = engine()
+    llm = engine(enable_prefix_caching=False)
     embed(llm, workload[:16])                       # warm-up: first launches, Triton's compiles
     walls = []
-    for _ in range(2):
+    for _ in range(3):
         sync()
         start = time.perf_counter()
         embed(llm, workload)
         sync()
         walls.append(time.perf_counter() - start)
     tokens = sum(map(len, workload))
+    flops = forward_flops(config, list(map(len, workload)))
     commit, dirty = git_commit()
     import triton
     record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "engine": "mini",
@@ -142,13 +146,23 @@ def main() -> int:
               "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
               "triton": triton.__version__, "num_seqs": len(workload), "input_tokens": tokens, "output_tokens": 0,
               "wall_s": min(walls), "walls_s": walls, "input_tok_s": tokens / min(walls),
+              "matmul_flops": flops, "achieved_TFLOPs": flops / min(walls) / 1e12,
               "checks": {"kv_blocks_free": llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks}}
-    results["speed"] = dict(wall_s=walls, tokens=tokens, tok_s=tokens / min(walls))
-    print(f"embedded {len(workload)} prompts, {tokens:,} tokens: {min(walls):.3f} s, {tokens / min(walls):,.0f} tok/s "
-          f"(runs: {', '.join(f'{w:.3f}' for w in walls)})")
+    results["speed"] = dict(wall_s=walls, tokens=tokens, tok_s=tokens / min(walls), TFLOPs=flops / min(walls) / 1e12)
+    print(f"embedded {len(workload)} prompts, {tokens:,} tokens: {min(walls):.3f} s, {tokens / min(walls):,.0f} tok/s, "
+          f"{flops / min(walls) / 1e12:.0f} TFLOP/s of matrix products (runs: {', '.join(f'{w:.3f}' for w in walls)})")
+    del llm
+    free()
+    hf_walls = hf_embedding_walls(path, workload, dev)
+    peer = record | {"engine": "hf", "label": "embedding_check: transformers Qwen3Model bf16 sdpa, batches of 32",
+                     "wall_s": min(hf_walls), "walls_s": hf_walls, "input_tok_s": tokens / min(hf_walls),
+                     "achieved_TFLOPs": flops / min(hf_walls) / 1e12, "checks": {}}
+    results["speed, transformers"] = dict(wall_s=hf_walls, tok_s=tokens / min(hf_walls))
+    print(f"transformers: {min(hf_walls):.3f} s, {tokens / min(hf_walls):,.0f} tok/s "
+          f"(runs: {', '.join(f'{w:.3f}' for w in hf_walls)})")
     if not args.cpu_dry_run:
         with open(args.results, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record) + "\n" + json.dumps(peer) + "\n")
     for name, r in results.items():
         print(f"{name:45s} {'PASS' if r.get('ok', True) else 'FAIL'}  {r}")
     if args.out:
@@ -157,6 +171,48 @@ def main() -> int:
             json.dump(dict(results=results, failures=failures, record=record), f, indent=1)
     print("FAILURES:" if failures else "ALL PASSED", *failures, sep="\n  ")
     return 1 if failures else 0
+
+
+@torch.inference_mode()
+def hf_embedding_walls(path: str, workload: list[list[int]], dev: str, batch: int = 32) -> list[float]:
+    """transformers' Qwen3Model embedding the workload, as a Sentence Transformers user would run
+    it: bf16, SDPA, batches of `batch` prompts sorted by length (less padding), right-padded, the
+    last real token's state pooled and normalised. Two runs after a warm-up batch."""
+    from transformers import Qwen3Model
+    model = Qwen3Model.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
+    ordered = sorted(workload, key=len)
+    batches = [ordered[i:i + batch] for i in range(0, len(ordered), batch)]
+
+    def run(chunks):
+        for chunk in chunks:
+            width = max(map(len, chunk))
+            ids = torch.tensor([p + [0] * (width - len(p)) for p in chunk], device=dev)
+            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in chunk], device=dev)
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            last = torch.tensor([len(p) - 1 for p in chunk], device=dev)
+            F.normalize(hidden[torch.arange(len(chunk), device=dev), last].float(), dim=-1).cpu()
+    run(batches[-1:])
+    walls = []
+    for _ in range(2):
+        sync()
+        start = time.perf_counter()
+        run(batches)
+        sync()
+        walls.append(time.perf_counter() - start)
+    del model
+    free()
+    return walls
+
+
+def forward_flops(config: dict, lengths: list[int]) -> float:
+    """The matrix products' FLOPs of a forward pass over prompts of these lengths: the layers'
+    projections (2 per weight a token) and causal attention's two products (each L^2/2 dots of
+    head_dim a head), no lm_head (an embedding model has none)."""
+    h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    hq, hkv, layers = config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"]
+    weights = layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i)
+    attention = layers * hq * 2 * d * sum(n * n for n in lengths)       # 2 products x 2 FLOPs x L^2/2 dots
+    return 2.0 * weights * sum(lengths) + attention
 
 
 def free() -> None:
