@@ -235,6 +235,8 @@ class LLM:
                 stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens,
                                                                   params.include_stop_str_in_output)
             cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks)
+            if seq.computes_whole_prompt:       # the cache serves it nothing (prompt_logprobs, a MEAN embedding)
+                cost = len(ids)
             admission.prompt_costs[seq.request_id] = cost
             tokens += cost
             num_waiting += 1

@@ -81,10 +81,13 @@ class PoolerConfig:
         if isinstance(given.get("pooling_type"), str):
             given["pooling_type"] = given["pooling_type"].upper()      # vLLM's names are upper case
         try:
+            cls(**given)                        # its own fields first, so that an error names the right source
+        except ValueError as e:
+            raise ValueError(f"pooler_config: {e}") from None
+        try:
             return cls(**(sentence_transformers_pooling(folder) | given))
         except ValueError as e:
-            where = "pooler_config" if "pooling_type" in given else f"{folder}/modules.json's Pooling module"
-            raise ValueError(f"{where}: {e}") from None
+            raise ValueError(f"{folder}/modules.json's Pooling module: {e}") from None
 
 
 def sentence_transformers_pooling(folder: str) -> dict:

@@ -511,7 +511,8 @@ class OpenAIServer:
                                          add_generation_prompt=req.add_generation_prompt,
                                          chat_template_kwargs=req.chat_template_kwargs)
             text, _ = self.render_chat(chat)
-        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
+        special = req.add_special_tokens if req.add_special_tokens is not None else self.config.runner == "pooling"
+        ids = self.tokenizer.encode(text, add_special_tokens=special).ids
         return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                 "token_strs": [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None}
 

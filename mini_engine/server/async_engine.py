@@ -65,7 +65,8 @@ def merge(first: RequestDelta, second: RequestDelta) -> RequestDelta:
         (first.logprobs or []) + (second.logprobs or [])
     return RequestDelta(first.text + second.text, first.token_ids + second.token_ids, logprobs,
                         second.finish_reason, second.num_prompt_tokens, second.num_output_tokens, second.error,
-                        first.prompt_logprobs or second.prompt_logprobs)
+                        first.prompt_logprobs or second.prompt_logprobs,
+                        second.embedding if second.embedding is not None else first.embedding)
 
 
 class AsyncEngine:

@@ -158,7 +158,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False            # as the completion endpoints tokenize (Qwen3's adds none)
+    # None: as the server's endpoints tokenize, without them for completions (Qwen3's adds none), with
+    # them for an embedding server's /v1/embeddings (Qwen3-Embedding's appends <|endoftext|>)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None

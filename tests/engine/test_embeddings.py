@@ -160,6 +160,8 @@ def test_bad_requests_are_refused_and_lose_nothing(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, device="cpu", runner="pooling", num_kv_blocks=8, block_size=4, max_model_len=64)
     prompts = mixed_prompts()[:3]
     llm.embed(prompts, use_tqdm=False)
+    fits = list(range(3, 35))                                        # 32 tokens: all 8 blocks
+    assert_close(llm.embed(fits, use_tqdm=False)[0].outputs.embedding, hf_embedding(tiny_checkpoint, fits))
     for bad, match in [(list(range(3, 40)), "pool holds 8"),         # 37 tokens need 10 blocks
                        ([3] * 65, "exceeds max_model_len=64"),
                        ([3, 300], r"\[0, 256\)"),
@@ -188,6 +190,9 @@ def test_matryoshka_dimensions_from_config(tiny_checkpoint):
     assert llm.embed([5, 6, 7], PoolingParams(dimensions=32), use_tqdm=False)[0].outputs.hidden_size == 32
     with pytest.raises(ValueError, match=r"\(16, 32\)"):
         llm.embed([5, 6, 7], PoolingParams(dimensions=24), use_tqdm=False)
+    llm = LLM(tiny_checkpoint, device="cpu", runner="pooling", hf_overrides={"is_matryoshka": True})
+    with pytest.raises(ValueError, match="1 to 64"):                  # hidden_size 64
+        llm.embed([5, 6, 7], PoolingParams(dimensions=65), use_tqdm=False)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -203,7 +208,7 @@ def test_bad_pooling_params(kwargs, match):
     (dict(runner="pooling", pooler_config={"pooling_type": "CLS"}), "seen only itself"),
     (dict(runner="pooling", pooler_config={"pooling_type": "max"}), "pooling_type must be one of"),
     (dict(runner="pooling", pooler_config={"pool": "LAST"}), "unknown fields"),
-    (dict(runner="pooling", pooler_config={"normalize": 1}), "normalize"),
+    (dict(runner="pooling", pooler_config={"normalize": 1}), "^pooler_config: normalize"),
     (dict(pooler_config={"pooling_type": "LAST"}), "needs runner='pooling'"),
     (dict(runner="embed"), "runner must be"),
 ])
@@ -227,3 +232,41 @@ def test_chunk_chain_follows_the_latest_chunks():
     np.testing.assert_array_equal(chunk_chain(shares, 10), second + third)
     with pytest.raises(RuntimeError, match="end at 8"):
         chunk_chain({0: (4, first), 4: (8, stale)}, 6)
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_a_last_chunk_of_one_token(tiny_checkpoint, pooling_type):
+    """17 tokens in a budget of 16: the prompt's last chunk is its last token alone."""
+    prompt = mixed_prompts()[3]
+    outputs, _ = embed(tiny_checkpoint, [prompt], max_num_batched_tokens=16, pooler_config={"pooling_type": pooling_type})
+    assert_close(outputs[0].outputs.embedding, hf_embedding(tiny_checkpoint, prompt, pooling_type))
+
+
+def test_an_untied_checkpoints_lm_head_is_left_out(checkpoint_factory):
+    """A checkpoint with an lm_head of its own (untied) loads without it; LLM.embed's
+    truncate_prompt_tokens truncates every prompt."""
+    path = checkpoint_factory("untied-bias-gqa4")
+    llm = LLM(path, device="cpu", runner="pooling")
+    assert llm.engine.runner.model.lm_head is None
+    prompts = mixed_prompts()[2:5]
+    for prompt, out in zip(prompts, llm.embed(prompts, use_tqdm=False, truncate_prompt_tokens=5)):
+        assert out.prompt_token_ids == prompt[-5:]
+        assert_close(out.outputs.embedding, hf_embedding(path, prompt[-5:]))
+
+
+def test_an_abort_while_the_last_chunk_is_in_flight_ends_the_request_once(tiny_checkpoint):
+    """Aborted after the step that computes its whole prompt is launched (async scheduling: its
+    vector still on the way), a request ends "abort", with no embedding and no output; the other
+    request of that step gets its own."""
+    engine = LLM(tiny_checkpoint, device="cpu", runner="pooling", block_size=4).engine
+    aborted = engine.add_request(mixed_prompts()[3], PoolingParams())
+    kept = engine.add_request(mixed_prompts()[2], PoolingParams())
+    assert engine.step() == [] and engine.in_flight is not None
+    engine.abort_request(aborted.request_id)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.seq for o in outputs] == [kept] and outputs[0].finished
+    assert aborted.finish_reason == "abort" and aborted.embedding is None
+    assert_close(kept.embedding, hf_embedding(tiny_checkpoint, mixed_prompts()[2]))
+    assert engine.num_free_blocks == engine.block_manager.num_blocks

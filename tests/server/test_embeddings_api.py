@@ -27,6 +27,9 @@ def test_embeddings_equal_transformers(embedding_server, tiny_model):
     tokens, second = (httpx.post(embedding_server.base_url + "/tokenize", timeout=30,
                                  json={"prompt": text, "add_special_tokens": True}).json()["tokens"]
                       for text in texts[:2])
+    # /tokenize on an embedding server tokenizes as /v1/embeddings does: with the appended <|endoftext|>
+    assert httpx.post(embedding_server.base_url + "/tokenize", json={"prompt": texts[0]}, timeout=30).json()["tokens"] \
+        == tokens
     got = client.embeddings.create(model=MODEL_NAME, input=texts)         # base64, decoded by the client
     floats = client.embeddings.create(model=MODEL_NAME, input=[tokens, second], encoding_format="float")
     assert [d.index for d in got.data] == [0, 1, 2]
