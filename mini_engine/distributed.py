@@ -22,8 +22,9 @@ class TensorParallel:
     size: int = 1
 
     def shard(self, total: int) -> int:
-        """This rank's share of `total` heads, columns or rows (EngineConfig checks they divide)."""
-        return total // self.size
+        """This rank's share of `total` heads, columns or rows, rounded up: heads and columns
+        divide (EngineConfig checks), and a vocabulary that does not is padded (layers/embed_head.py)."""
+        return -(-total // self.size)
 
 
 def check_divisible(sizes: dict[str, int], tensor_parallel_size: int) -> None:

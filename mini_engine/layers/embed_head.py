@@ -15,7 +15,7 @@ class VocabParallelEmbedding(nn.Embedding):
     tp_dim = 0
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel()):
-        super().__init__(-(-vocab_size // tp.size), hidden_size)
+        super().__init__(tp.shard(vocab_size), hidden_size)
         self.tp = tp
         self.vocab_size = vocab_size
         self.vocab_start = tp.rank * self.num_embeddings
@@ -35,7 +35,7 @@ class ParallelLMHead(nn.Linear):
     tp_dim = 0
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = TensorParallel()):
-        super().__init__(hidden_size, -(-vocab_size // tp.size), bias=False)
+        super().__init__(hidden_size, tp.shard(vocab_size), bias=False)
         self.tp = tp
         self.vocab_size = vocab_size
 

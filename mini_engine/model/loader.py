@@ -103,7 +103,7 @@ def rank_slice(module: nn.Module, param_name: str, tensor: torch.Tensor) -> torc
     dim = split_dim(module, param_name)
     if dim is None:
         return tensor
-    share = -(-tensor.shape[dim] // module.tp.size)
+    share = module.tp.shard(tensor.shape[dim])
     start = min(module.tp.rank * share, tensor.shape[dim])
     part = tensor.narrow(dim, start, min(share, tensor.shape[dim] - start))
     if part.shape[dim] < share:
