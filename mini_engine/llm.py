@@ -11,7 +11,9 @@ from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
 from mini_engine.engine.sequence import Sequence
-from mini_engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from mini_engine.layers.pooler import cosine_similarity
+from mini_engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+                                 ScoringOutput, ScoringRequestOutput)
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
@@ -117,6 +119,22 @@ class LLM:
         by_prompt = {completion_of[seq.request_id][0]: seq for seq in seqs}
         return [EmbeddingRequestOutput(seq.request_id, seq.prompt_token_ids, EmbeddingOutput(seq.embedding))
                 for seq in (by_prompt[i] for i in range(len(prompts)))]
+
+    def score(self, data_1: str | dict | list[int] | list, data_2: str | dict | list[int] | list,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score, for an embedding model: the cosine similarity of data_1's embedding and
+        each of data_2's (one text against many), or of the pairs two lists of one length make. All
+        the texts are embedded in one call to embed()."""
+        first, second = self.prompt_list(data_1), self.prompt_list(data_2)
+        if len(first) != 1 and len(first) != len(second):
+            raise ValueError(f"data_1 holds {len(first)} prompts and data_2 {len(second)}: give one data_1, or as "
+                             "many as data_2")
+        outputs = self.embed(list(first) + list(second), use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        left, right = outputs[:len(first)], outputs[len(first):]
+        pairs = [(left[0 if len(left) == 1 else i], out) for i, out in enumerate(right)]
+        return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
+                                     ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)))
+                for a, b in pairs]
 
     def run_requests(self, prompts: list, params: list[SamplingParams | PoolingParams], priority: list[int],
                      use_tqdm: bool, desc: str) -> tuple[list[Sequence], dict[str, tuple[int, int]],

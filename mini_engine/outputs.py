@@ -37,6 +37,21 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float                    # the cosine similarity of the pair's embeddings
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result for one pair, as vLLM's: its id joins the two embeddings' ids, and its
+    token ids are the first text's, then the second's."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """LLM.embed's result for one prompt, as vLLM's."""
     request_id: str

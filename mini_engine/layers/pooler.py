@@ -46,6 +46,12 @@ def chunk_chain(shares: dict[int, tuple[int, np.ndarray]], num_tokens: int) -> n
     return total
 
 
+def cosine_similarity(a: list[float], b: list[float]) -> float:
+    """Two embeddings' cosine similarity (vLLM's score for an embedding model), in float64."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
+
+
 def finish_embedding(pooled: np.ndarray, params: PoolingParams, default_normalize: bool) -> list[float]:
     """The request's embedding from its pooled vector: cut to params.dimensions (a Matryoshka
     cut, before normalising, as vLLM cuts it), then L2-normalised where asked (or by default)."""

@@ -22,17 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.config import EngineConfig
-from mini_engine.pooling_params import PoolingParams, truncate_prompt
+from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.constraints import forced_tool, structured_outputs
-from mini_engine.server.embeddings import embedding_body
+from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
-                                         DetokenizeRequest, EmbeddingRequest, ProtocolError, SamplingRequest,
-                                         TokenizeRequest,
+                                         DetokenizeRequest, EmbeddingRequest, ProtocolError, RerankRequest,
+                                         SamplingRequest, ScoreRequest, TokenizeRequest,
                                          completion_body, error_body, model_card, random_id, usage)
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
@@ -581,38 +581,6 @@ class OpenAIServer:
                                   Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, params))
 
 
-    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
-        """OpenAI's /v1/embeddings: each input's vector, pooled by the engine's pooler."""
-        self.check_model(req.model)
-        if self.config.runner != "pooling":
-            raise ProtocolError("this server runs a generative model: /v1/embeddings needs a server started "
-                                "with --runner pooling (an embedding model, such as Qwen3-Embedding)")
-        self.check_priority(req.priority)
-        inputs = self.prompt_list(req.input)
-        try:
-            params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
-                                   truncate_prompt_tokens=req.truncate_prompt_tokens)
-        except ValueError as e:     # the message starts with the parameter's name
-            raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
-        several = len(inputs) > 1
-        prompts = [truncate_prompt(self.tokenize(text, f"input {i}" if several else "input", req.add_special_tokens,
-                                                 "input"), params, self.config.max_model_len)
-                   for i, text in enumerate(inputs)]
-        request_id = random_id("embd")
-        streams = self.add(request_id, prompts, params, req.priority)
-
-        async def collect() -> Response:
-            embeddings = []
-            for stream in streams:
-                async for delta in stream:
-                    if delta.finish_reason == "error":
-                        return error_response(delta.error or "the request failed", 500)
-                embeddings.append(delta.embedding)
-            return JSONResponse(embedding_body(request_id, self.model_name, embeddings, req.encoding_format,
-                                               sum(map(len, prompts))))
-        return await self.unless_disconnected(raw, collect(), streams)
-
-
 def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None) -> FastAPI:
     """Starts the engine process (and waits for it) before it returns."""
     server = OpenAIServer(config, model_name, parsers)
@@ -655,9 +623,22 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await server.chat_completions(req, raw)
 
+    pooling = PoolingEndpoints(server)
+
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request):
-        return await server.embeddings(req, raw)
+        return await pooling.embeddings(req, raw)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest, raw: Request):
+        return await pooling.score(req, raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(req: RerankRequest, raw: Request):
+        return await pooling.rerank(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -1,21 +1,116 @@
-"""OpenAI's /v1/embeddings response, for a server whose engine is an embedding model (--runner
-pooling): each input's vector, as floats or (encoding_format "base64", as OpenAI's client asks by
-default) the base64 of its little-endian float32 bytes."""
+"""The endpoints of a server whose engine is an embedding model (--runner pooling): OpenAI's
+/v1/embeddings, and vLLM's /score and /rerank, which score texts against texts by the cosine
+similarity of their embeddings (as vLLM's score API does for an embedding model). Each request's
+texts are embedded as one batch of engine requests; a client that leaves has them aborted."""
 import base64
 import time
 
 import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from mini_engine.layers.pooler import cosine_similarity
+from mini_engine.pooling_params import PoolingParams, truncate_prompt
+from mini_engine.server.protocol import (EmbeddingRequest, ProtocolError, RerankRequest, ScoreRequest, error_body,
+                                         random_id)
 
 
 def encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as floats, or (encoding_format "base64", as OpenAI's client asks by default) the
+    base64 of its little-endian float32 bytes."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode("ascii")
     return embedding
 
 
-def embedding_body(request_id: str, model: str, embeddings: list[list[float]], encoding_format: str,
-                   num_prompt_tokens: int) -> dict:
-    data = [{"object": "embedding", "index": i, "embedding": encoded(e, encoding_format)}
-            for i, e in enumerate(embeddings)]
-    return {"id": request_id, "object": "list", "created": int(time.time()), "model": model, "data": data,
-            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
+def usage(num_prompt_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}
+
+
+class PoolingEndpoints:
+    def __init__(self, server):
+        """server: the OpenAIServer, whose checks, tokenizer and engine these share."""
+        self.server = server
+
+    def params(self, runner_needed_by: str, model: str | None, priority: int, **fields) -> PoolingParams:
+        server = self.server
+        server.check_model(model)
+        if server.config.runner != "pooling":
+            raise ProtocolError(f"this server runs a generative model: {runner_needed_by} needs a server started "
+                                "with --runner pooling (an embedding model, such as Qwen3-Embedding)")
+        server.check_priority(priority)
+        try:
+            return PoolingParams(**fields)
+        except ValueError as e:     # the message starts with the parameter's name
+            raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+    async def embed(self, raw: Request, request_id: str, inputs: list[tuple[str, str | list[int]]],
+                    params: PoolingParams, priority: int, respond, add_special_tokens: bool = True) -> Response:
+        """Embeds the inputs, (name for errors, text or token ids), and answers respond(vectors,
+        prompt tokens)'s body."""
+        server = self.server
+        prompts = [truncate_prompt(server.tokenize(text, name, add_special_tokens, name.split(" ")[0]), params,
+                                   server.config.max_model_len) for name, text in inputs]
+        streams = server.add(request_id, prompts, params, priority)
+
+        async def collect() -> Response:
+            vectors = []
+            for stream in streams:
+                async for delta in stream:
+                    if delta.finish_reason == "error":
+                        return JSONResponse(error_body(delta.error or "the request failed", 500), status_code=500)
+                vectors.append(delta.embedding)
+            return JSONResponse(respond(vectors, sum(map(len, prompts))))
+        return await server.unless_disconnected(raw, collect(), streams)
+
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
+        params = self.params("/v1/embeddings", req.model, req.priority, dimensions=req.dimensions,
+                             normalize=req.normalize, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        texts = self.server.prompt_list(req.input)
+        names = [f"input {i}" if len(texts) > 1 else "input" for i in range(len(texts))]
+        request_id = random_id("embd")
+
+        def respond(vectors: list[list[float]], num_tokens: int) -> dict:
+            data = [{"object": "embedding", "index": i, "embedding": encoded(v, req.encoding_format)}
+                    for i, v in enumerate(vectors)]
+            return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
+                    "data": data, "usage": usage(num_tokens)}
+        return await self.embed(raw, request_id, list(zip(names, texts)), params, req.priority, respond,
+                                req.add_special_tokens)
+
+    async def score(self, req: ScoreRequest, raw: Request) -> Response:
+        params = self.params("/score", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        first, second = self.server.prompt_list(req.text_1), self.server.prompt_list(req.text_2)
+        if len(first) != 1 and len(first) != len(second):
+            raise ProtocolError(f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or "
+                                "as many as text_2", param="text_1")
+        request_id = random_id("score")
+        inputs = ([(f"text_1 {i}", t) for i, t in enumerate(first)]
+                  + [(f"text_2 {i}", t) for i, t in enumerate(second)])
+
+        def respond(vectors: list[list[float]], num_tokens: int) -> dict:
+            left, right = vectors[:len(first)], vectors[len(first):]
+            scores = [cosine_similarity(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)]
+            return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
+                    "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                    "usage": usage(num_tokens)}
+        return await self.embed(raw, request_id, inputs, params, req.priority, respond)
+
+    async def rerank(self, req: RerankRequest, raw: Request) -> Response:
+        params = self.params("/rerank", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        if not req.documents:
+            raise ProtocolError("documents is empty", param="documents")
+        if req.top_n < 0:
+            raise ProtocolError(f"top_n must be >= 0 (0: every document), got {req.top_n}", param="top_n")
+        request_id = random_id("rerank")
+        inputs = [("query", req.query)] + [(f"documents {i}", d) for i, d in enumerate(req.documents)]
+
+        def respond(vectors: list[list[float]], num_tokens: int) -> dict:
+            scores = [cosine_similarity(vectors[0], v) for v in vectors[1:]]
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
+            results = [{"index": i, "relevance_score": scores[i]} | (
+                {"document": {"text": req.documents[i]}} if req.return_documents and isinstance(req.documents[i], str)
+                else {}) for i in order]
+            return {"id": request_id, "model": self.server.model_name, "usage": {"total_tokens": num_tokens},
+                    "results": results}
+        return await self.embed(raw, request_id, inputs, params, req.priority, respond)

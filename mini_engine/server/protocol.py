@@ -188,6 +188,30 @@ class EmbeddingRequest(BaseModel):
     priority: int = 0                           # extension (vLLM's): with --scheduling-policy priority
 
 
+class ScoreRequest(BaseModel):
+    """vLLM's /score for an embedding model: the cosine similarity of text_1's embedding and each of
+    text_2's (one text_1 against every text_2, or pairs of two lists of one length)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    text_1: str | list[str] | list[int] | list[list[int]]
+    text_2: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank (Jina's and Cohere's shape): the documents ordered by their embeddings' cosine
+    similarity to the query's, the best top_n of them (0: all)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    query: str | list[int]
+    documents: list[str] | list[list[int]]
+    top_n: int = 0
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -270,3 +270,20 @@ def test_an_abort_while_the_last_chunk_is_in_flight_ends_the_request_once(tiny_c
     assert aborted.finish_reason == "abort" and aborted.embedding is None
     assert_close(kept.embedding, hf_embedding(tiny_checkpoint, mixed_prompts()[2]))
     assert engine.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_score_is_the_cosine_of_the_embeddings(tiny_checkpoint):
+    """vLLM's LLM.score for an embedding model: one text against many, or pairs of two lists."""
+    llm = LLM(tiny_checkpoint, device="cpu", runner="pooling", pooler_config={"normalize": False})
+    query, docs = mixed_prompts()[2], mixed_prompts()[3:6]
+    cosine = lambda a, b: F.cosine_similarity(hf_embedding(tiny_checkpoint, a), hf_embedding(tiny_checkpoint, b),
+                                              dim=0).item()   # noqa: E731
+    outputs = llm.score(query, docs, use_tqdm=False)
+    assert [o.outputs.score for o in outputs] == pytest.approx([cosine(query, d) for d in docs], abs=1e-5)
+    assert outputs[1].prompt_token_ids == query + docs[1]
+    outputs = llm.score(docs, docs[::-1], use_tqdm=False)
+    assert [o.outputs.score for o in outputs] == pytest.approx([cosine(a, b) for a, b in zip(docs, docs[::-1])],
+                                                               abs=1e-5)
+    with pytest.raises(ValueError, match="data_1 holds 2 prompts and data_2 3"):
+        llm.score(docs[:2], docs, use_tqdm=False)
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -73,5 +73,32 @@ def test_an_embedding_server_refuses_generation_and_a_generating_one_embeddings(
     response = httpx.post(embedding_server.base_url + "/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 2},
                           timeout=30)
     assert response.status_code == 400 and "/v1/embeddings" in response.json()["error"]["message"]
-    response = httpx.post(served.base_url + "/v1/embeddings", json={"input": [5, 6]}, timeout=30)
-    assert response.status_code == 400 and "--runner pooling" in response.json()["error"]["message"]
+    for path, body in [("/v1/embeddings", {"input": [5, 6]}), ("/score", {"text_1": [5], "text_2": [6]}),
+                       ("/rerank", {"query": [5], "documents": [[6]]})]:
+        response = httpx.post(served.base_url + path, json=body, timeout=30)
+        assert response.status_code == 400 and "--runner pooling" in response.json()["error"]["message"]
+
+
+def test_score_and_rerank(embedding_server, tiny_model):
+    """vLLM's /score and /rerank on an embedding model: the cosine similarity of the embeddings."""
+    url = embedding_server.base_url
+    query, docs = [5, 6, 7, 8], [[9, 10, 11], [5, 6, 7], [40, 41, 42, 43, 44]]
+    expected = [torch.nn.functional.cosine_similarity(hf_embedding(tiny_model, query), hf_embedding(tiny_model, d),
+                                                      dim=0).item() for d in docs]
+    scores = httpx.post(url + "/score", json={"text_1": query, "text_2": docs}, timeout=30).json()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(expected, abs=1e-5)
+    assert [d["index"] for d in scores["data"]] == [0, 1, 2] and scores["usage"]["prompt_tokens"] == 15
+    pairs = httpx.post(url + "/v1/score", json={"text_1": docs, "text_2": docs}, timeout=30).json()
+    assert [d["score"] for d in pairs["data"]] == pytest.approx([1.0, 1.0, 1.0], abs=1e-5)
+    ranked = httpx.post(url + "/v1/rerank", json={"query": query, "documents": docs, "top_n": 2}, timeout=30).json()
+    order = sorted(range(3), key=lambda i: -expected[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([expected[i] for i in order], abs=1e-5)
+    texts = httpx.post(url + "/rerank", json={"query": "a cat", "documents": ["a dog", "the cat"]}, timeout=30).json()
+    assert sorted(r["document"]["text"] for r in texts["results"]) == ["a dog", "the cat"]
+    for path, body, match in [("/score", {"text_1": docs[:2], "text_2": docs}, "text_1 holds 2 texts"),
+                              ("/rerank", {"query": query, "documents": []}, "documents is empty"),
+                              ("/rerank", {"query": query, "documents": docs, "top_n": -1}, "top_n")]:
+        response = httpx.post(url + path, json=body, timeout=30)
+        assert response.status_code == 400 and match in response.json()["error"]["message"], response.text
+    embedding_server.wait_idle()
