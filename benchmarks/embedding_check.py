@@ -14,6 +14,9 @@ most 1.5x its control's error, plus 1e-4. The runs:
   3. bf16, MEAN, chunks of 512 tokens in a pool small enough to preempt.
   4. bf16, LAST, prompts sharing a 640-token prefix, embedded twice: the second time the prefix
      cache serves the prefix (hits are required).
+  5. a cross-encoder (Qwen3-Reranker's conversion, two classifier tokens by id), bf16, chunks of
+     512: LLM.score of a query against 14 documents, each score (the second token's probability)
+     against transformers' Qwen3ForCausalLM's, in fp32 (control: in bf16).
 Then the benchmark's 256 prompts (142,827 tokens; bench.make_workload) are embedded in bf16, three
 times after a warm-up, with the prefix cache off (else every run after the first finds all but each
 prompt's last block in it), and the fastest run is appended to benchmarks/results.jsonl (workload
@@ -123,6 +126,20 @@ def main() -> int:
         failures.append("3: the small pool did not preempt")
     del llm
     free()
+    classifier = (config["vocab_size"] // 3, config["vocab_size"] // 2)
+    query = prompts[4]
+    scorer = LLM(source, device=dev, runner="pooling", max_model_len=2048, max_num_batched_tokens=512,
+                 pooler_config={"classifier_token_ids": classifier})
+    got = [o.outputs.score for o in scorer.score(query, prompts, use_tqdm=False)]
+    leaked = scorer.engine.num_free_blocks != scorer.engine.block_manager.num_blocks
+    del scorer
+    free()
+    pair_refs = {dtype: pair_scores(source, dtype, [query + p for p in prompts], classifier, dev)
+                 for dtype in (torch.float32, torch.bfloat16)}
+    error_of = lambda scores: max(abs(a - b) for a, b in zip(scores, pair_refs[torch.float32]))   # noqa: E731
+    judge("5. cross-encoder scores, bf16, chunks of 512", error_of(got), error_of(pair_refs[torch.bfloat16]))
+    if leaked:
+        failures.append("5: KV blocks leaked")
 
     # Speed: the benchmark's prompts, as one LLM.embed call.
     workload, _ = make_workload(8 if args.cpu_dry_run else None)
@@ -202,6 +219,20 @@ def hf_embedding_walls(path: str, workload: list[list[int]], dev: str, batch: in
     del model
     free()
     return walls
+
+
+@torch.inference_mode()
+def pair_scores(path: str, dtype: torch.dtype, prompts: list[list[int]], classifier: tuple[int, int],
+                dev: str) -> list[float]:
+    """transformers' Qwen3ForCausalLM as a cross-encoder: the second classifier token's probability
+    against the first's, at each prompt's last token."""
+    from transformers import Qwen3ForCausalLM
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to(dev).eval()
+    scores = [model(torch.tensor([p], device=dev)).logits[0, -1, list(classifier)].float().softmax(-1)[1].item()
+              for p in prompts]
+    del model
+    free()
+    return scores
 
 
 def forward_flops(config: dict, lengths: list[int]) -> float:

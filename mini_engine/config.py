@@ -34,6 +34,10 @@ class ModelConfig:
     # cuts it allows, matryoshka_dimensions): PoolingParams.dimensions may ask for a shorter vector.
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # A cross-encoder reranker run as a pooling model, as vLLM converts Qwen3-Reranker (hf_overrides
+    # {"classifier_from_token": ["no", "yes"]}): its score is the second token's probability against
+    # the first's, from the lm_head's two logits at the last token of the query and document.
+    classifier_from_token: tuple[str, ...] | None = None
 
     @property
     def max_positions(self) -> int:
@@ -89,6 +93,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
             matryoshka_dimensions=tuple(raw["matryoshka_dimensions"]) if raw.get("matryoshka_dimensions") else None,
+            classifier_from_token=tuple(raw["classifier_from_token"]) if raw.get("classifier_from_token") else None,
         )
 
     @classmethod
@@ -182,7 +187,8 @@ class EngineConfig:
     # As vLLM's --runner: "generate", or "pooling", an embedding model (LLM.embed, the server's
     # /v1/embeddings): each prompt's final hidden states pooled into one vector, no lm_head, no
     # sampling (mini_engine/pooling_params.py). pooler_config (vLLM's): its pooling_type, "LAST"
-    # or "MEAN", and normalize, over what the checkpoint's Sentence Transformers files say.
+    # or "MEAN", and normalize, over what the checkpoint's Sentence Transformers files say (and a
+    # cross-encoder's classifier_token_ids, ids where config.json's classifier_from_token names them).
     runner: str = "generate"
     pooler_config: dict | PoolerConfig | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
@@ -235,9 +241,14 @@ class EngineConfig:
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
         if self.runner == "pooling":
-            self.pooler = PoolerConfig.resolve(self.model, self.pooler_config)
+            self.pooler = PoolerConfig.resolve(self.model, self.pooler_config, mc.classifier_from_token)
             if self.reasoning_parser is not None:
                 raise ValueError("reasoning_parser is for generation: a pooling runner samples nothing")
+            ids = self.pooler.classifier_token_ids
+            if ids is not None and (len(ids) != 2 or not all(0 <= i < mc.vocab_size for i in ids)):
+                raise ValueError(f"classifier_token_ids must be two token ids in [0, {mc.vocab_size}), got {ids}")
+        elif mc.classifier_from_token:
+            raise ValueError("classifier_from_token (a cross-encoder reranker) needs runner='pooling'")
         elif self.pooler_config is not None:
             raise ValueError("pooler_config needs runner='pooling'")
 

@@ -16,6 +16,7 @@ from mini_engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingReq
                                  ScoringOutput, ScoringRequestOutput)
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
+from mini_engine.tokenizer import encode_pair
 
 
 def unwrap_prompt(prompt):
@@ -107,6 +108,14 @@ class LLM:
         truncate_prompt_tokens: embed each prompt's last k tokens (PoolingParams' own, for all)."""
         if self.engine.config.runner != "pooling":
             raise ValueError("LLM.embed needs an embedding model: LLM(path, runner='pooling')")
+        if self.engine.config.pooler.classifier_token_ids is not None:
+            raise ValueError("this model is a cross-encoder (classifier_from_token): it scores pairs, LLM.score")
+        return self.pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def pool(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None, use_tqdm: bool,
+             truncate_prompt_tokens: int | None) -> list[EmbeddingRequestOutput]:
+        """Runs a pooling engine's prompts: each one's pooled output (an embedding, or a
+        cross-encoder's classifier probabilities)."""
         prompts = self.prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
@@ -122,13 +131,23 @@ class LLM:
 
     def score(self, data_1: str | dict | list[int] | list, data_2: str | dict | list[int] | list,
               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score, for an embedding model: the cosine similarity of data_1's embedding and
-        each of data_2's (one text against many), or of the pairs two lists of one length make. All
-        the texts are embedded in one call to embed()."""
+        """vLLM's LLM.score, for a pooling model: each pair of data_1's text (one against many) and
+        data_2's, or of the pairs two lists of one length make. An embedding model's score is the
+        cosine similarity of the two embeddings (all the texts embedded in one call); a
+        cross-encoder's (classifier_from_token: Qwen3-Reranker) is its second classifier token's
+        probability, the two texts read as one prompt (in Qwen3-Reranker's template, which the
+        caller writes around them, as vLLM's example does)."""
+        if self.engine.config.runner != "pooling":
+            raise ValueError("LLM.score needs a pooling model: LLM(path, runner='pooling')")
         first, second = self.prompt_list(data_1), self.prompt_list(data_2)
         if len(first) != 1 and len(first) != len(second):
             raise ValueError(f"data_1 holds {len(first)} prompts and data_2 {len(second)}: give one data_1, or as "
                              "many as data_2")
+        if self.engine.config.pooler.classifier_token_ids is not None:
+            pairs = [encode_pair(self.tokenizer, unwrap_prompt(first[0 if len(first) == 1 else i]), unwrap_prompt(b))
+                     for i, b in enumerate(second)]
+            return [ScoringRequestOutput(out.request_id, out.prompt_token_ids, ScoringOutput(out.outputs.embedding[-1]))
+                    for out in self.pool(pairs, None, use_tqdm, truncate_prompt_tokens)]
         outputs = self.embed(list(first) + list(second), use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
         left, right = outputs[:len(first)], outputs[len(first):]
         pairs = [(left[0 if len(left) == 1 else i], out) for i, out in enumerate(right)]

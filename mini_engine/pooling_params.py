@@ -5,6 +5,7 @@ a Sentence Transformers checkpoint's modules.json as vLLM reads it).
 Qwen3-Embedding is Qwen3 with no lm_head: its embedding is the final hidden state (after the
 last RMSNorm) of the prompt's last token, which its tokenizer makes <|endoftext|>, L2-normalised.
 MEAN averages every prompt token's hidden state instead."""
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -53,9 +54,12 @@ def _is_int(value) -> bool:
 @dataclass(frozen=True, slots=True)
 class PoolerConfig:
     """How the engine pools: which hidden states (pooling_type, one of POOLING_TYPES) and whether a
-    request that leaves `normalize` unset gets an L2-normalised vector."""
+    request that leaves `normalize` unset gets an L2-normalised vector. classifier_token_ids: a
+    cross-encoder's (ModelConfig.classifier_from_token, as token ids): it scores its prompt, a query
+    and a document together, by the softmax of those tokens' logits at the last token (LAST)."""
     pooling_type: str = "LAST"
     normalize: bool = True
+    classifier_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
@@ -64,17 +68,25 @@ class PoolerConfig:
                                 if self.pooling_type == "CLS" else ""))
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+        if self.classifier_token_ids is not None and self.pooling_type != "LAST":
+            raise ValueError(f"a cross-encoder (classifier_from_token) scores the last token: pooling_type "
+                             f"{self.pooling_type!r} does not apply")
 
     @classmethod
-    def resolve(cls, folder: str, given: "PoolerConfig | dict | None") -> "PoolerConfig":
+    def resolve(cls, folder: str, given: "PoolerConfig | dict | None",
+                classifier_from_token: tuple[str, ...] | None = None) -> "PoolerConfig":
         """The engine's pooler: the fields `given` sets (EngineConfig.pooler_config, vLLM's
         --pooler-config), then the checkpoint's Sentence Transformers modules, then embed's
-        defaults, LAST and normalised (vLLM's for a causal LM run as an embedding model)."""
+        defaults, LAST and normalised (vLLM's for a causal LM run as an embedding model); a
+        cross-encoder's classifier tokens as the checkpoint's tokenizer numbers them."""
+        if classifier_from_token:
+            given = (dataclasses.asdict(given) if isinstance(given, PoolerConfig) else dict(given or {})) | {
+                "classifier_token_ids": classifier_token_ids(folder, classifier_from_token)}
         if isinstance(given, PoolerConfig):
             return given
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"pooler_config must be a dict of pooling_type and normalize, got {given!r}")
-        unknown = set(given or {}) - {"pooling_type", "normalize"}
+        unknown = set(given or {}) - {"pooling_type", "normalize", "classifier_token_ids"}
         if unknown:
             raise ValueError(f"pooler_config: unknown fields {sorted(unknown)} (it takes pooling_type and normalize)")
         given = dict(given or {})
@@ -88,6 +100,23 @@ class PoolerConfig:
             return cls(**(sentence_transformers_pooling(folder) | given))
         except ValueError as e:
             raise ValueError(f"{folder}/modules.json's Pooling module: {e}") from None
+
+
+def classifier_token_ids(folder: str, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """classifier_from_token's token strings (vLLM's: ["no", "yes"] for Qwen3-Reranker) as ids of
+    the checkpoint's vocabulary: two, each one token."""
+    from mini_engine.tokenizer import load_tokenizer
+    if len(tokens) != 2:
+        raise ValueError(f"classifier_from_token must name two tokens (the score is the second's probability "
+                         f"against the first's), got {list(tokens)}")
+    tokenizer = load_tokenizer(folder)
+    if tokenizer is None:
+        raise ValueError("classifier_from_token needs the checkpoint's tokenizer.json, which it does not have")
+    ids = tuple(tokenizer.token_to_id(t) for t in tokens)
+    if None in ids:
+        raise ValueError(f"classifier_from_token: {[t for t, i in zip(tokens, ids) if i is None]} is not one token "
+                         "of the vocabulary")
+    return ids
 
 
 def sentence_transformers_pooling(folder: str) -> dict:

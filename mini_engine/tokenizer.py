@@ -18,6 +18,14 @@ def load_tokenizer_config(path: str) -> dict:
         return json.load(f)
 
 
+def encode_pair(tokenizer: Tokenizer | None, first: str | list[int], second: str | list[int]) -> list[int]:
+    """A cross-encoder's prompt of two texts: as the tokenizer encodes a pair (its post-processor's
+    pair template, where it has one; Qwen3-Reranker's has none), token ids one after the other."""
+    if isinstance(first, str) and isinstance(second, str) and tokenizer is not None:
+        return tokenizer.encode(first, second, add_special_tokens=True).ids
+    return encode_prompt(tokenizer, first, True) + encode_prompt(tokenizer, second, True)
+
+
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
     """A prompt as token ids: text through the tokenizer, ids as given. add_special_tokens: the
     tokenizer's post-processor adds its tokens, as Qwen3-Embedding's appends the <|endoftext|>

@@ -14,7 +14,7 @@ from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from mini_engine.layers.pooler import chunk_chain, finish_embedding
+from mini_engine.layers.pooler import chunk_chain, classifier_probabilities, finish_embedding
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
@@ -340,7 +340,10 @@ class LLMEngine:
             if end < seq.num_prompt_tokens:
                 continue
             pooled = share if seq.pooling_type == "LAST" else chunk_chain(seq.pooled_shares, end) / end
-            seq.embedding = finish_embedding(pooled, seq.pooling_params, self.config.pooler.normalize)
+            if self.config.pooler.classifier_token_ids is not None:       # a cross-encoder's
+                seq.embedding = classifier_probabilities(pooled)
+            else:
+                seq.embedding = finish_embedding(pooled, seq.pooling_params, self.config.pooler.normalize)
             seq.pooled_shares = {}
             self.end(seq, "stop")
             outputs.append(StepOutput(seq, [], True))

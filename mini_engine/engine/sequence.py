@@ -63,7 +63,8 @@ class Sequence:
     arrival: int = 0
     # An embedding request's (runner "pooling"; its sampling_params are then a placeholder, never
     # sampled): its PoolingParams and the engine's pooling type, each pooled chunk's share by its
-    # start (layers/pooler.py) and, once the whole prompt is computed, its embedding.
+    # start (layers/pooler.py) and, once the whole prompt is computed, its embedding (a
+    # cross-encoder's: its classifier tokens' probabilities).
     pooling_params: PoolingParams | None = None
     pooling_type: str | None = None
     pooled_shares: dict = field(default_factory=dict)

@@ -52,6 +52,13 @@ def cosine_similarity(a: list[float], b: list[float]) -> float:
     return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
 
 
+def classifier_probabilities(logits: np.ndarray) -> list[float]:
+    """A cross-encoder's classifier tokens' probabilities, the softmax of their logits: for
+    Qwen3-Reranker's ("no", "yes"), the second is the score."""
+    shifted = np.exp(logits.astype(np.float64) - logits.max())
+    return (shifted / shifted.sum()).tolist()
+
+
 def finish_embedding(pooled: np.ndarray, params: PoolingParams, default_normalize: bool) -> list[float]:
     """The request's embedding from its pooled vector: cut to params.dimensions (a Matryoshka
     cut, before normalising, as vLLM cuts it), then L2-normalised where asked (or by default)."""

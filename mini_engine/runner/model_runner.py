@@ -145,12 +145,15 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
         # An embedding model (runner "pooling") returns pooled hidden states: no lm_head, no sampling.
+        # A cross-encoder keeps its lm_head for two of its logits (PoolerConfig.classifier_token_ids).
         self.pooling = config.runner == "pooling"
+        self.classifier_token_ids = config.pooler.classifier_token_ids if self.pooling else None
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = Qwen3ForCausalLM(mc, self.kernels, tp, lm_head=not self.pooling)
+                self.model = Qwen3ForCausalLM(mc, self.kernels, tp,
+                                              lm_head=not self.pooling or self.classifier_token_ids is not None)
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
@@ -344,7 +347,8 @@ class ModelRunner:
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         per_seq = min(cfg.max_num_batched_tokens // num_seqs, cfg.max_model_len)
         if self.pooling:        # a full budget of prompts whose every token's state is summed (MEAN)
-            return [[BatchRow([0] * per_seq, 0, block_table, False, pooling="MEAN") for _ in range(num_seqs)]]
+            kind = "MEAN" if self.classifier_token_ids is None else "LAST"     # a cross-encoder's: its logits
+            return [[BatchRow([0] * per_seq, 0, block_table, False, pooling=kind) for _ in range(num_seqs)]]
         params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, repetition_penalty=1.1, min_p=0.01,
                                 logit_bias={0: 1.0})
         prefill = [BatchRow([0] * per_seq, 0, block_table, True, params, penalty_row=i,
@@ -461,10 +465,14 @@ class ModelRunner:
 
     def pool(self, rows: list[BatchRow], hidden: torch.Tensor) -> torch.Tensor:
         """The pooling rows' shares of their prompts' vectors, [pooling rows, hidden] fp32, in row
-        order (layers/pooler.py): rows lie in order, each len(token_ids) tokens."""
+        order (layers/pooler.py): rows lie in order, each len(token_ids) tokens. A cross-encoder's
+        rows (LAST: each its prompt's last token) give the classifier tokens' logits instead."""
         starts = np.cumsum([0] + [len(r.token_ids) for r in rows])
         chunks = [(start, len(r.token_ids), r.pooling) for r, start in zip(rows, starts) if r.pooling is not None]
         ints = self.to_device(np.stack(pooled_token_indices(chunks)), torch.int64)
+        if self.classifier_token_ids is not None:
+            logits = self.model.compute_logits(hidden[ints[0]])
+            return logits[:, list(self.classifier_token_ids)].float()
         return pool_chunks(hidden, ints[0], ints[1], len(chunks))
 
     @staticmethod

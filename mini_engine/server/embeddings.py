@@ -1,7 +1,9 @@
-"""The endpoints of a server whose engine is an embedding model (--runner pooling): OpenAI's
-/v1/embeddings, and vLLM's /score and /rerank, which score texts against texts by the cosine
-similarity of their embeddings (as vLLM's score API does for an embedding model). Each request's
-texts are embedded as one batch of engine requests; a client that leaves has them aborted."""
+"""The endpoints of a server whose engine is a pooling model (--runner pooling): OpenAI's
+/v1/embeddings, and vLLM's /score and /rerank, which score texts against texts: an embedding
+model by the cosine similarity of their embeddings (as vLLM's score API does for one), a
+cross-encoder (classifier_from_token: Qwen3-Reranker) by its score of each pair read as one
+prompt. Each request's prompts run as one batch of engine requests; a client that leaves has them
+aborted."""
 import base64
 import time
 
@@ -11,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mini_engine.layers.pooler import cosine_similarity
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
+from mini_engine.tokenizer import encode_pair
 from mini_engine.server.protocol import (EmbeddingRequest, ProtocolError, RerankRequest, ScoreRequest, error_body,
                                          random_id)
 
@@ -44,13 +47,27 @@ class PoolingEndpoints:
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
-    async def embed(self, raw: Request, request_id: str, inputs: list[tuple[str, str | list[int]]],
-                    params: PoolingParams, priority: int, respond, add_special_tokens: bool = True) -> Response:
-        """Embeds the inputs, (name for errors, text or token ids), and answers respond(vectors,
-        prompt tokens)'s body."""
+    @property
+    def cross_encoder(self) -> bool:
+        return self.server.config.pooler.classifier_token_ids is not None
+
+    def prompts(self, inputs: list[tuple[str, str | list[int]]], add_special_tokens: bool = True) -> list[list[int]]:
+        """The inputs, (name for errors, text or token ids), as token ids."""
+        return [self.server.tokenize(text, name, add_special_tokens, name.split(" ")[0]) for name, text in inputs]
+
+    def pairs(self, first: list, second: list) -> list[list[int]]:
+        """A cross-encoder's prompts: first's (one for all, or one each) and second's texts, paired."""
+        try:
+            return [encode_pair(self.server.tokenizer, first[0 if len(first) == 1 else i], b)
+                    for i, b in enumerate(second)]
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+
+    async def embed(self, raw: Request, request_id: str, prompts: list[list[int]], params: PoolingParams,
+                    priority: int, respond) -> Response:
+        """Runs the prompts, and answers respond(pooled outputs, prompt tokens)'s body."""
         server = self.server
-        prompts = [truncate_prompt(server.tokenize(text, name, add_special_tokens, name.split(" ")[0]), params,
-                                   server.config.max_model_len) for name, text in inputs]
+        prompts = [truncate_prompt(p, params, server.config.max_model_len) for p in prompts]
         streams = server.add(request_id, prompts, params, priority)
 
         async def collect() -> Response:
@@ -66,6 +83,9 @@ class PoolingEndpoints:
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
         params = self.params("/v1/embeddings", req.model, req.priority, dimensions=req.dimensions,
                              normalize=req.normalize, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        if self.cross_encoder:
+            raise ProtocolError("this server runs a cross-encoder (classifier_from_token): it scores pairs, "
+                                "/score and /rerank")
         texts = self.server.prompt_list(req.input)
         names = [f"input {i}" if len(texts) > 1 else "input" for i in range(len(texts))]
         request_id = random_id("embd")
@@ -75,8 +95,8 @@ class PoolingEndpoints:
                     for i, v in enumerate(vectors)]
             return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
                     "data": data, "usage": usage(num_tokens)}
-        return await self.embed(raw, request_id, list(zip(names, texts)), params, req.priority, respond,
-                                req.add_special_tokens)
+        return await self.embed(raw, request_id, self.prompts(list(zip(names, texts)), req.add_special_tokens),
+                                params, req.priority, respond)
 
     async def score(self, req: ScoreRequest, raw: Request) -> Response:
         params = self.params("/score", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens)
@@ -85,16 +105,26 @@ class PoolingEndpoints:
             raise ProtocolError(f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or "
                                 "as many as text_2", param="text_1")
         request_id = random_id("score")
-        inputs = ([(f"text_1 {i}", t) for i, t in enumerate(first)]
-                  + [(f"text_2 {i}", t) for i, t in enumerate(second)])
+        if self.cross_encoder:
+            prompts = self.pairs(first, second)
+        else:
+            prompts = self.prompts([(f"text_1 {i}", t) for i, t in enumerate(first)]
+                                   + [(f"text_2 {i}", t) for i, t in enumerate(second)])
 
         def respond(vectors: list[list[float]], num_tokens: int) -> dict:
-            left, right = vectors[:len(first)], vectors[len(first):]
-            scores = [cosine_similarity(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)]
+            scores = self.scores(vectors, len(first))
             return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
                     "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                     "usage": usage(num_tokens)}
-        return await self.embed(raw, request_id, inputs, params, req.priority, respond)
+        return await self.embed(raw, request_id, prompts, params, req.priority, respond)
+
+    def scores(self, outputs: list[list[float]], num_first: int) -> list[float]:
+        """Each pair's score: a cross-encoder's outputs are its pairs' classifier probabilities (the
+        score the last); an embedding model's, the first texts' embeddings then the second's."""
+        if self.cross_encoder:
+            return [probabilities[-1] for probabilities in outputs]
+        left, right = outputs[:num_first], outputs[num_first:]
+        return [cosine_similarity(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)]
 
     async def rerank(self, req: RerankRequest, raw: Request) -> Response:
         params = self.params("/rerank", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens)
@@ -103,14 +133,17 @@ class PoolingEndpoints:
         if req.top_n < 0:
             raise ProtocolError(f"top_n must be >= 0 (0: every document), got {req.top_n}", param="top_n")
         request_id = random_id("rerank")
-        inputs = [("query", req.query)] + [(f"documents {i}", d) for i, d in enumerate(req.documents)]
+        if self.cross_encoder:
+            prompts = self.pairs([req.query], req.documents)
+        else:
+            prompts = self.prompts([("query", req.query)] + [(f"documents {i}", d) for i, d in enumerate(req.documents)])
 
         def respond(vectors: list[list[float]], num_tokens: int) -> dict:
-            scores = [cosine_similarity(vectors[0], v) for v in vectors[1:]]
+            scores = self.scores(vectors, 1)
             order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
             results = [{"index": i, "relevance_score": scores[i]} | (
                 {"document": {"text": req.documents[i]}} if req.return_documents and isinstance(req.documents[i], str)
                 else {}) for i in order]
             return {"id": request_id, "model": self.server.model_name, "usage": {"total_tokens": num_tokens},
                     "results": results}
-        return await self.embed(raw, request_id, inputs, params, req.priority, respond)
+        return await self.embed(raw, request_id, prompts, params, req.priority, respond)

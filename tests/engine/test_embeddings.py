@@ -287,3 +287,54 @@ def test_score_is_the_cosine_of_the_embeddings(tiny_checkpoint):
     with pytest.raises(ValueError, match="data_1 holds 2 prompts and data_2 3"):
         llm.score(docs[:2], docs, use_tqdm=False)
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def classifier_tokens(path: str) -> list[str]:
+    """Two one-token strings of the tokenized test model's vocabulary (it has no "no" and "yes")."""
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    return [tokenizer.id_to_token(418), "Ġthe"]
+
+
+@torch.inference_mode()
+def hf_pair_score(path: str, prompt: list[int], tokens: list[str]) -> float:
+    """transformers' Qwen3ForCausalLM as the cross-encoder: the second token's probability against
+    the first's, from their logits at the prompt's last token."""
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    ids = [tokenizer.token_to_id(t) for t in tokens]
+    return hf_model(path)(torch.tensor([prompt])).logits[0, -1, ids].float().softmax(-1)[1].item()
+
+
+def test_a_cross_encoder_scores_pairs_as_transformers(tokenized_model):
+    """classifier_from_token (vLLM's Qwen3-Reranker conversion): each pair read as one prompt, as
+    the tokenizer encodes a pair, in chunks of 8 tokens; its score from the lm_head's two logits."""
+    tokens = classifier_tokens(tokenized_model)
+    llm = LLM(tokenized_model, device="cpu", runner="pooling", max_num_batched_tokens=8,
+              hf_overrides={"classifier_from_token": tokens})
+    tokenizer = llm.tokenizer
+    query, docs = "the cat sat", ["a dog", "on the mat", "the cat sat on the mat"]
+    for first, second in [(query, docs), (docs, docs[::-1])]:
+        outputs = llm.score(first, second, use_tqdm=False)
+        for i, out in enumerate(outputs):
+            a = first if isinstance(first, str) else first[i]
+            assert out.prompt_token_ids == tokenizer.encode(a, second[i]).ids
+            assert out.outputs.score == pytest.approx(hf_pair_score(tokenized_model, out.prompt_token_ids, tokens),
+                                                      abs=1e-5)
+    ids = [5, 6, 7]
+    assert llm.score(ids, [[8, 9]], use_tqdm=False)[0].prompt_token_ids == ids + [8, 9]
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+    with pytest.raises(ValueError, match="cross-encoder"):
+        llm.embed(query, use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(hf_overrides={"classifier_from_token": ["Ġthe"]}), "two tokens"),
+    (dict(hf_overrides={"classifier_from_token": ["Ġthe", "not-a-token"]}), "not one token"),
+    (dict(hf_overrides={"classifier_from_token": ["Ġthe", "Ġthe"]}, pooler_config={"pooling_type": "MEAN"}),
+     "scores the last token"),
+    (dict(pooler_config={"classifier_token_ids": [5, 10**6]}), r"two token ids in \[0, "),
+])
+def test_bad_cross_encoder_options(tokenized_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tokenized_model, device="cpu", runner="pooling", **kwargs)
+    with pytest.raises(ValueError, match="needs runner='pooling'"):
+        LLM(tokenized_model, device="cpu", hf_overrides={"classifier_from_token": ["Ġthe", "Ġthe"]})

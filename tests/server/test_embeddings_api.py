@@ -1,5 +1,6 @@
 """/v1/embeddings on a server started with --runner pooling, through OpenAI's own client (which asks
 for base64 unless told otherwise), against transformers' hidden states; what it refuses."""
+import json
 import re
 
 import httpx
@@ -7,7 +8,9 @@ import openai
 import pytest
 import torch
 
-from tests.engine.test_embeddings import hf_embedding, write_embedding_checkpoint
+from tokenizers import Tokenizer
+
+from tests.engine.test_embeddings import classifier_tokens, hf_embedding, hf_pair_score, write_embedding_checkpoint
 from tests.server.conftest import MODEL_NAME, launched_server
 
 
@@ -102,3 +105,22 @@ def test_score_and_rerank(embedding_server, tiny_model):
         response = httpx.post(url + path, json=body, timeout=30)
         assert response.status_code == 400 and match in response.json()["error"]["message"], response.text
     embedding_server.wait_idle()
+
+
+def test_a_cross_encoder_server_scores_and_reranks_pairs(tiny_model, tmp_path):
+    """Started as vLLM serves Qwen3-Reranker (classifier_from_token), /score and /rerank score each
+    query and document read as one prompt; /v1/embeddings is refused."""
+    tokens = classifier_tokens(tiny_model)
+    options = ("--runner", "pooling", "--hf-overrides", json.dumps({"classifier_from_token": tokens}))
+    query, docs = "the cat sat", ["a dog", "on the mat", "the cat sat on the mat"]
+    prompts = [Tokenizer.from_file(f"{tiny_model}/tokenizer.json").encode(query, d).ids for d in docs]
+    expected = [hf_pair_score(tiny_model, prompt, tokens) for prompt in prompts]
+    with launched_server(tiny_model, tmp_path, options=options) as server:
+        scores = httpx.post(server.base_url + "/score", json={"text_1": query, "text_2": docs}, timeout=30).json()
+        assert [d["score"] for d in scores["data"]] == pytest.approx(expected, abs=1e-5)
+        assert scores["usage"]["prompt_tokens"] == sum(map(len, prompts))
+        ranked = httpx.post(server.base_url + "/rerank", json={"query": query, "documents": docs}, timeout=30).json()
+        assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: -expected[i])
+        refused = httpx.post(server.base_url + "/v1/embeddings", json={"input": query}, timeout=30)
+        assert refused.status_code == 400 and "cross-encoder" in refused.json()["error"]["message"]
+        server.wait_idle()
