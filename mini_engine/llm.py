@@ -108,7 +108,7 @@ class LLM:
         truncate_prompt_tokens: embed each prompt's last k tokens (PoolingParams' own, for all)."""
         if self.engine.config.runner != "pooling":
             raise ValueError("LLM.embed needs an embedding model: LLM(path, runner='pooling')")
-        if self.engine.config.pooler.classifier_token_ids is not None:
+        if self.engine.config.pooler.is_cross_encoder:
             raise ValueError("this model is a cross-encoder (classifier_from_token): it scores pairs, LLM.score")
         return self.pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
@@ -143,7 +143,7 @@ class LLM:
         if len(first) != 1 and len(first) != len(second):
             raise ValueError(f"data_1 holds {len(first)} prompts and data_2 {len(second)}: give one data_1, or as "
                              "many as data_2")
-        if self.engine.config.pooler.classifier_token_ids is not None:
+        if self.engine.config.pooler.is_cross_encoder:
             pairs = [encode_pair(self.tokenizer, unwrap_prompt(first[0 if len(first) == 1 else i]), unwrap_prompt(b))
                      for i, b in enumerate(second)]
             return [ScoringRequestOutput(out.request_id, out.prompt_token_ids, ScoringOutput(out.outputs.embedding[-1]))

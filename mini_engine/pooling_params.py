@@ -72,6 +72,10 @@ class PoolerConfig:
             raise ValueError(f"a cross-encoder (classifier_from_token) scores the last token: pooling_type "
                              f"{self.pooling_type!r} does not apply")
 
+    @property
+    def is_cross_encoder(self) -> bool:
+        return self.classifier_token_ids is not None
+
     @classmethod
     def resolve(cls, folder: str, given: "PoolerConfig | dict | None",
                 classifier_from_token: tuple[str, ...] | None = None) -> "PoolerConfig":

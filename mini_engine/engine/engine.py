@@ -340,7 +340,7 @@ class LLMEngine:
             if end < seq.num_prompt_tokens:
                 continue
             pooled = share if seq.pooling_type == "LAST" else chunk_chain(seq.pooled_shares, end) / end
-            if self.config.pooler.classifier_token_ids is not None:       # a cross-encoder's
+            if self.config.pooler.is_cross_encoder:
                 seq.embedding = classifier_probabilities(pooled)
             else:
                 seq.embedding = finish_embedding(pooled, seq.pooling_params, self.config.pooler.normalize)

@@ -68,8 +68,14 @@ class RequestLimits:
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens plus max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")
-        blocks = -(-(n + params.max_tokens - 1) // self.block_size)
-        if blocks > self.num_blocks:          # i.e. n + max_tokens > max_sequence_tokens(), by the pool
+        # Its last sampled token is never computed: one slot fewer than its tokens, i.e. n + max_tokens
+        # > max_sequence_tokens(), by the pool.
+        self.check_pool_holds(n + params.max_tokens - 1)
+
+    def check_pool_holds(self, num_slots: int) -> None:
+        """A request whose KV needs num_slots slots at most, against the pool's whole size."""
+        blocks = -(-num_slots // self.block_size)
+        if blocks > self.num_blocks:
             raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.num_blocks}; "
                              "it could never run")
 
@@ -98,10 +104,7 @@ class RequestLimits:
         if n > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens exceeds max_model_len={self.max_model_len} "
                              "(truncate_prompt_tokens keeps its last tokens)")
-        blocks = -(-n // self.block_size)
-        if blocks > self.num_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.num_blocks}; "
-                             "it could never run")
+        self.check_pool_holds(n)                # every prompt token's k/v, nothing sampled after it
         d = params.dimensions
         if d is not None:
             if not self.is_matryoshka:

@@ -198,7 +198,8 @@ class OpenAIServer:
     def check(self, req: SamplingRequest) -> None:
         self.check_model(req.model)
         if self.config.runner == "pooling":
-            raise ProtocolError("this server runs an embedding model (--runner pooling): use /v1/embeddings")
+            raise ProtocolError("this server runs a pooling model (--runner pooling): use /v1/embeddings, /score "
+                                "or /rerank")
         param = req.unsupported()
         if param is not None:
             raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)

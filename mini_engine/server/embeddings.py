@@ -49,7 +49,7 @@ class PoolingEndpoints:
 
     @property
     def cross_encoder(self) -> bool:
-        return self.server.config.pooler.classifier_token_ids is not None
+        return self.server.config.pooler.is_cross_encoder
 
     def prompts(self, inputs: list[tuple[str, str | list[int]]], add_special_tokens: bool = True) -> list[list[int]]:
         """The inputs, (name for errors, text or token ids), as token ids."""
