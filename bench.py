@@ -80,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--speculative-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="GPUs the model is split over (mini and vllm); the floor counts their bandwidth together")
     p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "
@@ -121,7 +123,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching,
                   kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size)
-    for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization"):
+    for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "speculative_config"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
     llm = LLM(model, **kwargs)
@@ -141,6 +143,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                                                 f"wall {wall:.2f} s (profiled: one event pair per step)"))
     config = {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)
               if f.name != "model_config"}
+    if engine.config.speculative_config is not None:
+        config["speculative_config"] = dataclasses.asdict(engine.config.speculative_config)
     runner = engine.runner
     config |= {"kernels_resolved": sorted(runner.kernels), "num_kv_blocks": runner.num_kv_blocks,
                "dtype_resolved": str(runner.dtype).removeprefix("torch."),
@@ -157,7 +161,9 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
             "dtype_bytes": runner.dtype.itemsize, "kv_dtype_bytes": runner.kv_cache_dtype.itemsize,
             "engine_version": None, "engine_config": config,
             "engine_stats": {"num_preemptions": engine.num_preemptions,
-                             "prefix_cache_hit_tokens": engine.prefix_cache_hit_tokens}}
+                             "prefix_cache_hit_tokens": engine.prefix_cache_hit_tokens,
+                             **({"spec_decode": dataclasses.asdict(engine.spec_decode_stats)}
+                                if engine.config.speculative_config is not None else {})}}
 
 
 def fmt_bytes(n: float) -> str:

@@ -10,6 +10,7 @@ from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rop
 from mini_engine.pooling_params import PoolerConfig
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
+from mini_engine.speculative import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -191,6 +192,10 @@ class EngineConfig:
     # cross-encoder's classifier_token_ids, ids where config.json's classifier_from_token names them).
     runner: str = "generate"
     pooler_config: dict | PoolerConfig | None = None
+    # As vLLM's: speculative decoding, {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": ..., "prompt_lookup_min": ...} (mini_engine/speculative.py). Its steps
+    # run synchronously (async_scheduling is turned off): the drafts are read from each step's tokens.
+    speculative_config: dict | SpeculativeConfig | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
@@ -251,6 +256,11 @@ class EngineConfig:
             raise ValueError("classifier_from_token (a cross-encoder reranker) needs runner='pooling'")
         elif self.pooler_config is not None:
             raise ValueError("pooler_config needs runner='pooling'")
+        if self.speculative_config is not None:
+            if self.runner == "pooling":
+                raise ValueError("speculative_config is for generation: a pooling runner samples nothing")
+            self.speculative_config = SpeculativeConfig.resolve(self.speculative_config)
+            self.async_scheduling = False
 
     def read_sampling_defaults(self) -> dict:
         if self.generation_config == "none":

@@ -68,6 +68,21 @@ class IncrementalDetokenizer:
         self.num_sent = end
         return out
 
+    def update_until_stop(self, new_token_ids: list[int], finished: bool, stop_token: bool = False) -> tuple[str, int]:
+        """update() a token at a time, as steps of one token each would: the text, and how many
+        of the tokens it took, up to the one that completed a stop string (all of them if none
+        did). A step of speculative decoding brings several tokens, and those after a stop string
+        are dropped (the caller cuts them), since plain decoding never makes them."""
+        text = ""
+        for i, token in enumerate(new_token_ids):
+            last = i == len(new_token_ids) - 1
+            text += self.update([token], finished and last, stop_token and last)
+            if self.stopped:
+                return text, i + 1
+        if not new_token_ids:
+            text = self.update([], finished, stop_token)
+        return text, len(new_token_ids)
+
     def append(self, new_text: str) -> None:
         if not new_text:
             return

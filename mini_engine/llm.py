@@ -285,12 +285,13 @@ class LLM:
         stopper = stoppers.get(out.seq.request_id)
         if stopper is None or stopper.stopped:
             return False
-        stopper.update(out.new_token_ids, out.finished, out.ended_on_stop_token)
+        _, used = stopper.update_until_stop(out.new_token_ids, out.finished, out.ended_on_stop_token)
         if not stopper.stopped:
             return False
         running = not out.finished
         if running:
             self.engine.abort_request(out.seq.request_id)
+        self.engine.drop_last_tokens(out.seq, len(out.new_token_ids) - used)
         out.seq.finish_reason = "stop"
         return running
 

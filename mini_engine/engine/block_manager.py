@@ -191,8 +191,9 @@ class BlockManager:
         prefix; it reads them correctly because every layer writes the step's K and V into the
         cache before its attention reads any (and later steps run after this one on the device)."""
         bs = self.block_size
-        if seq.token_ids[-1] == PENDING_TOKEN:
-            num_tokens = min(num_tokens, seq.num_tokens - 1)     # hashed once the token is known
+        # Slots past the known tokens (a step's drafts, which may be rejected) are hashed once the
+        # tokens they hold are known, and so is the token still in flight.
+        num_tokens = min(num_tokens, seq.num_tokens - (seq.token_ids[-1] == PENDING_TOKEN))
         start = len(seq.block_hashes)
         parent = seq.block_hashes[-1] if start else None
         for i, key, h in chained_blocks(seq.token_ids, bs, start, num_tokens // bs, parent):

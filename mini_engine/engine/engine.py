@@ -8,6 +8,8 @@ import numbers
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
+
 from mini_engine.config import EngineConfig
 from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids, check_bad_words
 from mini_engine.engine.block_manager import BlockManager
@@ -21,6 +23,7 @@ from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
+from mini_engine.speculative import SpecDecodeStats, ngram_drafts, num_accepted
 from mini_engine.structured_outputs import GrammarCompiler
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
@@ -38,7 +41,8 @@ POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 @dataclass
 class InFlightStep:
     """A launched step: the sequences whose tokens it samples, in the runner's row order, and
-    where in each sequence's token_ids the token goes."""
+    where in each sequence's token_ids the token goes. (A sequence with drafts, seq.spec_token_ids,
+    has a sample for its last token and one for each draft, in its rows' order.)"""
     handle: StepHandle
     samples: list[tuple[Sequence, int]]
     # The sequences whose prompt log-probabilities it computes, in the runner's row order, and the
@@ -98,6 +102,7 @@ class LLMEngine:
         self.arrivals = itertools.count()
         self.last_step_prefill_tokens = 0    # prompt tokens (prompt or recomputed) the last step ran
         self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
+        self.spec_decode_stats = SpecDecodeStats()     # with speculative_config: its drafts' fate
         # Everything alive now (imported modules, the model, compiled kernels) lives as long as the
         # engine. Frozen, it is left out of the garbage collector's full passes, which otherwise
         # scanned it all and stalled the step loop for 120-170 ms each (seen mid-run on the H200).
@@ -198,6 +203,15 @@ class LLMEngine:
             while seq.token_ids[-1] == PENDING_TOKEN:     # tokens still in flight are dropped
                 seq.token_ids.pop()
 
+    @staticmethod
+    def drop_last_tokens(seq: Sequence, count: int) -> None:
+        """Cuts a finished sequence's last count output tokens (and their logprobs): those a step
+        of speculative decoding made after a stop string ended the output."""
+        if count > 0:
+            del seq.token_ids[-count:]
+            if seq.sampling_params.logprobs is not None:
+                del seq.logprobs[-count:]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
@@ -215,6 +229,8 @@ class LLMEngine:
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
         try:
             early = self.wait_for_last_tokens() + self.start_compiled_grammars()
+            if self.config.speculative_config is not None:
+                self.propose_drafts()
             batch = self.scheduler.schedule()
             if batch.is_empty and self.in_flight is None and self.compiling and not early:
                 self.wait_for_a_grammar()
@@ -228,6 +244,25 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()     # what the failed step hashed may hold no KV
             raise
         return outputs
+
+    def propose_drafts(self) -> None:
+        """Each running decode's drafts for the next step (mini_engine/speculative.py), as many as
+        its request may still take, while the step has rows to spare: each draft is a row. A request
+        whose next tokens depend on the ones before in ways a row cannot see gets none: penalties
+        (counts on the device), a grammar's or a bad word's state (needs_last_token)."""
+        spec = self.config.speculative_config
+        spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
+        for seq in self.scheduler.running:
+            p = seq.sampling_params
+            room = min(spec.num_speculative_tokens, spare_rows, p.max_tokens - seq.num_output_tokens - 1,
+                       self.config.max_model_len - seq.num_tokens - 1)
+            if (room <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or p.penalized
+                    or seq.request_id in self.needs_last_token):
+                seq.spec_token_ids = []
+                continue
+            seq.spec_token_ids = ngram_drafts(np.asarray(seq.token_ids), spec.prompt_lookup_min,
+                                              spec.prompt_lookup_max, room)
+            spare_rows -= len(seq.spec_token_ids)
 
     def wait_for_last_tokens(self) -> list[StepOutput]:
         """While a request that needs_last_token runs (structured outputs, bad words of several
@@ -268,7 +303,7 @@ class LLMEngine:
         return self.resolve(step) if step else []
 
     def launch(self, batch: SchedulerOutput) -> InFlightStep:
-        rows, order = self.build_rows(batch)
+        rows, order, owners = self.build_rows(batch)
         try:
             handle = self.runner.launch(rows)
         except BaseException:
@@ -277,20 +312,24 @@ class LLMEngine:
             for seq in batch.seqs:
                 seq.penalty_row_filled = False
             raise
-        samples = []
-        prompt_logprob_rows = [(batch.seqs[i], row.start_position + 1) for i, row in zip(order, rows)
+        samples, num_samples = [], 0
+        prompt_logprob_rows = [(batch.seqs[i], row.start_position + 1) for i, row in zip(owners, rows)
                                if row.prompt_logprob_targets is not None]
         pooled_rows = [(batch.seqs[i], row.start_position, row.start_position + len(row.token_ids))
-                       for i, row in zip(order, rows) if row.pooling is not None]
+                       for i, row in zip(owners, rows) if row.pooling is not None]
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            n -= len(seq.spec_token_ids) if n > 1 else 0   # the drafts' tokens count once accepted (resolve)
             is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             self.last_step_decode_tokens += is_decode
             self.last_step_prefill_tokens += 0 if is_decode else n
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens and seq.pooling_type is None:   # not a prefill chunk: it samples
                 seq.penalty_row_filled = seq.penalty_row >= 0       # the launch filled it, if it was not
-                seq.pending_sample_index = len(samples)
+                # With drafts the next token is the accepted ones' successor, known on the host only:
+                # speculative decoding steps synchronously (EngineConfig), so no row reads it here.
+                seq.pending_sample_index = -1 if seq.spec_token_ids else num_samples
+                num_samples += 1 + len(seq.spec_token_ids)
                 samples.append((seq, seq.num_tokens))
                 seq.token_ids.append(PENDING_TOKEN)
         return InFlightStep(handle, samples, prompt_logprob_rows, pooled_rows)
@@ -301,7 +340,13 @@ class LLMEngine:
         for (seq, position), values in zip(step.prompt_logprob_rows, step.handle.prompt_logprobs or []):
             seq.prompt_logprobs[position:position + len(values)] = values
         outputs = self.resolve_pooled(step) if step.pooled_rows else []
-        for (seq, position), token, lp in zip(step.samples, tokens, logprobs):
+        next_sample = 0
+        for seq, position in step.samples:
+            first, next_sample = next_sample, next_sample + 1 + len(seq.spec_token_ids)
+            if seq.spec_token_ids:
+                outputs += self.resolve_drafts(seq, position, tokens[first:next_sample], logprobs[first:next_sample])
+                continue
+            token, lp = tokens[first], logprobs[first]
             if seq.is_finished:
                 continue                          # aborted, or ended by the step before
             if seq.grammar is not None:
@@ -327,6 +372,30 @@ class LLMEngine:
                 self.end(seq, reason)
             outputs.append(StepOutput(seq, [token], reason is not None, None if lp is None else [lp]))
         return outputs
+
+    def resolve_drafts(self, seq: Sequence, position: int, sampled: list[int], logprobs: list) -> list[StepOutput]:
+        """A verifying step's samples for seq (mini_engine/speculative.py): the drafts they confirm
+        and the first sample that differs, or the last one, up to the first token that ends the
+        request. The confirmed drafts' K and V, written by the step, are the sequence's from now on."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        if seq.is_finished:
+            return []                             # aborted
+        accepted = num_accepted(drafts, sampled)
+        self.spec_decode_stats.record(len(drafts), accepted)
+        new_tokens, reason = [], None
+        for token in sampled[:accepted + 1]:
+            new_tokens.append(token)
+            reason = self.finish_reason(seq, token, position + len(new_tokens))
+            if reason:
+                break
+        seq.token_ids[position:] = new_tokens
+        seq.num_computed_tokens += accepted
+        kept = logprobs[:len(new_tokens)]
+        if kept[0] is not None:
+            seq.logprobs += kept
+        if reason:
+            self.end(seq, reason)
+        return [StepOutput(seq, new_tokens, reason is not None, None if kept[0] is None else kept)]
 
     def resolve_pooled(self, step: InFlightStep) -> list[StepOutput]:
         """Each pooling row's share of its prompt's vector (layers/pooler.py): kept by its chunk's
@@ -365,18 +434,24 @@ class LLMEngine:
                                        for r in self.compiling):
             seq.grammar_compiling.cancel()
 
-    def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int]]:
-        """Rows in the runner's order, and the batch indices in it: single-token rows first, the
-        longest context first. The decode attention kernel starts its programs in row order, so
-        the longest contexts start first and the launch does not end on one of them (longest
-        processing time first: benchmarks/NOTES.md entry 19)."""
+    def build_rows(self, batch: SchedulerOutput) -> tuple[list[BatchRow], list[int], list[int]]:
+        """Rows in the runner's order, the batch indices in that order, and each row's batch index:
+        single-token rows first, the longest context first. The decode attention kernel starts its
+        programs in row order, so the longest contexts start first and the launch does not end on
+        one of them (longest processing time first: benchmarks/NOTES.md entry 19). A sequence with
+        drafts is a decode row and one more for each draft (draft_rows)."""
         seqs, num_new = batch.seqs, batch.num_new_tokens
         order = sorted(range(len(seqs)), reverse=True,
-                       key=lambda i: seqs[i].num_computed_tokens if num_new[i] == 1 else -1)
-        rows = []
+                       key=lambda i: seqs[i].num_computed_tokens if num_new[i] == 1 or seqs[i].spec_token_ids else -1)
+        rows, owners = [], []
         for i in order:
             seq, n = seqs[i], num_new[i]
             start = seq.num_computed_tokens
+            if seq.spec_token_ids and n > 1:
+                rows += self.draft_rows(seq)
+                owners += [i] * n
+                continue
+            owners.append(i)
             if seq.pooling_type is not None:      # an embedding request's chunk: it pools, never samples
                 last = start + n == seq.num_tokens
                 rows.append(BatchRow(seq.token_ids[start:start + n], start, seq.block_table, False,
@@ -408,7 +483,26 @@ class LLMEngine:
                 row.prompt_logprob_targets = seq.prompt_logprob_targets(start, n)
                 row.num_prompt_logprobs = p.prompt_logprobs
             rows.append(row)
-        return rows, order
+        return rows, order, owners
+
+    def draft_rows(self, seq: Sequence) -> list[BatchRow]:
+        """A decode row for seq's last token and one for each draft, each a token at its own
+        position over the same block table: row i attends up to its own position, so the drafts
+        before it and none after (mini_engine/speculative.py). Row i samples the request's output
+        token num_output_tokens + i, with that token's seed, min_tokens count and bad-word bans."""
+        p, start = seq.sampling_params, seq.num_computed_tokens
+        tokens = [seq.token_ids[-1], *seq.spec_token_ids]
+        rows = []
+        for i, token in enumerate(tokens):
+            output_index = seq.num_output_tokens + i
+            seed = hash((p.seed, output_index)) & 0x7FFFFFFF if p.seed is not None else None
+            row = BatchRow([token], start + i, seq.block_table, True, p, seed, seq.block_table_array,
+                           num_output_tokens=output_index if p.min_tokens else 0)
+            if seq.bad_words_ids:
+                row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.token_ids + tokens[1:i + 1],
+                                                  seq.num_prompt_tokens)
+            rows.append(row)
+        return rows
 
     def finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         """Why seq ends with token, its num_tokens-th (pending tokens after it don't count)."""

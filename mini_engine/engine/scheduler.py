@@ -94,7 +94,26 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
         self.waiting.extendleft(reversed(compiling))
+        self.grant_drafts(out, budget)
         return out
+
+    def grant_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Each scheduled decode's drafts (Sequence.spec_token_ids, from the engine's proposer),
+        cut to what the step leaves: its token budget, max_num_seqs rows (a draft is a row of the
+        step, engine.build_rows) and the free blocks. Drafts never preempt nor keep a request waiting."""
+        rows = len(out.seqs)
+        for i, seq in enumerate(out.seqs):
+            if not seq.spec_token_ids:
+                continue
+            room = min(len(seq.spec_token_ids), budget, self.max_num_seqs - rows)
+            if out.num_new_tokens[i] != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+                room = 0                        # not a decode: a prompt chunk, or a recomputation
+            while room > 0 and not self.block_manager.allocate_slots(seq, 1 + room):
+                room -= 1
+            del seq.spec_token_ids[room:]
+            out.num_new_tokens[i] += room
+            budget -= room
+            rows += room
 
     def reached_length(self, seq: Sequence) -> bool:
         if seq.pooling_type is not None:        # an embedding request: its whole prompt, nothing after
@@ -110,6 +129,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self.release_penalty_row(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -69,6 +69,9 @@ class Sequence:
     pooling_type: str | None = None
     pooled_shares: dict = field(default_factory=dict)
     embedding: list[float] | None = None
+    # With speculative decoding: the drafts proposed for this step (mini_engine/speculative.py), which
+    # the scheduler may cut to what the step has room for; the engine clears them when they resolve.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:

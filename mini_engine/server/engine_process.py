@@ -128,20 +128,23 @@ class EngineLoop:
                 del self.states[request_id]
                 deltas.append((request_id, "", [], None, out.seq.finish_reason, 0, None, None, out.seq.embedding))
                 continue
-            state.num_output_tokens += len(out.new_token_ids)
-            text = state.detokenizer.update(out.new_token_ids, out.finished, out.ended_on_stop_token)
+            token_ids, logprobs = out.new_token_ids, out.logprobs
+            text, used = state.detokenizer.update_until_stop(token_ids, out.finished, out.ended_on_stop_token)
             reason = out.seq.finish_reason if out.finished else None
             if state.detokenizer.stopped:
                 if not out.finished:
                     self.engine.abort_request(request_id)    # blocks free before the next step
                 reason = "stop"
+                # A step of speculative decoding may bring tokens past the stop string: dropped.
+                token_ids, logprobs = token_ids[:used], None if logprobs is None else logprobs[:used]
+            state.num_output_tokens += len(token_ids)
             if reason is not None:
                 del self.states[request_id]
             # The prompt's log-probabilities, where asked, are all known by its first token.
             prompt_logprobs = None
             if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
                 prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
-            deltas.append((request_id, text, out.new_token_ids, out.logprobs, reason, state.num_output_tokens, None,
+            deltas.append((request_id, text, token_ids, logprobs, reason, state.num_output_tokens, None,
                            prompt_logprobs, None))
         return deltas
 

@@ -1,0 +1,178 @@
+"""Speculative decoding by n-gram lookup on the GPU (speculative_config, mini_engine/speculative.py):
+the same tokens as plain decoding, and what it does to a request's speed (--cpu-dry-run checks
+the script on CPU with a tiny model).
+
+Correctness, on gpu_correctness.py's checkpoint (Qwen3-0.6B's shape, N(0, 0.06) weights, whose
+greedy outputs vary), in bf16 with CUDA graphs, against the same engine without drafts:
+  1. greedy, 8 prompts of 5-1,000 tokens, together (a graph of 8 rows with drafts, more without)
+     and 3 of them (padded graphs); 2. seeded sampling (temperature 0.8, a seed a request);
+  3. greedy in a pool small enough to preempt. Each must equal plain decoding token for token,
+     or, where bf16's different batch shapes tip a near tie, every token of the speculative run must
+     be within --margin logits of transformers fp32's argmax given the same prefix (teacher-forced),
+     no worse than transformers' own bf16 greedy output (the control). Every run ends with all
+     KV blocks free.
+Speed: one request (and four), 512 greedy tokens after a 512-token prompt, plain decoding with and
+without async scheduling, then with drafts, on two checkpoints: the std 0.06 one, whose outputs
+rarely repeat (the drafts are mostly wrong: what a verifying step costs), and the benchmark's
+std 0.02 one, whose greedy outputs repeat one token (the drafts are right: the most they give).
+Each timing is the fastest of three runs, with the prefix cache off."""
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="folder for a JSON of the results")
+    ap.add_argument("--tokens", type=int, default=128, help="greedy tokens a request in the correctness runs")
+    ap.add_argument("--margin", type=float, default=0.25)
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    args = ap.parse_args()
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        sys.exit("spec_decode_check.py needs a GPU (or --cpu-dry-run)")
+    from transformers import Qwen3ForCausalLM
+
+    from benchmarks.gpu_correctness import common_prefix, free_gpu, std006_checkpoint
+    from mini_engine import LLM, SamplingParams
+    from mini_engine.model.random_checkpoint import default_checkpoint
+    from mini_engine.speculative import SpecDecodeStats
+
+    dev = "cpu" if args.cpu_dry_run else "cuda"
+    path, config = std006_checkpoint(args.cpu_dry_run, dev)
+    rng = random.Random(0)
+    vocab = config["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 64, 200, 333, 1000, 31, 128)]
+    results, failures = {}, []
+    engine_kwargs = dict(device=dev, gpu_memory_utilization=0.3, max_num_seqs=64, max_model_len=2048)
+
+    def engine(model, **kw):
+        llm = LLM(model, **(engine_kwargs | kw))
+        if dev == "cuda":       # as if the pool were uninitialised: a stale slot read shows as NaN
+            llm.engine.runner.kv_cache.fill_(float("nan"))
+        return llm
+
+    def generate(llm, batch, params):
+        outs = llm.generate(batch, params, use_tqdm=False)
+        e = llm.engine
+        if e.num_free_blocks != e.block_manager.num_blocks:
+            failures.append(f"{e.block_manager.num_blocks - e.num_free_blocks} KV blocks leaked")
+        return [o.outputs[0].token_ids for o in outs]
+
+    # transformers fp32, the reference of the teacher-forced judge, and its bf16 greedy run, the control.
+    hf32 = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
+    with torch.inference_mode():
+        hf16 = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
+        control = [hf16.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    del hf16
+    free_gpu()
+
+    @torch.inference_mode()
+    def worst_margin(batch, outputs) -> float:
+        """The largest fp32 max logit minus the logit of the token chosen, given the same prefix."""
+        worst = 0.0
+        for p, gen in zip(batch, outputs):
+            logits = hf32(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
+            chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
+            worst = max(worst, (logits.max(-1).values - chosen).max().item())
+        return worst
+
+    control_margin = worst_margin(prompts, control)
+    limit = max(args.margin, 1.5 * control_margin)
+    results["transformers bf16 greedy (control)"] = dict(worst_margin=round(control_margin, 4))
+
+    def judge(name, batch, got, want, greedy=True):
+        agree = [common_prefix(g, w) for g, w in zip(got, want)]
+        same = all(g == w for g, w in zip(got, want))
+        entry = dict(identical=same, agree=agree)
+        if not same and greedy:
+            entry["worst_margin"] = round(worst_margin(batch, got), 4)
+            entry["limit"] = round(limit, 4)
+        entry["ok"] = same or (greedy and entry["worst_margin"] <= limit)
+        results[name] = entry
+        if not entry["ok"]:
+            failures.append(f"{name}: {entry}")
+
+    plain, spec = engine(path), engine(path, speculative_config=NGRAM)
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    for name, batch in (("8 prompts", prompts), ("3 prompts", prompts[1:4])):
+        spec.engine.spec_decode_stats = SpecDecodeStats()
+        judge(f"greedy, {name}", batch, generate(spec, batch, greedy), generate(plain, batch, greedy))
+        results[f"greedy, {name}"]["drafts"] = dataclasses.asdict(spec.engine.spec_decode_stats)
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, ignore_eos=True) for i in range(len(prompts))]
+    judge("seeded sampling, 8 prompts", prompts, generate(spec, prompts, seeded), generate(plain, prompts, seeded),
+          greedy=False)
+    del spec
+    free_gpu()
+    # Every prompt's blocks and four more: all are admitted, and their outputs outgrow the pool.
+    block_size = 16 if args.cpu_dry_run else 64
+    num_blocks = sum(-(-len(p) // block_size) for p in prompts) + 4
+    small = engine(path, speculative_config=NGRAM, num_kv_blocks=num_blocks, block_size=block_size)
+    judge("greedy, a pool that preempts", prompts, generate(small, prompts, greedy), generate(plain, prompts, greedy))
+    results["greedy, a pool that preempts"]["preemptions"] = small.engine.num_preemptions
+    if small.engine.num_preemptions == 0:
+        failures.append("the small pool did not preempt")
+    del small, plain, hf32
+    free_gpu()
+
+    # Speed: one request and four, 512 greedy tokens after a 512-token prompt.
+    speed = {}
+    for label, model in (("std 0.06", path), ("std 0.02 (bench.py's)", None)):
+        if model is None:       # (a dry run has no second checkpoint: the tiny one again)
+            model = path if args.cpu_dry_run else default_checkpoint(device=dev)
+        plain = engine(model, enable_prefix_caching=False)
+        spec = engine(model, enable_prefix_caching=False, speculative_config=NGRAM)
+        for num in (1, 4):
+            batch = [[rng.randrange(vocab) for _ in range(512)] for _ in range(num)]
+            params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+            row = {}
+            for kind, llm, asynchronous in (("plain", plain, True), ("plain, synchronous", plain, False),
+                                            ("ngram", spec, False)):
+                llm.engine.config.async_scheduling = asynchronous
+                generate(llm, batch, params)       # warm-up
+                llm.engine.spec_decode_stats = SpecDecodeStats()
+                walls = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    outs = generate(llm, batch, params)
+                    walls.append(time.perf_counter() - start)
+                tokens = sum(len(o) for o in outs)
+                row[kind] = dict(wall_s=round(min(walls), 4), out_tok_s=round(tokens / min(walls), 1),
+                                 ms_per_token_a_request=round(1000 * min(walls) / (tokens / num), 4))
+                if kind == "ngram":
+                    s = llm.engine.spec_decode_stats
+                    row[kind] |= dict(acceptance_rate=round(s.acceptance_rate, 3),
+                                      mean_acceptance_length=round(s.mean_acceptance_length, 3),
+                                      accepted_per_position=s.accepted_per_position)
+                    row["outputs equal"] = outs == plain_outs
+                else:
+                    plain_outs = outs
+            row["speedup vs plain"] = round(row["plain"]["wall_s"] / row["ngram"]["wall_s"], 3)
+            speed[f"{label}, {num} request{'s' if num > 1 else ''}"] = row
+        del plain, spec
+        free_gpu()
+    results["speed"] = speed
+    for name, r in results.items():
+        if name == "speed":
+            for case, row in r.items():
+                print(f"speed: {case:32s} {json.dumps(row)}")
+        else:
+            print(f"{name:40s} {'PASS' if r.get('ok', True) else 'FAIL'}  {r}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "spec_decode_check.json"), "w") as f:
+            json.dump(dict(results=results, failures=failures), f, indent=1)
+    print("FAILURES:" if failures else "ALL PASSED", *failures, sep="\n  ")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Speculative decoding by n-gram lookup (vLLM's speculative_config {"method": "ngram"}, "prompt
+lookup decoding"): the drafts are the tokens that followed the last time the sequence's newest
+n-gram appeared in its own prompt or output, and one step of the model verifies them all.
+
+How a step verifies k drafts (engine.build_rows): the sequence's last token and its k drafts go in
+as k + 1 decode rows of the step, one a position, which share the sequence's block table. Row i's
+context ends at its own position, so it attends to the drafts before it (each layer writes the
+step's K and V before its attention reads) and to none after: causal attention, run by the decode
+kernel and its CUDA graphs as they are. Each row samples a token with the request's own
+parameters, as a decode step would from that context.
+
+Which tokens are kept: row i's sample is the token at position i after the drafts before it. While
+the samples equal the drafts, each draft is a token the request would have drawn itself; the first
+sample that differs is kept too (the token drawn where the draft was wrong), and everything after
+it is dropped. With drafts that are one token each (a proposer that gives no probabilities), this
+is the rejection sampling of Leviathan et al. exactly: a draft d is accepted with probability p(d),
+and otherwise the token kept is drawn from p without d, renormalised. So outputs have the
+distribution of plain decoding, greedy outputs are the same tokens, and a seeded request draws its
+j-th output token from the same random stream either way (seed, j), so it is the same tokens too
+(up to the numerics of the different batch shapes)."""
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """As vLLM's: method "ngram"; num_speculative_tokens, the most drafts a step verifies for a
+    sequence; prompt_lookup_max and prompt_lookup_min, the longest and shortest suffix n-gram that
+    is looked up (the longest that matches wins). Either lookup bound given alone sets both, and
+    neither given sets both to 5, as vLLM's defaults."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    @classmethod
+    def resolve(cls, given: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(given, SpeculativeConfig):
+            return given
+        if not isinstance(given, dict):
+            raise ValueError(f"speculative_config must be a dict (vLLM's fields), got {given!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown fields {unknown}; this engine takes {sorted(known)}")
+        method = given.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS} (draft models, "
+                             f"EAGLE and MTP are not implemented), got {method!r}")
+        k = given.get("num_speculative_tokens")
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        high, low = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
+        if high is None and low is None:
+            high = low = 5
+        high, low = (low if high is None else high), (high if low is None else low)
+        for name, value in (("prompt_lookup_max", high), ("prompt_lookup_min", low)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
+        return cls(method, k, high, low)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def ngram_drafts(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the earliest earlier occurrence of token_ids' last n tokens, for
+    the largest n in [min_n, max_n] that occurs earlier (as vLLM's NgramProposer); [] where none
+    does. One vectorised comparison a length: the windows of n tokens that end before the last."""
+    total = len(token_ids)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = token_ids[total - n:]
+        # Windows starting at 0 .. total - n - 1: each is followed by at least one token.
+        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:total - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = hits[0] + n
+            return token_ids[start:start + k].tolist()
+    return []
+
+
+def num_accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many leading drafts the samples confirm: sampled[i] is the token drawn at draft i's
+    position, after the drafts before it (len(sampled) == len(drafts) + 1)."""
+    accepted = 0
+    while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters: drafts verified (steps in which a sequence had any), draft
+    tokens verified, draft tokens accepted, and the accepted drafts by position (0 = the first)."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a sequence, on average: its accepted drafts and one more."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,375 @@
+"""Speculative decoding by n-gram lookup (speculative_config, mini_engine/speculative.py): the
+proposer, the acceptance rule, the engine over random request streams with a stand-in model that
+reads its own KV cache, and the tiny model's outputs against plain decoding's."""
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.config import EngineConfig
+from mini_engine.detokenizer import IncrementalDetokenizer
+from mini_engine.engine.engine import LLMEngine
+from mini_engine.engine.sequence import PENDING_TOKEN
+from mini_engine.runner.batch import StepHandle
+from mini_engine.speculative import SpecDecodeStats, SpeculativeConfig, ngram_drafts, num_accepted
+from tests.engine.test_scheduler_properties import MODEL
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+# ---- the proposer and the rule ----
+
+@pytest.mark.parametrize("tokens, min_n, max_n, k, drafts", [
+    ([1, 2, 3, 9, 1, 2, 3], 1, 3, 2, [9, 1]),          # the 3-gram [1, 2, 3] occurred: what followed it
+    ([1, 2, 3, 9, 1, 2, 3], 1, 3, 10, [9, 1, 2, 3]),   # k cut by the sequence's end
+    ([5, 3, 7, 4, 3, 6, 3], 1, 3, 1, [7]),             # only the 1-gram [3] occurred: its earliest
+    ([5, 3, 7, 4, 3, 6, 3], 2, 3, 1, []),              # ... which min_n 2 refuses
+    ([4, 1, 2, 8, 1, 2, 6, 1, 2], 1, 2, 1, [8]),       # the longest n wins, at its earliest occurrence
+    ([1, 2, 3, 4], 1, 4, 3, []),                       # nothing repeats
+    ([7], 1, 3, 3, []),                                # one token: nothing before it
+    ([7, 7], 1, 3, 3, [7]),
+])
+def test_ngram_drafts(tokens, min_n, max_n, k, drafts):
+    assert ngram_drafts(np.asarray(tokens), min_n, max_n, k) == drafts
+
+
+def test_ngram_drafts_match_a_plain_search():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, size=rng.integers(1, 30))
+        min_n, k = int(rng.integers(1, 3)), int(rng.integers(1, 5))
+        max_n = min_n + int(rng.integers(0, 3))
+        want = []
+        for n in range(max_n, min_n - 1, -1):
+            if n >= len(tokens):
+                continue
+            suffix = list(tokens[-n:])
+            starts = [s for s in range(len(tokens) - n) if list(tokens[s:s + n]) == suffix]
+            if starts:
+                want = list(tokens[starts[0] + n:starts[0] + n + k])
+                break
+        assert ngram_drafts(tokens, min_n, max_n, k) == want
+
+
+@pytest.mark.parametrize("drafts, sampled, accepted", [
+    ([5, 6, 7], [5, 6, 7, 8], 3), ([5, 6, 7], [5, 9, 7, 8], 1), ([5, 6, 7], [4, 6, 7, 8], 0), ([], [3], 0)])
+def test_num_accepted(drafts, sampled, accepted):
+    assert num_accepted(drafts, sampled) == accepted
+
+
+def test_stats_count_each_position():
+    stats = SpecDecodeStats()
+    stats.record(3, 2)
+    stats.record(4, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 7, 2)
+    assert stats.accepted_per_position == [1, 1, 0, 0]
+    assert stats.acceptance_rate == 2 / 7 and stats.mean_acceptance_length == 2.0
+
+
+# ---- the configuration ----
+
+def test_lookup_bounds_default_as_vllm():
+    resolve = SpeculativeConfig.resolve
+    assert resolve({"method": "ngram", "num_speculative_tokens": 2}) == SpeculativeConfig("ngram", 2, 5, 5)
+    assert resolve({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    assert resolve({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}).prompt_lookup_max == 2
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "is above"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "Qwen/Qwen3-0.6B"}, "unknown fields"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_configs_are_refused(tiny_checkpoint, given, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(tiny_checkpoint, device="cpu", speculative_config=given)
+
+
+def test_the_steps_run_synchronously_and_not_for_pooling(tiny_checkpoint):
+    assert EngineConfig(tiny_checkpoint, device="cpu", speculative_config=NGRAM).async_scheduling is False
+    with pytest.raises(ValueError, match="pooling runner samples nothing"):
+        EngineConfig(tiny_checkpoint, device="cpu", runner="pooling", speculative_config=NGRAM)
+
+
+# ---- the engine, with a stand-in model that reads its own KV cache ----
+
+def next_token(last: int, before: int) -> int:
+    """The stand-in's next token after ..., before, last: a recurrence on 13 tokens, so outputs
+    repeat and the n-gram drafts are often right (and sometimes wrong)."""
+    return (3 * last + before) % 13 + 1
+
+
+def expected_output(prompt: list[int], max_tokens: int, stops: list[int]) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens[-1], tokens[-2] if len(tokens) > 1 else 0))
+        if tokens[-1] in stops:
+            break
+    return tokens[len(prompt):]
+
+
+class CacheReadingRunner:
+    """Every row writes its tokens into their KV slots first (as each layer does before attention
+    reads), then each sampling row answers next_token of the last two tokens of its context, read
+    from the slots its block table names. A row that read a slot holding a rejected draft, or a slot
+    nobody wrote, would answer a token off the expected output."""
+
+    def __init__(self, num_kv_blocks, block_size, budget, max_num_seqs):
+        self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
+        self.budget, self.max_num_seqs = budget, max_num_seqs
+        self.slots = {}
+        self.num_steps = 0
+
+    def slot(self, row, position):
+        block = row.block_table[position // self.block_size]
+        assert block >= 0, "a position outside the sequence's blocks"
+        return block, position % self.block_size
+
+    def launch(self, rows):
+        assert sum(len(r.token_ids) for r in rows) <= self.budget
+        assert len(rows) <= self.max_num_seqs
+        self.num_steps += 1
+        for r in rows:
+            assert PENDING_TOKEN not in r.token_ids and r.prev_token_index == -1     # synchronous steps
+            for i, token in enumerate(r.token_ids):
+                self.slots[self.slot(r, r.start_position + i)] = token
+        samples = []
+        for r in rows:
+            if r.sample:
+                last = r.start_position + len(r.token_ids) - 1
+                before = self.slots[self.slot(r, last - 1)] if last else 0
+                samples.append(next_token(self.slots[self.slot(r, last)], before))
+        return StepHandle.done(samples, None)
+
+
+def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, speculative_config, max_model_len=256):
+    config = EngineConfig("unused", device="cpu", block_size=block_size, num_kv_blocks=num_blocks,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                          enable_prefix_caching=prefix_caching, model_config=MODEL,
+                          speculative_config=speculative_config)
+    return LLMEngine(config, runner=CacheReadingRunner(num_blocks, block_size, budget, max_num_seqs))
+
+
+def run(engine, requests):
+    seqs = []
+    for prompt, max_tokens, stops in requests:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops)
+        try:
+            seqs.append((engine.add_request(prompt, params), prompt, max_tokens, stops))
+        except ValueError:
+            assert engine.block_manager.blocks_for(len(prompt) + max_tokens - 1) > engine.block_manager.num_blocks
+    for _ in range(5_000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    else:
+        raise AssertionError("the engine did not finish")
+    return seqs
+
+
+@settings(max_examples=80, deadline=None)
+@given(requests=st.lists(st.tuples(st.lists(st.integers(1, 13), min_size=1, max_size=40), st.integers(1, 40),
+                                   st.lists(st.integers(1, 13), max_size=2)), min_size=1, max_size=8),
+       num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 4, 16]), max_num_seqs=st.integers(1, 12),
+       budget=st.integers(1, 64), prefix_caching=st.booleans(), k=st.integers(1, 6),
+       lookup=st.sampled_from([(1, 1), (1, 3), (2, 4), (3, 3)]))
+def test_random_streams_give_plain_decodings_tokens(requests, num_blocks, block_size, max_num_seqs, budget,
+                                                    prefix_caching, k, lookup):
+    """Whatever the drafts, the pool (preemptions included), the budget and the prefix cache,
+    every request's output is the stand-in's own, it stops at its first stop token or its
+    max_tokens, and every block is free at the end."""
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup[0],
+            "prompt_lookup_max": lookup[1]}
+    engine = make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, spec)
+    seqs = run(engine, requests)
+    assume(seqs)
+    for seq, prompt, max_tokens, stops in seqs:
+        want = expected_output(prompt, max_tokens, stops)
+        assert seq.output_token_ids == want
+        assert seq.finish_reason == ("stop" if want[-1] in stops else "length")
+        assert seq.spec_token_ids == []
+    stats = engine.spec_decode_stats
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert engine.num_free_blocks == num_blocks
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+
+
+def test_repeating_outputs_take_fewer_steps():
+    """The recurrence's state is its last two tokens and it cycles every 52 tokens: once the cycle
+    has been seen, a matching 2-gram predicts the next four tokens exactly, so with
+    prompt_lookup_min 2 every draft is right, and after the first cycle a step gives five tokens:
+    250 tokens in ~54 + 196 / 5 steps, not 250."""
+    engine = make_engine(128, 4, 8, 256, True, dict(NGRAM, prompt_lookup_min=2))
+    seq, prompt, _, _ = run(engine, [([1, 2], 250, [])])[0]
+    assert seq.output_token_ids == expected_output(prompt, 250, [])
+    stats = engine.spec_decode_stats
+    assert stats.acceptance_rate == 1.0 and stats.num_accepted_tokens > 150, stats
+    assert engine.runner.num_steps < 100
+    assert engine.num_free_blocks == 128
+
+
+def test_drafts_stop_at_max_tokens_and_max_model_len():
+    """A step never verifies a draft whose token the request could not keep: every row lies
+    before max_tokens' last position and max_model_len."""
+    engine = make_engine(64, 4, 8, 256, False, NGRAM, max_model_len=40)
+    limits = []
+    original = engine.runner.launch
+
+    def launch(rows):
+        limits.extend(r.start_position + len(r.token_ids) for r in rows)
+        return original(rows)
+    engine.runner.launch = launch
+    seqs = run(engine, [([1, 2], 23, []), ([3, 4, 5], 37, [])])
+    assert [s.num_output_tokens for s, *_ in seqs] == [23, 37]
+    assert max(limits) <= 39
+    assert [s.finish_reason for s, *_ in seqs] == ["length", "length"]
+
+
+def test_penalised_requests_get_no_drafts():
+    engine = make_engine(64, 4, 8, 256, True, NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, repetition_penalty=1.2)
+    seq = engine.add_request([1, 2], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seq.num_output_tokens == 60 and engine.spec_decode_stats.num_drafts == 0
+
+
+def test_stop_string_inside_a_steps_tokens_cuts_them(tokenized_model):
+    """update_until_stop feeds a step's tokens one at a time: the text and the count of tokens up
+    to the one that completed the stop string, as steps of one token would give them."""
+    llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64)
+    ids = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    text = llm.engine.detokenize(ids)
+    k = next(k for k in range(4, len(text) - 1) if text[k:k + 2].isascii() and text[k:k + 2].isalpha())
+    stop = text[k:k + 2]
+    one_by_one = IncrementalDetokenizer(llm.engine.tokenizer, [stop])
+    for used, token in enumerate(ids, 1):
+        one_by_one.update([token], False)
+        if one_by_one.stopped:
+            break
+    at_once = IncrementalDetokenizer(llm.engine.tokenizer, [stop])
+    _, got = at_once.update_until_stop(ids, finished=False)
+    assert at_once.stopped and got == used < len(ids)
+    assert at_once.text == one_by_one.text == text[:text.find(stop)]
+
+
+# ---- the tiny model: the same tokens as plain decoding ----
+
+PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12], list(range(20, 60)), [3, 3, 3, 3]]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoint):
+    return LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def speculative(tiny_checkpoint):
+    return LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=NGRAM)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=48, ignore_eos=True, logprobs=3),
+    SamplingParams(temperature=1.0, seed=1, top_k=5, top_p=0.8, min_p=0.05, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=30, stop_token_ids=[33, 177]),
+    SamplingParams(temperature=0, max_tokens=40, logit_bias={7: 3.0, 8: -100}, allowed_token_ids=list(range(0, 64))),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True, n=2),
+], ids=["greedy", "seeded-logprobs", "top-k-top-p-min-p", "min-tokens", "bias-allowed", "n=2"])
+def test_same_tokens_as_plain_decoding(plain, speculative, params):
+    """Greedy and seeded outputs are plain decoding's, token for token: a seeded request's j-th
+    token is drawn from the stream (seed, j) either way, and a draft is kept only where the
+    request's own draw equals it. Logprobs are those of the same positions."""
+    speculative.engine.spec_decode_stats = SpecDecodeStats()
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = speculative.generate(PROMPTS, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        for wc, gc in zip(w.outputs, g.outputs, strict=True):
+            assert gc.token_ids == wc.token_ids and gc.finish_reason == wc.finish_reason
+            if params.logprobs is not None:
+                assert len(gc.logprobs) == len(wc.logprobs)
+                for a, b in zip(wc.logprobs, gc.logprobs):
+                    assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+                    assert [t for t, _ in b.top] == [t for t, _ in a.top]
+    stats = speculative.engine.spec_decode_stats
+    assert stats.num_draft_tokens > 0, "the prompts repeat: the proposer must find drafts"
+    engine = speculative.engine
+    assert engine.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_some_drafts_are_accepted(speculative, plain):
+    """The tiny random model falls into loops under greedy decoding: some drafts must be right, or
+    the comparisons above only ever saw rejections."""
+    speculative.engine.spec_decode_stats = SpecDecodeStats()
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    got = speculative.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids
+                                                    for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert speculative.engine.spec_decode_stats.num_accepted_tokens > 10, speculative.engine.spec_decode_stats
+
+
+def test_preemption_with_drafts(tiny_checkpoint, plain):
+    """A pool too small for every request at once: sequences with drafts are preempted and
+    recomputed, and the outputs are still plain decoding's."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=24, block_size=4, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.num_preemptions > 0 and llm.engine.spec_decode_stats.num_draft_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+STOP_PROMPTS = ["the the the the the the", "abc abc abc abc", "The quick brown fox"]
+
+
+def stop_inside_a_step(engine, prompt: str, max_tokens: int = 60) -> tuple[str, list[int]] | None:
+    """Runs prompt greedily, alone, on a speculative engine, and finds a stop string that a step's
+    first token completes where the step brought more tokens: (the stop string, the output's
+    tokens up to that one), or None where no step allows it."""
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    starts, num_tokens = [], 0          # where each step of several tokens began in the output
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if len(out.new_token_ids) > 1:
+                starts.append(num_tokens)
+            num_tokens += len(out.new_token_ids)
+    ids = seq.output_token_ids
+    text = engine.detokenize(ids)
+    for j in starts:
+        # The shortest end of the text up to token j that the text holds nowhere before.
+        upto = engine.detokenize(ids[:j + 1])
+        ends = [upto[-n:] for n in range(1, min(len(upto), 12) + 1)]
+        stop = next((e for e in ends if text.find(e) == len(upto) - len(e)), None)
+        if stop is not None and "\ufffd" not in stop and text.startswith(upto):
+            return stop, ids[:j + 1]
+    return None
+
+
+def test_a_stop_string_inside_a_steps_tokens(tokenized_model):
+    """A stop string completed by a step's first token when the step brought more: the output ends
+    at that token, as plain decoding's does, and the tokens after it are dropped with their logprobs."""
+    plain_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64)
+    spec_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64, speculative_config=NGRAM)
+    cases = 0
+    for prompt in STOP_PROMPTS:
+        found = stop_inside_a_step(spec_llm.engine, prompt)
+        if found is None:
+            continue
+        stop, ids = found
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=[stop], logprobs=1)
+        want = plain_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = spec_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+        assert got.token_ids == ids and len(got.logprobs) == len(ids)
+        cases += 1
+    assert cases >= 1, "no step of several tokens ended where a stop string could be cut"
+    assert spec_llm.engine.num_free_blocks == spec_llm.engine.block_manager.num_blocks
