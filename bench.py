@@ -80,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--no-async-scheduling", action="store_true", help="mini only: each step waits for its tokens")
     engine.add_argument("--speculative-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -122,7 +123,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     from benchmarks.peers import sampling_options
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching,
-                  kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size)
+                  kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size,
+                  async_scheduling=not opts.no_async_scheduling)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "speculative_config"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)

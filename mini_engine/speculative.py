@@ -21,8 +21,6 @@ j-th output token from the same random stream either way (seed, j), so it is the
 import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
-
 SPECULATIVE_METHODS = ("ngram",)
 
 
@@ -70,20 +68,42 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def ngram_drafts(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+@dataclass(slots=True)
+class NgramIndex:
+    """Where each token of a sequence occurs, brought up to date as the sequence grows: the n-gram
+    lookup's candidates without a scan of the whole context every step (a scan of 2,000 tokens in
+    Python, for each of a hundred running sequences, is milliseconds a step)."""
+    positions: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    num_indexed: int = 0
+
+    def update(self, token_ids: list[int]) -> None:
+        for i in range(self.num_indexed, len(token_ids)):
+            self.positions.setdefault(token_ids[i], []).append(i)
+        self.num_indexed = len(token_ids)
+
+
+def ngram_drafts(token_ids: list[int], index: NgramIndex, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the earliest earlier occurrence of token_ids' last n tokens, for
     the largest n in [min_n, max_n] that occurs earlier (as vLLM's NgramProposer); [] where none
-    does. One vectorised comparison a length: the windows of n tokens that end before the last."""
-    total = len(token_ids)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = token_ids[total - n:]
-        # Windows starting at 0 .. total - n - 1: each is followed by at least one token.
-        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:total - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = hits[0] + n
-            return token_ids[start:start + k].tolist()
-    return []
+    does. Every n-gram that matches ends with the last token, so only that token's earlier places
+    (index, which this brings up to date) are candidates, and the first whose match reaches max_n
+    ends the search."""
+    index.update(token_ids)
+    last_index = len(token_ids) - 1
+    best_length, best_end = 0, -1
+    for end in index.positions[token_ids[last_index]]:
+        if end == last_index:
+            break
+        length = 1
+        while length < max_n and length <= end and token_ids[end - length] == token_ids[last_index - length]:
+            length += 1
+        if length > best_length:
+            best_length, best_end = length, end
+            if length == max_n:
+                break
+    if best_length < min_n:
+        return []
+    return token_ids[best_end + 1:best_end + 1 + k]
 
 
 def num_accepted(drafts: list[int], sampled: list[int]) -> int:

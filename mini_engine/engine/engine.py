@@ -8,8 +8,6 @@ import numbers
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
-
 from mini_engine.config import EngineConfig
 from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids, check_bad_words
 from mini_engine.engine.block_manager import BlockManager
@@ -23,7 +21,7 @@ from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
-from mini_engine.speculative import SpecDecodeStats, ngram_drafts, num_accepted
+from mini_engine.speculative import NgramIndex, SpecDecodeStats, ngram_drafts, num_accepted
 from mini_engine.structured_outputs import GrammarCompiler
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
@@ -260,7 +258,9 @@ class LLMEngine:
                     or seq.request_id in self.needs_last_token):
                 seq.spec_token_ids = []
                 continue
-            seq.spec_token_ids = ngram_drafts(np.asarray(seq.token_ids), spec.prompt_lookup_min,
+            if seq.ngram_index is None:
+                seq.ngram_index = NgramIndex()
+            seq.spec_token_ids = ngram_drafts(seq.token_ids, seq.ngram_index, spec.prompt_lookup_min,
                                               spec.prompt_lookup_max, room)
             spare_rows -= len(seq.spec_token_ids)
 

@@ -72,6 +72,7 @@ class Sequence:
     # With speculative decoding: the drafts proposed for this step (mini_engine/speculative.py), which
     # the scheduler may cut to what the step has room for; the engine clears them when they resolve.
     spec_token_ids: list[int] = field(default_factory=list)
+    ngram_index: object | None = field(default=None, repr=False)   # the proposer's (speculative.NgramIndex)
 
     def __post_init__(self):
         if not self.token_ids:

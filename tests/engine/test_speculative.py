@@ -11,7 +11,7 @@ from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine
 from mini_engine.engine.sequence import PENDING_TOKEN
 from mini_engine.runner.batch import StepHandle
-from mini_engine.speculative import SpecDecodeStats, SpeculativeConfig, ngram_drafts, num_accepted
+from mini_engine.speculative import NgramIndex, SpecDecodeStats, SpeculativeConfig, ngram_drafts, num_accepted
 from tests.engine.test_scheduler_properties import MODEL
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -30,25 +30,30 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
     ([7, 7], 1, 3, 3, [7]),
 ])
 def test_ngram_drafts(tokens, min_n, max_n, k, drafts):
-    assert ngram_drafts(np.asarray(tokens), min_n, max_n, k) == drafts
+    assert ngram_drafts(tokens, NgramIndex(), min_n, max_n, k) == drafts
 
 
 def test_ngram_drafts_match_a_plain_search():
     rng = np.random.default_rng(0)
     for _ in range(300):
-        tokens = rng.integers(0, 4, size=rng.integers(1, 30))
+        tokens = rng.integers(0, 4, size=rng.integers(1, 30)).tolist()
         min_n, k = int(rng.integers(1, 3)), int(rng.integers(1, 5))
         max_n = min_n + int(rng.integers(0, 3))
         want = []
         for n in range(max_n, min_n - 1, -1):
             if n >= len(tokens):
                 continue
-            suffix = list(tokens[-n:])
-            starts = [s for s in range(len(tokens) - n) if list(tokens[s:s + n]) == suffix]
+            suffix = tokens[-n:]
+            starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
             if starts:
-                want = list(tokens[starts[0] + n:starts[0] + n + k])
+                want = tokens[starts[0] + n:starts[0] + n + k]
                 break
-        assert ngram_drafts(tokens, min_n, max_n, k) == want
+        assert ngram_drafts(tokens, NgramIndex(), min_n, max_n, k) == want
+        # An index kept across a growing sequence gives the same drafts as a fresh one.
+        kept = NgramIndex()
+        for end in range(1, len(tokens)):
+            ngram_drafts(tokens[:end], kept, min_n, max_n, k)
+        assert ngram_drafts(tokens, kept, min_n, max_n, k) == want
 
 
 @pytest.mark.parametrize("drafts, sampled, accepted", [
