@@ -51,12 +51,12 @@ def main() -> int:
     vocab = config["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 64, 200, 333, 1000, 31, 128)]
     results, failures = {}, []
-    engine_kwargs = dict(device=dev, max_num_seqs=64, max_model_len=2048)
+    # Pools of a given size (512 blocks of 64: 32k tokens, 3.8 GB), not sized from free memory: the
+    # engines made one after another here are not all freed (LLMEngine freezes the heap it starts with).
+    engine_kwargs = dict(device=dev, max_num_seqs=64, max_model_len=2048, num_kv_blocks=512)
 
-    def engine(model, second=False, **kw):
-        """second: another engine holds a quarter of the GPU already (the pool is sized from what is
-        left of gpu_memory_utilization, which counts every process's memory)."""
-        llm = LLM(model, gpu_memory_utilization=0.5 if second else 0.25, **(engine_kwargs | kw))
+    def engine(model, **kw):
+        llm = LLM(model, **(engine_kwargs | kw))
         if dev == "cuda":       # as if the pool were uninitialised: a stale slot read shows as NaN
             llm.engine.runner.kv_cache.fill_(float("nan"))
         return llm
@@ -103,7 +103,7 @@ def main() -> int:
         if not entry["ok"]:
             failures.append(f"{name}: {entry}")
 
-    plain, spec = engine(path), engine(path, second=True, speculative_config=NGRAM)
+    plain, spec = engine(path), engine(path, speculative_config=NGRAM)
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for name, batch in (("8 prompts", prompts), ("3 prompts", prompts[1:4])):
         spec.engine.spec_decode_stats = SpecDecodeStats()
@@ -114,10 +114,20 @@ def main() -> int:
           greedy=False)
     del spec
     free_gpu()
+    # Drafts once three requests are left: asynchronous steps without them first (and graphs of
+    # more rows), then synchronous ones with them.
+    later = engine(path, speculative_config=NGRAM | {"disable_by_batch_size": 3})
+    staggered = [SamplingParams(temperature=0, max_tokens=args.tokens // 4 * (1 + i % 4), ignore_eos=True)
+                 for i in range(len(prompts))]
+    judge("greedy, drafts below 3 requests", prompts, generate(later, prompts, staggered),
+          generate(plain, prompts, staggered))
+    results["greedy, drafts below 3 requests"]["drafts"] = dataclasses.asdict(later.engine.spec_decode_stats)
+    del later
+    free_gpu()
     # Every prompt's blocks and four more: all are admitted, and their outputs outgrow the pool.
     block_size = 16 if args.cpu_dry_run else 64
     num_blocks = sum(-(-len(p) // block_size) for p in prompts) + 4
-    small = engine(path, second=True, speculative_config=NGRAM, num_kv_blocks=num_blocks, block_size=block_size)
+    small = engine(path, speculative_config=NGRAM, num_kv_blocks=num_blocks, block_size=block_size)
     judge("greedy, a pool that preempts", prompts, generate(small, prompts, greedy), generate(plain, prompts, greedy))
     results["greedy, a pool that preempts"]["preemptions"] = small.engine.num_preemptions
     if small.engine.num_preemptions == 0:
@@ -131,7 +141,7 @@ def main() -> int:
         if model is None:       # (a dry run has no second checkpoint: the tiny one again)
             model = path if args.cpu_dry_run else default_checkpoint(device=dev)
         plain = engine(model, enable_prefix_caching=False)
-        spec = engine(model, second=True, enable_prefix_caching=False, speculative_config=NGRAM)
+        spec = engine(model, enable_prefix_caching=False, speculative_config=NGRAM)
         for num in (1, 4):
             batch = [[rng.randrange(vocab) for _ in range(512)] for _ in range(num)]
             params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)

@@ -193,8 +193,8 @@ class EngineConfig:
     runner: str = "generate"
     pooler_config: dict | PoolerConfig | None = None
     # As vLLM's: speculative decoding, {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": ..., "prompt_lookup_min": ...} (mini_engine/speculative.py). Its steps
-    # run synchronously (async_scheduling is turned off): the drafts are read from each step's tokens.
+    # "prompt_lookup_max": ..., "prompt_lookup_min": ..., "disable_by_batch_size": ...}
+    # (mini_engine/speculative.py). Steps that propose drafts run synchronously.
     speculative_config: dict | SpeculativeConfig | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
@@ -260,7 +260,6 @@ class EngineConfig:
             if self.runner == "pooling":
                 raise ValueError("speculative_config is for generation: a pooling runner samples nothing")
             self.speculative_config = SpeculativeConfig.resolve(self.speculative_config)
-            self.async_scheduling = False
 
     def read_sampling_defaults(self) -> dict:
         if self.generation_config == "none":

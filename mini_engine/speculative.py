@@ -29,11 +29,17 @@ class SpeculativeConfig:
     """As vLLM's: method "ngram"; num_speculative_tokens, the most drafts a step verifies for a
     sequence; prompt_lookup_max and prompt_lookup_min, the longest and shortest suffix n-gram that
     is looked up (the longest that matches wins). Either lookup bound given alone sets both, and
-    neither given sets both to 5, as vLLM's defaults."""
+    neither given sets both to 5, as vLLM's defaults. disable_by_batch_size: no drafts while more
+    requests than this are running or waiting (None: drafts at any batch size).
+
+    A step with drafts runs synchronously (its tokens reach the host before the next step is
+    scheduled): the proposer reads each sequence's newest token, and the next step's rows follow
+    from how many drafts were accepted. A step without them keeps async_scheduling."""
     method: str = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def resolve(cls, given: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -61,7 +67,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
-        return cls(method, k, high, low)
+        limit = given.get("disable_by_batch_size")
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
+        return cls(method, k, high, low, limit)
 
 
 def _is_int(value) -> bool:

@@ -223,11 +223,15 @@ class LLMEngine:
         the host until it arrives, and the device feeds it to step n itself. A sequence that step
         n-1 ends by a stop token has computed one token too many in step n, which is dropped; one
         that reaches its length is not scheduled again. Without async_scheduling each step waits
-        for its own tokens before returning."""
+        for its own tokens before returning, and so does a step with speculative decoding's drafts:
+        they follow each sequence's newest token, and the step after follows from how many of them
+        were accepted."""
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
         try:
             early = self.wait_for_last_tokens() + self.start_compiled_grammars()
-            if self.config.speculative_config is not None:
+            speculating = self.speculates()
+            if speculating:
+                early += self.wait_in_flight()
                 self.propose_drafts()
             batch = self.scheduler.schedule()
             if batch.is_empty and self.in_flight is None and self.compiling and not early:
@@ -235,13 +239,23 @@ class LLMEngine:
             launched = self.launch(batch) if not batch.is_empty else None
             previous, self.in_flight = self.in_flight, launched
             outputs = early + (self.resolve(previous) if previous else [])
-            if not self.config.async_scheduling and launched is not None:
+            if (not self.config.async_scheduling or speculating) and launched is not None:
                 self.in_flight = None
                 outputs += self.resolve(launched)
         except BaseException:
             self.block_manager.reset_prefix_cache()     # what the failed step hashed may hold no KV
             raise
         return outputs
+
+    def speculates(self) -> bool:
+        """Does this step propose drafts? With speculative_config, unless more requests are running
+        or waiting than its disable_by_batch_size (vLLM's): a large batch keeps the device busy
+        without drafts, and its steps keep async scheduling."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return False
+        limit = spec.disable_by_batch_size
+        return limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) <= limit
 
     def propose_drafts(self) -> None:
         """Each running decode's drafts for the next step (mini_engine/speculative.py), as many as
@@ -327,7 +341,7 @@ class LLMEngine:
             if seq.num_computed_tokens == seq.num_tokens and seq.pooling_type is None:   # not a prefill chunk: it samples
                 seq.penalty_row_filled = seq.penalty_row >= 0       # the launch filled it, if it was not
                 # With drafts the next token is the accepted ones' successor, known on the host only:
-                # speculative decoding steps synchronously (EngineConfig), so no row reads it here.
+                # such a step is resolved before the next is scheduled (step), so no row reads it here.
                 seq.pending_sample_index = -1 if seq.spec_token_ids else num_samples
                 num_samples += 1 + len(seq.spec_token_ids)
                 samples.append((seq, seq.num_tokens))

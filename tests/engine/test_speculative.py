@@ -89,6 +89,7 @@ def test_lookup_bounds_default_as_vllm():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "is above"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "Qwen/Qwen3-0.6B"}, "unknown fields"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ("ngram", "must be a dict"),
 ])
 def test_bad_configs_are_refused(tiny_checkpoint, given, message):
@@ -96,8 +97,7 @@ def test_bad_configs_are_refused(tiny_checkpoint, given, message):
         EngineConfig(tiny_checkpoint, device="cpu", speculative_config=given)
 
 
-def test_the_steps_run_synchronously_and_not_for_pooling(tiny_checkpoint):
-    assert EngineConfig(tiny_checkpoint, device="cpu", speculative_config=NGRAM).async_scheduling is False
+def test_not_for_pooling(tiny_checkpoint):
     with pytest.raises(ValueError, match="pooling runner samples nothing"):
         EngineConfig(tiny_checkpoint, device="cpu", runner="pooling", speculative_config=NGRAM)
 
@@ -129,7 +129,8 @@ class CacheReadingRunner:
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.budget, self.max_num_seqs = budget, max_num_seqs
         self.slots = {}
-        self.num_steps = 0
+        self.num_steps = self.num_draft_rows = self.num_async_rows = 0
+        self.prev = []              # the previous launch's samples, where an async row takes its token
 
     def slot(self, row, position):
         block = row.block_table[position // self.block_size]
@@ -140,24 +141,37 @@ class CacheReadingRunner:
         assert sum(len(r.token_ids) for r in rows) <= self.budget
         assert len(rows) <= self.max_num_seqs
         self.num_steps += 1
+        starts = {}
         for r in rows:
-            assert PENDING_TOKEN not in r.token_ids and r.prev_token_index == -1     # synchronous steps
-            for i, token in enumerate(r.token_ids):
+            starts.setdefault(id(r.block_table), []).append(r.start_position)
+            tokens = list(r.token_ids)
+            if r.prev_token_index >= 0:         # its input token is the step in flight's sample
+                assert tokens[-1] == PENDING_TOKEN
+                tokens[-1] = self.prev[r.prev_token_index]
+                self.num_async_rows += 1
+            assert PENDING_TOKEN not in tokens
+            for i, token in enumerate(tokens):
                 self.slots[self.slot(r, r.start_position + i)] = token
+        # A sequence's draft rows follow its decode row, a position each.
+        for positions in starts.values():
+            assert positions == list(range(positions[0], positions[0] + len(positions)))
+            self.num_draft_rows += len(positions) - 1
         samples = []
         for r in rows:
             if r.sample:
                 last = r.start_position + len(r.token_ids) - 1
                 before = self.slots[self.slot(r, last - 1)] if last else 0
                 samples.append(next_token(self.slots[self.slot(r, last)], before))
+        self.prev = samples
         return StepHandle.done(samples, None)
 
 
-def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, speculative_config, max_model_len=256):
+def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, speculative_config, max_model_len=256,
+                async_scheduling=True):
     config = EngineConfig("unused", device="cpu", block_size=block_size, num_kv_blocks=num_blocks,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                           enable_prefix_caching=prefix_caching, model_config=MODEL,
-                          speculative_config=speculative_config)
+                          speculative_config=speculative_config, async_scheduling=async_scheduling)
     return LLMEngine(config, runner=CacheReadingRunner(num_blocks, block_size, budget, max_num_seqs))
 
 
@@ -183,15 +197,18 @@ def run(engine, requests):
                                    st.lists(st.integers(1, 13), max_size=2)), min_size=1, max_size=8),
        num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 4, 16]), max_num_seqs=st.integers(1, 12),
        budget=st.integers(1, 64), prefix_caching=st.booleans(), k=st.integers(1, 6),
-       lookup=st.sampled_from([(1, 1), (1, 3), (2, 4), (3, 3)]))
+       lookup=st.sampled_from([(1, 1), (1, 3), (2, 4), (3, 3)]), disable_by=st.sampled_from([None, 1, 2, 4]),
+       async_scheduling=st.booleans())
 def test_random_streams_give_plain_decodings_tokens(requests, num_blocks, block_size, max_num_seqs, budget,
-                                                    prefix_caching, k, lookup):
-    """Whatever the drafts, the pool (preemptions included), the budget and the prefix cache,
-    every request's output is the stand-in's own, it stops at its first stop token or its
-    max_tokens, and every block is free at the end."""
+                                                    prefix_caching, k, lookup, disable_by, async_scheduling):
+    """Whatever the drafts, the pool (preemptions included), the budget, the prefix cache, and
+    steps that switch between drafts (synchronous) and none (asynchronous) as the batch crosses
+    disable_by_batch_size, every request's output is the stand-in's own, it stops at its first stop
+    token or its max_tokens, and every block is free at the end."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup[0],
-            "prompt_lookup_max": lookup[1]}
-    engine = make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, spec)
+            "prompt_lookup_max": lookup[1], "disable_by_batch_size": disable_by}
+    engine = make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, spec,
+                         async_scheduling=async_scheduling)
     seqs = run(engine, requests)
     assume(seqs)
     for seq, prompt, max_tokens, stops in seqs:
@@ -378,3 +395,32 @@ def test_a_stop_string_inside_a_steps_tokens(tokenized_model):
         cases += 1
     assert cases >= 1, "no step of several tokens ended where a stop string could be cut"
     assert spec_llm.engine.num_free_blocks == spec_llm.engine.block_manager.num_blocks
+
+
+def test_large_batches_run_asynchronously_without_drafts():
+    """disable_by_batch_size (vLLM's): while more requests run or wait than it, steps propose no
+    drafts and keep async scheduling (rows take their input token from the step in flight); once
+    the batch is that small, drafts come, and the outputs are the stand-in's throughout."""
+    spec = dict(NGRAM, prompt_lookup_min=2, disable_by_batch_size=2)
+    engine = make_engine(256, 4, 8, 512, True, spec)
+    requests = [([1, 2], 200, []), ([3, 4], 30, []), ([5, 6], 30, []), ([7, 8], 30, [])]
+    seqs = run(engine, requests)
+    for seq, prompt, max_tokens, stops in seqs:
+        assert seq.output_token_ids == expected_output(prompt, max_tokens, stops)
+    runner = engine.runner
+    assert runner.num_async_rows > 0 and runner.num_draft_rows > 0
+    assert engine.spec_decode_stats.num_accepted_tokens > 100
+    assert engine.num_free_blocks == 256
+
+
+def test_the_tiny_model_across_disable_by_batch_size(tiny_checkpoint, plain):
+    """The tiny model with drafts only once two requests are left: asynchronous steps first, then
+    synchronous ones with drafts, and plain decoding's tokens throughout."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256,
+              speculative_config=dict(NGRAM, disable_by_batch_size=2))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (90, 20, 30, 100)]
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
