@@ -49,7 +49,9 @@ def main() -> int:
     path, config = std006_checkpoint(args.cpu_dry_run, dev)
     rng = random.Random(0)
     vocab = config["vocab_size"]
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 64, 200, 333, 1000, 31, 128)]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 64, 200, 333, 1000)]
+    # Two that repeat a pattern, so that the proposer finds drafts in the prompt itself.
+    prompts += [[rng.randrange(vocab) for _ in range(n)] * r for n, r in ((8, 4), (32, 8))]
     results, failures = {}, []
     # Pools of a given size (512 blocks of 64: 32k tokens, 3.8 GB), not sized from free memory: the
     # engines made one after another here are not all freed (LLMEngine freezes the heap it starts with).
@@ -68,78 +70,95 @@ def main() -> int:
             failures.append(f"{e.block_manager.num_blocks - e.num_free_blocks} KV blocks leaked")
         return [o.outputs[0].token_ids for o in outs]
 
-    # transformers fp32, the reference of the teacher-forced judge, and its bf16 greedy run, the control.
-    hf32 = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
-    with torch.inference_mode():
-        hf16 = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
-        control = [hf16.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    del hf16
-    free_gpu()
+    def check(label: str, path: str) -> None:
+        """The correctness runs on one checkpoint, each judged against plain decoding."""
+        # transformers fp32, the teacher-forced judge's reference, and its bf16 greedy run, the control.
+        hf32 = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
+        with torch.inference_mode():
+            hf16 = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
+            control = [hf16.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        del hf16
+        free_gpu()
 
-    @torch.inference_mode()
-    def worst_margin(batch, outputs) -> float:
-        """The largest fp32 max logit minus the logit of the token chosen, given the same prefix."""
-        worst = 0.0
-        for p, gen in zip(batch, outputs):
-            logits = hf32(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
-            chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
-            worst = max(worst, (logits.max(-1).values - chosen).max().item())
-        return worst
+        @torch.inference_mode()
+        def fp32_logits(prompt, gen):
+            return hf32(torch.tensor([prompt + gen[:-1]], device=dev)).logits[0, len(prompt) - 1:].float()
 
-    control_margin = worst_margin(prompts, control)
-    limit = max(args.margin, 1.5 * control_margin)
-    results["transformers bf16 greedy (control)"] = dict(worst_margin=round(control_margin, 4))
+        def worst_margin(batch, outputs) -> float:
+            """The largest fp32 max logit minus the logit of the token chosen, given the same prefix."""
+            worst = 0.0
+            for p, gen in zip(batch, outputs):
+                logits = fp32_logits(p, gen)
+                chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
+                worst = max(worst, (logits.max(-1).values - chosen).max().item())
+            return worst
 
-    def judge(name, batch, got, want, greedy=True):
-        agree = [common_prefix(g, w) for g, w in zip(got, want)]
-        same = all(g == w for g, w in zip(got, want))
-        entry = dict(identical=same, agree=agree)
-        if not same and greedy:
-            entry["worst_margin"] = round(worst_margin(batch, got), 4)
-            entry["limit"] = round(limit, 4)
-        entry["ok"] = same or (greedy and entry["worst_margin"] <= limit)
-        results[name] = entry
-        if not entry["ok"]:
-            failures.append(f"{name}: {entry}")
+        control_margin = worst_margin(prompts, control)
+        limit = max(args.margin, 1.5 * control_margin)
+        results[f"{label}: transformers bf16 greedy (control)"] = dict(worst_margin=round(control_margin, 4))
 
-    plain, spec = engine(path), engine(path, speculative_config=NGRAM)
-    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    for name, batch in (("8 prompts", prompts), ("3 prompts", prompts[1:4])):
+        def judge(name, batch, got, want, greedy=True, stats=None):
+            agree = [common_prefix(g, w) for g, w in zip(got, want)]
+            same = all(g == w for g, w in zip(got, want))
+            entry = dict(identical=same, agree=agree)
+            if not same and greedy:
+                entry["worst_margin"], entry["limit"] = round(worst_margin(batch, got), 4), round(limit, 4)
+                # Where the two first part: the fp32 logits of plain decoding's token and ours.
+                entry["fp32_gap_at_first_difference"] = [
+                    round((logits[d, w[d]] - logits[d, g[d]]).item(), 4)
+                    for p, g, w, d in zip(batch, got, want, agree) if d < len(w)
+                    for logits in [fp32_logits(p, w)]]
+            entry["ok"] = same or (greedy and entry["worst_margin"] <= limit)
+            if stats is not None:
+                entry["drafts"] = dataclasses.asdict(stats)
+            results[f"{label}: {name}"] = entry
+            if not entry["ok"]:
+                failures.append(f"{label}: {name}: {entry}")
+
+        plain, spec = engine(path), engine(path, speculative_config=NGRAM)
+        greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+        for name, batch in (("8 prompts", prompts), ("3 prompts", prompts[1:4])):
+            spec.engine.spec_decode_stats = SpecDecodeStats()
+            judge(f"greedy, {name}", batch, generate(spec, batch, greedy), generate(plain, batch, greedy),
+                  stats=spec.engine.spec_decode_stats)
+        seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, ignore_eos=True)
+                  for i in range(len(prompts))]
         spec.engine.spec_decode_stats = SpecDecodeStats()
-        judge(f"greedy, {name}", batch, generate(spec, batch, greedy), generate(plain, batch, greedy))
-        results[f"greedy, {name}"]["drafts"] = dataclasses.asdict(spec.engine.spec_decode_stats)
-    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, ignore_eos=True) for i in range(len(prompts))]
-    judge("seeded sampling, 8 prompts", prompts, generate(spec, prompts, seeded), generate(plain, prompts, seeded),
-          greedy=False)
-    del spec
-    free_gpu()
-    # Drafts once three requests are left: asynchronous steps without them first (and graphs of
-    # more rows), then synchronous ones with them.
-    later = engine(path, speculative_config=NGRAM | {"disable_by_batch_size": 3})
-    staggered = [SamplingParams(temperature=0, max_tokens=args.tokens // 4 * (1 + i % 4), ignore_eos=True)
-                 for i in range(len(prompts))]
-    judge("greedy, drafts below 3 requests", prompts, generate(later, prompts, staggered),
-          generate(plain, prompts, staggered))
-    results["greedy, drafts below 3 requests"]["drafts"] = dataclasses.asdict(later.engine.spec_decode_stats)
-    del later
-    free_gpu()
-    # Every prompt's blocks and four more: all are admitted, and their outputs outgrow the pool.
-    block_size = 16 if args.cpu_dry_run else 64
-    num_blocks = sum(-(-len(p) // block_size) for p in prompts) + 4
-    small = engine(path, speculative_config=NGRAM, num_kv_blocks=num_blocks, block_size=block_size)
-    judge("greedy, a pool that preempts", prompts, generate(small, prompts, greedy), generate(plain, prompts, greedy))
-    results["greedy, a pool that preempts"]["preemptions"] = small.engine.num_preemptions
-    if small.engine.num_preemptions == 0:
-        failures.append("the small pool did not preempt")
-    del small, plain, hf32
-    free_gpu()
+        judge("seeded sampling, 8 prompts", prompts, generate(spec, prompts, seeded), generate(plain, prompts, seeded),
+              greedy=False, stats=spec.engine.spec_decode_stats)
+        del spec
+        free_gpu()
+        # Drafts once three requests are left: asynchronous steps without them first (and graphs of
+        # more rows), then synchronous ones with them.
+        later = engine(path, speculative_config=NGRAM | {"disable_by_batch_size": 3})
+        staggered = [SamplingParams(temperature=0, max_tokens=args.tokens // 4 * (1 + i % 4), ignore_eos=True)
+                     for i in range(len(prompts))]
+        judge("greedy, drafts below 3 requests", prompts, generate(later, prompts, staggered),
+              generate(plain, prompts, staggered), stats=later.engine.spec_decode_stats)
+        del later
+        free_gpu()
+        # Every prompt's blocks and four more: all are admitted, and their outputs outgrow the pool.
+        block_size = 16 if args.cpu_dry_run else 64
+        num_blocks = sum(-(-len(p) // block_size) for p in prompts) + 4
+        small = engine(path, speculative_config=NGRAM, num_kv_blocks=num_blocks, block_size=block_size)
+        judge("greedy, a pool that preempts", prompts, generate(small, prompts, greedy),
+              generate(plain, prompts, greedy), stats=small.engine.spec_decode_stats)
+        results[f"{label}: greedy, a pool that preempts"]["preemptions"] = small.engine.num_preemptions
+        if small.engine.num_preemptions == 0:
+            failures.append(f"{label}: the small pool did not preempt")
+        del small, plain, hf32
+        free_gpu()
+
+    # (A dry run has one tiny checkpoint: it is checked once.)
+    bench_checkpoint = path if args.cpu_dry_run else default_checkpoint(device=dev)
+    check("std 0.06", path)
+    if not args.cpu_dry_run:
+        check("std 0.02 (bench.py's)", bench_checkpoint)
 
     # Speed: one request and four, 512 greedy tokens after a 512-token prompt.
     speed = {}
-    for label, model in (("std 0.06", path), ("std 0.02 (bench.py's)", None)):
-        if model is None:       # (a dry run has no second checkpoint: the tiny one again)
-            model = path if args.cpu_dry_run else default_checkpoint(device=dev)
+    for label, model in (("std 0.06", path), ("std 0.02 (bench.py's)", bench_checkpoint)):
         plain = engine(model, enable_prefix_caching=False)
         spec = engine(model, enable_prefix_caching=False, speculative_config=NGRAM)
         for num in (1, 4):
