@@ -35,6 +35,13 @@ logger = logging.getLogger("mini_engine.engine")
 # never sampled (a pooling engine has no lm_head).
 POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 
+# After a step whose proposer found no drafts, the steps that skip the proposer (and so keep async
+# scheduling) before it looks again: 1, then twice as many each time it finds none, at most this
+# many. Looking costs a synchronous step, 25-35% of a small batch's time on the H200 where the
+# drafts give nothing (benchmarks/NOTES.md, entry 54); a repetition that starts is found this many
+# steps late at worst.
+MAX_DRAFT_BACKOFF_STEPS = 16
+
 
 @dataclass
 class InFlightStep:
@@ -101,6 +108,8 @@ class LLMEngine:
         self.last_step_prefill_tokens = 0    # prompt tokens (prompt or recomputed) the last step ran
         self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
         self.spec_decode_stats = SpecDecodeStats()     # with speculative_config: its drafts' fate
+        self.draft_backoff = 0              # steps left that skip the proposer (MAX_DRAFT_BACKOFF_STEPS)
+        self.next_draft_backoff = 1
         # Everything alive now (imported modules, the model, compiled kernels) lives as long as the
         # engine. Frozen, it is left out of the garbage collector's full passes, which otherwise
         # scanned it all and stalled the step loop for 120-170 ms each (seen mid-run on the H200).
@@ -250,12 +259,18 @@ class LLMEngine:
     def speculates(self) -> bool:
         """Does this step propose drafts? With speculative_config, unless more requests are running
         or waiting than its disable_by_batch_size (vLLM's): a large batch keeps the device busy
-        without drafts, and its steps keep async scheduling."""
+        without drafts, and its steps keep async scheduling. Nor while the proposer backs off, after
+        finding none (MAX_DRAFT_BACKOFF_STEPS)."""
         spec = self.config.speculative_config
         if spec is None:
             return False
         limit = spec.disable_by_batch_size
-        return limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) <= limit
+        if limit is not None and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
+            return False
+        if self.draft_backoff > 0:
+            self.draft_backoff -= 1
+            return False
+        return True
 
     def propose_drafts(self) -> None:
         """Each running decode's drafts for the next step (mini_engine/speculative.py), as many as
@@ -277,6 +292,11 @@ class LLMEngine:
             seq.spec_token_ids = ngram_drafts(seq.token_ids, seq.ngram_index, spec.prompt_lookup_min,
                                               spec.prompt_lookup_max, room)
             spare_rows -= len(seq.spec_token_ids)
+        if spare_rows < self.config.max_num_seqs - len(self.scheduler.running):       # some drafts
+            self.next_draft_backoff = 1
+        else:
+            self.draft_backoff = self.next_draft_backoff
+            self.next_draft_backoff = min(2 * self.next_draft_backoff, MAX_DRAFT_BACKOFF_STEPS)
 
     def wait_for_last_tokens(self) -> list[StepOutput]:
         """While a request that needs_last_token runs (structured outputs, bad words of several

@@ -424,3 +424,33 @@ def test_the_tiny_model_across_disable_by_batch_size(tiny_checkpoint, plain):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_the_proposer_backs_off_while_it_finds_nothing():
+    """The stand-in's tokens count up and wrap at 61, so no n-gram repeats before position 61. While
+    the proposer finds nothing, it looks less and less often, and the steps between keep async
+    scheduling; once the count wraps, drafts are found again (within MAX_DRAFT_BACKOFF_STEPS steps)
+    and every one is right."""
+    from mini_engine.engine.engine import MAX_DRAFT_BACKOFF_STEPS
+    from tests.engine.test_scheduler_properties import FakeRunner
+    config = EngineConfig("unused", device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=4,
+                          max_num_batched_tokens=256, max_model_len=256, model_config=MODEL,
+                          speculative_config=dict(NGRAM, prompt_lookup_min=2))
+    rows = []
+    runner = FakeRunner(64, config, rows.append)
+    engine = LLMEngine(config, runner=runner)
+    seq = engine.add_request([1, 2], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seq.output_token_ids == [p % 61 + 1 for p in range(2, 202)]
+    before_wrap = [step for step in rows if step[0].start_position < 61]
+    asynchronous = sum(step[0].prev_token_index >= 0 for step in before_wrap)
+    assert asynchronous > 0.7 * len(before_wrap), (asynchronous, len(before_wrap))
+    assert engine.spec_decode_stats.acceptance_rate == 1.0
+    # From position 62 on (tokens 1, 2 again), a 2-gram repeats: the drafts come at most
+    # MAX_DRAFT_BACKOFF_STEPS steps of one token later, and every step after has them, but those
+    # that max_tokens leaves no room (its last token).
+    first = next(i for i, step in enumerate(rows) if len(step) > 1)
+    assert rows[first][0].start_position <= 62 + MAX_DRAFT_BACKOFF_STEPS
+    assert all(len(step) > 1 or step[0].start_position >= 200 for step in rows[first:])
+    assert engine.num_free_blocks == 64
