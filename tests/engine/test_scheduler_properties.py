@@ -110,6 +110,19 @@ def test_random_streams_finish_exactly_and_free_everything(requests, num_blocks,
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
 
 
+def add_greedy_requests(engine, requests) -> list:
+    """Adds each (prompt, max_tokens, stop token ids) greedily: (sequence, prompt, max_tokens, stops)
+    for each one the engine takes; one it refuses must be larger than the pool."""
+    seqs = []
+    for prompt, max_tokens, stops in requests:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops)
+        try:
+            seqs.append((engine.add_request(prompt, params), prompt, max_tokens, stops))
+        except ValueError:
+            assert engine.block_manager.blocks_for(len(prompt) + max_tokens - 1) > engine.block_manager.num_blocks
+    return seqs
+
+
 @settings(max_examples=40, deadline=None)
 @given(requests=st.lists(st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=40), st.integers(1, 25),
                                    st.lists(st.integers(1, 61), max_size=3)), min_size=1, max_size=8),
@@ -120,13 +133,7 @@ def test_stop_tokens_end_requests_exactly(requests, num_blocks, block_size, budg
     known in advance: it must stop at its first stop token, inclusive, even when the engine had
     already scheduled the next step (async scheduling drops the token computed past the stop)."""
     engine = make_engine(num_blocks, block_size, 4, budget, True, async_scheduling)
-    seqs = []
-    for prompt, max_tokens, stops in requests:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops)
-        try:
-            seqs.append((engine.add_request(prompt, params), prompt, max_tokens, stops))
-        except ValueError:
-            assert engine.block_manager.blocks_for(len(prompt) + max_tokens - 1) > num_blocks
+    seqs = add_greedy_requests(engine, requests)
     assume(seqs)                  # an example whose every request the pool refuses checks nothing
     for _ in range(5_000):
         if not engine.has_unfinished_requests():

@@ -12,7 +12,7 @@ from mini_engine.engine.engine import LLMEngine
 from mini_engine.engine.sequence import PENDING_TOKEN
 from mini_engine.runner.batch import StepHandle
 from mini_engine.speculative import NgramIndex, SpecDecodeStats, SpeculativeConfig, ngram_drafts, num_accepted
-from tests.engine.test_scheduler_properties import MODEL
+from tests.engine.test_scheduler_properties import MODEL, add_greedy_requests
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -176,13 +176,7 @@ def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, sp
 
 
 def run(engine, requests):
-    seqs = []
-    for prompt, max_tokens, stops in requests:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops)
-        try:
-            seqs.append((engine.add_request(prompt, params), prompt, max_tokens, stops))
-        except ValueError:
-            assert engine.block_manager.blocks_for(len(prompt) + max_tokens - 1) > engine.block_manager.num_blocks
+    seqs = add_greedy_requests(engine, requests)
     for _ in range(5_000):
         if not engine.has_unfinished_requests():
             break
