@@ -43,12 +43,17 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     prefix_cache_queried_tokens: int
     num_preemptions: int
+    # Speculative decoding's totals since start (speculative.SpecDecodeStats), 0 without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineStats":
-        bm = engine.block_manager
+        bm, spec = engine.block_manager, engine.spec_decode_stats
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
-                   bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions)
+                   bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions,
+                   spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
 
 
 @dataclass(slots=True)

@@ -34,7 +34,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests the server accepted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Preemptions since start.")
-        self.preemptions_counted = 0
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: steps in which a sequence "
+                                   "had drafts verified.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
+                                            "accepted.")
+        self.counted: dict[str, int] = {}       # what each counter has counted of the engine's totals
         finished = Counter("mini_engine:request_success", "Finished requests, by finish reason.",
                            ["model_name", "finished_reason"], registry=r)
         self.finished = lambda reason: finished.labels(model_name=model_name, finished_reason=reason).inc()
@@ -51,10 +56,14 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         queried = stats.prefix_cache_queried_tokens
         self.prefix_hit_rate.set(stats.prefix_cache_hit_tokens / queried if queried else 0.0)
-        # The engine reports its total since start. A counter, as vLLM's, for rate() and increase():
-        # it goes up by the preemptions it has not counted yet.
-        self.num_preemptions.inc(stats.num_preemptions - self.preemptions_counted)
-        self.preemptions_counted = stats.num_preemptions
+        for name, counter in (("num_preemptions", self.num_preemptions), ("spec_num_drafts", self.spec_drafts),
+                              ("spec_num_draft_tokens", self.spec_draft_tokens),
+                              ("spec_num_accepted_tokens", self.spec_accepted_tokens)):
+            # The engine reports totals since start. Counters, as vLLM's, for rate() and increase():
+            # each goes up by what it has not counted yet.
+            total = getattr(stats, name)
+            counter.inc(total - self.counted.get(name, 0))
+            self.counted[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,4 +48,7 @@ def test_a_speculative_server_answers_as_plain_decoding(tiny_model, tmp_path):
         assert (got["text"], got["finish_reason"]) == (want_stop.text, "stop")
         assert len(got["logprobs"]["tokens"]) == len(ids)
         assert streamed_text(server, greedy | {"stop": [stop], "logprobs": 1}) == (want_stop.text, len(ids), "stop")
-        server.wait_idle()
+        m = server.wait_idle()
+    # vLLM's spec_decode counters: the steps of several tokens above were accepted drafts.
+    drafts, accepted = m["mini_engine:spec_decode_num_draft_tokens_total"], m["mini_engine:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafts and m["mini_engine:spec_decode_num_drafts_total"] > 0
