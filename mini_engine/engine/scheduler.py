@@ -100,7 +100,13 @@ class Scheduler:
     def grant_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Each scheduled decode's drafts (Sequence.spec_token_ids, from the engine's proposer),
         cut to what the step leaves: its token budget, max_num_seqs rows (a draft is a row of the
-        step, engine.build_rows) and the free blocks. Drafts never preempt nor keep a request waiting."""
+        step, engine.build_rows) and the free blocks. Drafts never preempt nor keep a request waiting.
+        A running sequence the step left out loses its drafts: they were for this step, and a later
+        one that proposes none (asynchronous) must not verify them."""
+        scheduled = {id(seq) for seq in out.seqs}
+        for seq in self.running:
+            if id(seq) not in scheduled:
+                seq.spec_token_ids.clear()
         rows = len(out.seqs)
         for i, seq in enumerate(out.seqs):
             if not seq.spec_token_ids:

@@ -448,3 +448,29 @@ def test_the_proposer_backs_off_while_it_finds_nothing():
     assert rows[first][0].start_position <= 62 + MAX_DRAFT_BACKOFF_STEPS
     assert all(len(step) > 1 or step[0].start_position >= 200 for step in rows[first:])
     assert engine.num_free_blocks == 64
+
+
+def test_drafts_of_a_sequence_left_out_of_a_step_are_dropped():
+    """A decode whose drafts were proposed but that the step left out (a higher-priority prompt's
+    chunk took the whole budget) keeps no drafts: a later step without the proposer (async, past
+    disable_by_batch_size) must not verify them, nor feed its row a token still in flight."""
+    config = EngineConfig("unused", device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=8,
+                          max_num_batched_tokens=8, max_model_len=256, model_config=MODEL,
+                          scheduling_policy="priority",
+                          speculative_config=dict(NGRAM, prompt_lookup_min=1, disable_by_batch_size=2))
+    engine = LLMEngine(config, runner=CacheReadingRunner(128, 4, 8, 8))
+    params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    prompts = [list(range(1, 14)), list(range(1, 13)) * 3, [3, 4]]
+    seq = engine.add_request(prompts[0], params(40), priority=5)
+    for _ in range(3):
+        engine.step()
+    others = [engine.add_request(prompts[1], params(5), priority=0)]
+    engine.step()
+    engine.step()           # the prompt's chunk takes the budget: seq is proposed drafts, not scheduled
+    others.append(engine.add_request(prompts[2], params(5), priority=9))     # 3 requests: no proposer
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seq.output_token_ids == expected_output(prompts[0], 40, [])
+    for other, prompt in zip(others, prompts[1:]):
+        assert other.output_token_ids == expected_output(prompt, 5, [])
+    assert engine.num_free_blocks == 128
