@@ -288,10 +288,16 @@ class LLM:
         _, used = stopper.update_until_stop(out.new_token_ids, out.finished, out.ended_on_stop_token)
         if not stopper.stopped:
             return False
-        running = not out.finished
+        # A later output of the same step may have ended it or brought it more tokens (a step with
+        # drafts runs synchronously, and returns the step in flight's token too): all dropped.
+        running = not out.seq.is_finished
         if running:
             self.engine.abort_request(out.seq.request_id)
-        self.engine.drop_last_tokens(out.seq, len(out.new_token_ids) - used)
+        # The tokens up to the one that completed the stop string: those the matcher took (and the
+        # stop token it leaves out of the text, where this output ended on one and took it).
+        kept = len(stopper.token_ids) + (out.ended_on_stop_token and used == len(out.new_token_ids)
+                                         and not stopper.include_stop)
+        self.engine.drop_last_tokens(out.seq, out.seq.num_output_tokens - kept)
         out.seq.finish_reason = "stop"
         return running
 

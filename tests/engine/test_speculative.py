@@ -1,6 +1,8 @@
 """Speculative decoding by n-gram lookup (speculative_config, mini_engine/speculative.py): the
 proposer, the acceptance rule, the engine over random request streams with a stand-in model that
 reads its own KV cache, and the tiny model's outputs against plain decoding's."""
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
@@ -474,3 +476,21 @@ def test_drafts_of_a_sequence_left_out_of_a_step_are_dropped():
     for other, prompt in zip(others, prompts[1:]):
         assert other.output_token_ids == expected_output(prompt, 5, [])
     assert engine.num_free_blocks == 128
+
+
+def test_stop_strings_match_plain_decoding(tokenized_model):
+    """A stop string completed by the token of an asynchronous step (one without drafts) that the
+    next, synchronous, step returns together with its own tokens for the same request: those later
+    tokens are dropped too, as is everything after the stop in plain decoding."""
+    plain_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64)
+    spec_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64, speculative_config=NGRAM)
+    engine, steps = spec_llm.engine, itertools.count()
+    engine.speculates = lambda: next(steps) % 2 == 1        # every step with drafts follows one without
+    for prompt in ["def add(a, b):\n    return a + b\n", *STOP_PROMPTS]:
+        for stop in [" ", "o", "e", "a", "\n", "b"]:
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], logprobs=1)
+            want = plain_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            got = spec_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+            assert len(got.logprobs) == len(want.logprobs)
+    assert spec_llm.engine.num_free_blocks == spec_llm.engine.block_manager.num_blocks
