@@ -494,3 +494,20 @@ def test_stop_strings_match_plain_decoding(tokenized_model):
             assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
             assert len(got.logprobs) == len(want.logprobs)
     assert spec_llm.engine.num_free_blocks == spec_llm.engine.block_manager.num_blocks
+
+
+def test_structured_outputs_get_no_drafts(tokenized_model):
+    """A request held to a grammar gets no drafts (a draft row has no grammar mask): its output is
+    plain decoding's, and matches the grammar, beside a free request that does get drafts."""
+    from mini_engine.structured_outputs import StructuredOutputsParams
+    plain_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64)
+    spec_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64, speculative_config=NGRAM)
+    held = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                          structured_outputs=StructuredOutputsParams(regex="(ab )+c"))
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = ["abc abc abc abc", "the the the the the the"]
+    want = plain_llm.generate(prompts, [held, free], use_tqdm=False)
+    got = spec_llm.generate(prompts, [held, free], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec_llm.engine.spec_decode_stats.num_drafts > 0
+    assert spec_llm.engine.num_free_blocks == spec_llm.engine.block_manager.num_blocks
