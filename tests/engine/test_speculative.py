@@ -511,3 +511,25 @@ def test_structured_outputs_get_no_drafts(tokenized_model):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert spec_llm.engine.spec_decode_stats.num_drafts > 0
     assert spec_llm.engine.num_free_blocks == spec_llm.engine.block_manager.num_blocks
+
+
+def test_drafts_reach_but_never_pass_the_last_position():
+    """Prompts that hold a whole cycle of the stand-in's recurrence: every draft is right, so drafts
+    run up to the end, and still no row lies past the request's last token (max_tokens'; a request
+    past max_model_len is refused), whose sample could never be kept."""
+    cycle = [1, 2] + expected_output([1, 2], 60, [])
+    max_model_len = len(cycle) + 17
+    engine = make_engine(128, 4, 8, 256, False, dict(NGRAM, prompt_lookup_min=2), max_model_len=max_model_len)
+    ends = {}
+    original = engine.runner.launch
+
+    def launch(rows):
+        for r in rows:
+            ends[id(r.block_table)] = max(ends.get(id(r.block_table), 0), r.start_position + len(r.token_ids))
+        return original(rows)
+    engine.runner.launch = launch
+    seqs = run(engine, [(cycle, 13, []), (cycle, 17, [])])
+    assert [s.num_output_tokens for s, *_ in seqs] == [13, 17]
+    assert engine.spec_decode_stats.num_accepted_tokens > 10
+    # The last token's K and V are never computed: a row's end is at most the sequence's length - 1.
+    assert [ends[id(s.block_table)] for s, *_ in seqs] == [len(cycle) + 12, max_model_len - 1]
