@@ -159,6 +159,7 @@ class LLMEngine:
             self.scheduler.add(seq)
             return seq
         seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals))
+        self.draft_backoff, self.next_draft_backoff = 0, 1     # the proposer looks at a new prompt at once
         stop_token_ids = self.stop_token_ids(params)
         if params.bad_words:            # before anything of the engine's changes: it may raise
             seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
@@ -276,9 +277,11 @@ class LLMEngine:
         """Each running decode's drafts for the next step (mini_engine/speculative.py), as many as
         its request may still take, while the step has rows to spare: each draft is a row. A request
         whose next tokens depend on the ones before in ways a row cannot see gets none: penalties
-        (counts on the device), a grammar's or a bad word's state (needs_last_token)."""
+        (counts on the device), a grammar's or a bad word's state (needs_last_token). Where it
+        looked and found none, the proposer backs off (MAX_DRAFT_BACKOFF_STEPS)."""
         spec = self.config.speculative_config
         spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
+        looked = found = False
         for seq in self.scheduler.running:
             p = seq.sampling_params
             room = min(spec.num_speculative_tokens, spare_rows, p.max_tokens - seq.num_output_tokens - 1,
@@ -292,9 +295,10 @@ class LLMEngine:
             seq.spec_token_ids = ngram_drafts(seq.token_ids, seq.ngram_index, spec.prompt_lookup_min,
                                               spec.prompt_lookup_max, room)
             spare_rows -= len(seq.spec_token_ids)
-        if spare_rows < self.config.max_num_seqs - len(self.scheduler.running):       # some drafts
+            looked, found = True, found or bool(seq.spec_token_ids)
+        if found:
             self.next_draft_backoff = 1
-        else:
+        elif looked:
             self.draft_backoff = self.next_draft_backoff
             self.next_draft_backoff = min(2 * self.next_draft_backoff, MAX_DRAFT_BACKOFF_STEPS)
 

@@ -1,6 +1,7 @@
 """Speculative decoding by n-gram lookup (speculative_config, mini_engine/speculative.py): the
 proposer, the acceptance rule, the engine over random request streams with a stand-in model that
 reads its own KV cache, and the tiny model's outputs against plain decoding's."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -11,7 +12,10 @@ from mini_engine import LLM, SamplingParams
 from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine
-from mini_engine.engine.sequence import PENDING_TOKEN
+from mini_engine.engine.scheduler import Scheduler
+from mini_engine.engine.block_manager import BlockManager
+from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.runner.batch import StepHandle
 from mini_engine.speculative import NgramIndex, SpecDecodeStats, SpeculativeConfig, ngram_drafts, num_accepted
 from tests.engine.test_scheduler_properties import MODEL, add_greedy_requests
@@ -112,10 +116,21 @@ def next_token(last: int, before: int) -> int:
     return (3 * last + before) % 13 + 1
 
 
-def expected_output(prompt: list[int], max_tokens: int, stops: list[int]) -> list[int]:
+def unbanned(token: int, banned) -> int:
+    """The stand-in's min_tokens: a stop token it may not sample yet gives way to the next one."""
+    while token in banned:
+        token = token % 13 + 1
+    return token
+
+
+def expected_output(prompt: list[int], max_tokens: int, stops: list[int], min_tokens: int = 0,
+                    bad: tuple[int, ...] = ()) -> list[int]:
+    """The stand-in's output: its recurrence, under min_tokens' ban of stop tokens and a ban of the
+    one-token bad words `bad`."""
     tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(next_token(tokens[-1], tokens[-2] if len(tokens) > 1 else 0))
+    for j in range(max_tokens):
+        token = next_token(tokens[-1], tokens[-2] if len(tokens) > 1 else 0)
+        tokens.append(unbanned(token, (*bad, *(stops if j < min_tokens else ()))))
         if tokens[-1] in stops:
             break
     return tokens[len(prompt):]
@@ -158,14 +173,26 @@ class CacheReadingRunner:
         for positions in starts.values():
             assert positions == list(range(positions[0], positions[0] + len(positions)))
             self.num_draft_rows += len(positions) - 1
-        samples = []
+        samples, logprobs = [], []
         for r in rows:
             if r.sample:
                 last = r.start_position + len(r.token_ids) - 1
                 before = self.slots[self.slot(r, last - 1)] if last else 0
-                samples.append(next_token(self.slots[self.slot(r, last)], before))
+                p = r.params
+                banned = (*(r.banned_tokens or ()), *(p.stop_token_ids if r.num_output_tokens < p.min_tokens else ()))
+                samples.append(unbanned(next_token(self.slots[self.slot(r, last)], before), banned))
+                # A logprob that names its token, where the request asks: each kept token must keep its own.
+                logprobs.append(SampleLogprobs(-samples[-1], []) if p.logprobs is not None else None)
         self.prev = samples
-        return StepHandle.done(samples, None)
+        return StepHandle.done(samples, logprobs)
+
+    def check_cached_blocks(self, block_manager):
+        """Every block the prefix cache holds is full, and its slots hold the tokens its key names."""
+        for block in block_manager.blocks:
+            if block.key is not None:
+                tokens = block.key[1]
+                assert len(tokens) == self.block_size
+                assert [self.slots.get((block.block_id, i)) for i in range(self.block_size)] == list(tokens)
 
 
 def make_engine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, speculative_config, max_model_len=256,
@@ -183,6 +210,7 @@ def run(engine, requests):
         if not engine.has_unfinished_requests():
             break
         engine.step()
+        engine.runner.check_cached_blocks(engine.block_manager)
     else:
         raise AssertionError("the engine did not finish")
     return seqs
@@ -533,3 +561,145 @@ def test_drafts_reach_but_never_pass_the_last_position():
     assert engine.spec_decode_stats.num_accepted_tokens > 10
     # The last token's K and V are never computed: a row's end is at most the sequence's length - 1.
     assert [ends[id(s.block_table)] for s, *_ in seqs] == [len(cycle) + 12, max_model_len - 1]
+
+
+CYCLE = [1, 2] + expected_output([1, 2], 60, [])    # more than the recurrence's 52-token cycle
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_output():
+    """A prompt that holds a whole cycle: from the first decode on, the drafts are the cycle's next
+    tokens and all are accepted. A stop token that a draft row samples ends the output there, in
+    the middle of the step's kept tokens, with one logprob for each token kept."""
+    continuation = expected_output(CYCLE, 8, [])
+    for j in range(2, 5):                          # the draft rows' samples of the first step with drafts
+        if continuation[j] in continuation[:j]:
+            continue
+        engine = make_engine(64, 4, 8, 256, True, dict(NGRAM, prompt_lookup_min=2))
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[continuation[j]],
+                                logprobs=0)
+        seq = engine.add_request(CYCLE, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert seq.output_token_ids == continuation[:j + 1] and seq.finish_reason == "stop"
+        assert [-lp.logprob for lp in seq.logprobs] == continuation[:j + 1]
+        assert engine.spec_decode_stats.num_accepted_tokens >= j - 1
+        assert engine.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2, 3, 5, 8, 13])
+def test_min_tokens_counts_each_draft_rows_output_token(min_tokens):
+    """min_tokens bans stop tokens by the output token a row samples: a draft row's is its
+    sequence's count plus its place (the stand-in draws the next token where one is banned)."""
+    continuation = expected_output(CYCLE, 30, [])
+    accepted = 0
+    for stop in sorted(set(continuation[:12])):
+        engine = make_engine(64, 4, 8, 256, True, dict(NGRAM, prompt_lookup_min=2))
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop],
+                                min_tokens=min_tokens)
+        seq = engine.add_request(CYCLE, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert seq.output_token_ids == expected_output(CYCLE, 30, [stop], min_tokens), (stop, min_tokens)
+        accepted += engine.spec_decode_stats.num_accepted_tokens
+    assert accepted > 0
+
+
+def decoding_sequence(block_manager, request_id: str, prompt: list[int], drafts: list[int]) -> Sequence:
+    """A running sequence in decode state (its prompt's K and V computed, one sampled token
+    after it), holding drafts."""
+    seq = Sequence(request_id, list(prompt), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    seq.token_ids.append(7)
+    assert block_manager.allocate_slots(seq, len(prompt))
+    seq.num_computed_tokens, seq.status = len(prompt), SequenceStatus.RUNNING
+    seq.spec_token_ids = list(drafts)
+    return seq
+
+
+@pytest.mark.parametrize("max_num_seqs, budget, num_blocks, waiting, granted", [
+    (16, 256, 64, 0, [4, 4, 4]),        # room for all
+    (8, 256, 64, 0, [4, 1, 0]),         # rows: 3 decode rows and 5 drafts
+    (8, 256, 64, 1, [4, 0, 0]),         # a new prompt's row admitted first takes one of them
+    (16, 7, 64, 0, [4, 0, 0]),          # the token budget: 3 decode tokens and 4 drafts
+    (16, 9, 64, 0, [4, 2, 0]),
+    (16, 256, 6, 0, [0, 0, 0]),         # no free block for the drafts' slots past each block
+])
+def test_drafts_take_only_what_the_step_leaves(max_num_seqs, budget, num_blocks, waiting, granted):
+    """Scheduler.grant_drafts over drafts set by hand: rows (max_num_seqs), the token budget and
+    free blocks, in the running order; a new prompt admitted in the step counts first; a draft never
+    preempts; a preempted sequence's drafts are dropped."""
+    bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(max_num_seqs, budget, bm, max_model_len=256)
+    # Each sequence's 7 prompt tokens and its sampled token fill two blocks: its drafts need a third.
+    running = [decoding_sequence(bm, f"r{i}", [i + 1] * 7, [5, 6, 7, 8]) for i in range(3)]
+    scheduler.running = list(running)
+    if waiting:
+        scheduler.add(Sequence("new", [9], SamplingParams(temperature=0, max_tokens=4)))
+    free_before = bm.num_free_blocks
+    out = scheduler.schedule()
+    assert [len(seq.spec_token_ids) for seq in running] == granted
+    assert not out.preempted and scheduler.num_preemptions == 0
+    assert len(out.seqs) + sum(granted) <= max_num_seqs and sum(out.num_new_tokens) <= budget
+    assert [out.num_new_tokens[out.seqs.index(seq)] for seq in running] == [1 + g for g in granted]
+    assert bm.num_free_blocks == free_before - sum(1 for g in granted if g) - waiting
+    scheduler.preempt(running[0])
+    assert running[0].spec_token_ids == []
+
+
+def test_a_new_request_ends_the_proposers_back_off():
+    """After a request whose tokens never repeat has pushed the back-off to its longest, a new one
+    whose prompt holds a whole cycle gets drafts at its first decode step."""
+    from mini_engine.engine.engine import MAX_DRAFT_BACKOFF_STEPS
+    engine = make_engine(128, 4, 8, 256, True, dict(NGRAM, prompt_lookup_min=4, prompt_lookup_max=4))
+    engine.add_request([1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.next_draft_backoff == MAX_DRAFT_BACKOFF_STEPS and engine.spec_decode_stats.num_drafts == 0
+    seq = engine.add_request(CYCLE, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.step()                       # the prompt
+    engine.step()                       # the first decode, with drafts
+    assert engine.spec_decode_stats.num_drafts == 1 and seq.num_output_tokens == 1 + 5     # its prompt's, then 5
+
+
+def test_bad_words_hold_in_draft_rows(tokenized_model):
+    """A one-token bad word is banned in every row of a step, draft rows too: the outputs are plain
+    decoding's under the same ban, with drafts accepted along the way."""
+    plain_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64)
+    spec_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64, speculative_config=NGRAM)
+    tokenizer, cases = spec_llm.engine.tokenizer, 0
+    for prompt in STOP_PROMPTS:
+        free = plain_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+        # The output's most frequent token whose text is a word of its own (so a bad word bans it).
+        words = [tokenizer.decode([t]) for t in free]
+        words = [w for w in words if w.strip().isalpha() and tokenizer.encode(w.strip()).ids == [free[words.index(w)]]]
+        if not words:
+            continue
+        word = max(set(words), key=words.count).strip()
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, bad_words=[word])
+        want = plain_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = spec_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids != free
+        cases += 1
+    assert cases and spec_llm.engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+class DigitTokenizer:
+    """A tokenizer for the stand-in's bad words: the word "t7" is token 7, with or without a space."""
+
+    def encode(self, text: str, add_special_tokens: bool = False):
+        return type("Encoding", (), {"ids": [int(text.strip()[1:])]})
+
+
+def test_a_bad_word_is_banned_in_draft_rows_too():
+    """The whole-cycle prompt holds the bad word's token, so drafts propose it; every row of a step,
+    draft rows included, bans it, and the output is the stand-in's under the ban."""
+    continuation = expected_output(CYCLE, 40, [])
+    for bad in sorted(set(continuation[:8])):
+        engine = make_engine(64, 4, 8, 256, True, dict(NGRAM, prompt_lookup_min=1))
+        engine.tokenizer, engine.limits = DigitTokenizer(), dataclasses.replace(engine.limits, has_tokenizer=True)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, bad_words=[f"t{bad}"])
+        seq = engine.add_request(CYCLE, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert seq.output_token_ids == expected_output(CYCLE, 40, [], bad=(bad,)), bad
+        assert bad not in seq.output_token_ids and engine.spec_decode_stats.num_draft_tokens > 0
