@@ -294,8 +294,8 @@ def recorded_steps(engine) -> list:
     (request id, tokens) pairs."""
     steps, schedule = [], engine.scheduler.schedule
 
-    def recording():
-        batch = schedule()
+    def recording(**kwargs):
+        batch = schedule(**kwargs)
         steps.append([(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
         return batch
     engine.scheduler.schedule = recording
@@ -371,9 +371,9 @@ def test_generate_adds_requests_as_the_scheduler_can_take_them(tiny_checkpoint):
               num_kv_blocks=128)
     engine, schedule, held = llm.engine, llm.engine.scheduler.schedule, []
 
-    def recording():
+    def recording(**kwargs):
         held.append((len(engine.requests), len(engine.scheduler.running)))
-        return schedule()
+        return schedule(**kwargs)
     engine.scheduler.schedule = recording
     prompts = [list(range(3 + i, 9 + i)) for i in range(40)]
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)

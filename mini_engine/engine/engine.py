@@ -243,7 +243,7 @@ class LLMEngine:
             if speculating:
                 early += self.wait_in_flight()
                 self.propose_drafts()
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(with_drafts=speculating)
             if batch.is_empty and self.in_flight is None and self.compiling and not early:
                 self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None

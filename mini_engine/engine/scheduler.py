@@ -46,7 +46,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, with_drafts: bool = False) -> SchedulerOutput:
+        """with_drafts: the engine's proposer has set this step's drafts (Sequence.spec_token_ids),
+        which grant_drafts fits into what the step leaves."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -94,7 +96,8 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
         self.waiting.extendleft(reversed(compiling))
-        self.grant_drafts(out, budget)
+        if with_drafts:
+            self.grant_drafts(out, budget)
         return out
 
     def grant_drafts(self, out: SchedulerOutput, budget: int) -> None:

@@ -110,8 +110,8 @@ def test_penalty_rows_are_reused_and_all_returned(tiny_checkpoint, async_schedul
     rows_seen = []
     original = scheduler.schedule
 
-    def schedule():
-        out = original()
+    def schedule(**kwargs):
+        out = original(**kwargs)
         rows = [s.penalty_row for s in scheduler.running if s.sampling_params.penalized]
         assert -1 not in rows and len(set(rows)) == len(rows), rows
         rows_seen.extend(rows)

@@ -635,7 +635,7 @@ def test_drafts_take_only_what_the_step_leaves(max_num_seqs, budget, num_blocks,
     if waiting:
         scheduler.add(Sequence("new", [9], SamplingParams(temperature=0, max_tokens=4)))
     free_before = bm.num_free_blocks
-    out = scheduler.schedule()
+    out = scheduler.schedule(with_drafts=True)
     assert [len(seq.spec_token_ids) for seq in running] == granted
     assert not out.preempted and scheduler.num_preemptions == 0
     assert len(out.seqs) + sum(granted) <= max_num_seqs and sum(out.num_new_tokens) <= budget
