@@ -1,11 +1,11 @@
 """Configuration: the model's shape (read from config.json) and the engine's knobs."""
-import json
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from mini_engine.distributed import check_divisible
+from mini_engine.json_files import read_json_file
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
 from mini_engine.pooling_params import PoolerConfig
 from mini_engine.reasoning import REASONING_PARSERS
@@ -100,13 +100,9 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str, overrides: dict | None = None) -> "ModelConfig":
         """overrides: config.json's fields that these replace (EngineConfig.hf_overrides)."""
-        config_file = os.path.join(path, "config.json")
-        if not os.path.isfile(config_file):
+        raw = read_json_file(os.path.join(path, "config.json"))
+        if raw is None:
             raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
-        with open(config_file) as f:
-            raw = json.load(f)
-        if not isinstance(raw, dict):
-            raise ValueError(f"{config_file}: not a JSON object")
         config = cls.from_dict(raw | (overrides or {}))
         eos = read_generation_config(path).get("eos_token_id")
         if eos is not None:
@@ -121,14 +117,7 @@ GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penal
 
 def read_generation_config(folder: str) -> dict:
     """A checkpoint folder's generation_config.json, or {} where it has none."""
-    generation_file = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(generation_file):
-        return {}
-    with open(generation_file) as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{generation_file}: not a JSON object")
-    return raw
+    return read_json_file(os.path.join(folder, "generation_config.json")) or {}
 
 
 # kv_cache_dtype's names, vLLM's: None is the model's dtype.

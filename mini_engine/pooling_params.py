@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from mini_engine.json_files import read_json_file
+
 # CLS, the first token's state, is left out: on a causal decoder it has seen nothing but itself.
 POOLING_TYPES = ("LAST", "MEAN")
 
@@ -127,12 +129,9 @@ def sentence_transformers_pooling(folder: str) -> dict:
     """pooling_type and normalize as a Sentence Transformers checkpoint's modules.json gives them
     (its Pooling module's config.json and whether a Normalize module follows), or {} without one."""
     modules_file = os.path.join(folder, "modules.json")
-    if not os.path.isfile(modules_file):
+    modules = read_json_file(modules_file, list, "a list of modules")
+    if modules is None:
         return {}
-    with open(modules_file) as f:
-        modules = json.load(f)
-    if not isinstance(modules, list):
-        raise ValueError(f"{modules_file}: not a list of modules")
     types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
     fields = {"normalize": any(t.endswith(".Normalize") for t in types)}
     for module in modules:
