@@ -106,9 +106,9 @@ class Scheduler:
         step, engine.build_rows) and the free blocks. Drafts never preempt nor keep a request waiting.
         A running sequence the step left out loses its drafts: they were for this step, and a later
         one that proposes none (asynchronous) must not verify them."""
-        scheduled = {id(seq) for seq in out.seqs}
+        scheduled = set(out.seqs)             # (a Sequence hashes by identity)
         for seq in self.running:
-            if id(seq) not in scheduled:
+            if seq not in scheduled:
                 seq.spec_token_ids.clear()
         rows = len(out.seqs)
         for i, seq in enumerate(out.seqs):
