@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["mini", "vllm", "hf"], default="mini")
     p.add_argument("--model", help="checkpoint folder (default: the cached random Qwen3-0.6B, or the tiny "
                                    "model for the CPU smoke workload)")
+    p.add_argument("--random-moe-layers", type=int, metavar="N",
+                   help="instead of --model: a random bf16 checkpoint of Qwen3-30B-A3B's shape (128 experts, "
+                        "8 a token) cut to N of its 48 layers, written once to the cache folder")
     p.add_argument("--workload", choices=["auto", "full", "cpu-smoke"], default="auto",
                    help="auto: full on a GPU, cpu-smoke without one")
     p.add_argument("--num-seqs", type=int, help="run only the first N requests of the workload")
@@ -197,11 +200,15 @@ def main(argv=None) -> int:
     import torch
     from benchmarks.floor import checkpoint_num_params, copy_bandwidth, floor_report, kv_bytes_per_token, workload_floor
     from benchmarks.peers import run_hf, run_vllm
+    from mini_engine.config import ModelConfig
 
     has_cuda = torch.cuda.is_available()
     workload = opts.workload if opts.workload != "auto" else ("full" if has_cuda else "cpu-smoke")
     if opts.model:
         model = os.path.expanduser(opts.model)
+    elif opts.random_moe_layers:
+        from mini_engine.model.random_checkpoint import moe_checkpoint
+        model = moe_checkpoint(opts.random_moe_layers, opts.cache_dir, device="cuda" if has_cuda else "cpu")
     elif workload == "cpu-smoke":
         model = tiny_checkpoint(opts.cache_dir)
     else:
@@ -223,9 +230,13 @@ def main(argv=None) -> int:
         model_config = json.load(f)
     dtype_bytes = result["dtype_bytes"]
     # Split over N GPUs, the bytes are read N at a time: each GPU reads its share at its own bandwidth.
+    experts = None
+    if model_config.get("model_type") == "qwen3_moe":      # a step reads only the experts its tokens pick
+        mc = ModelConfig.from_dict(model_config)
+        experts = (checkpoint_num_params(model, experts_only=True) * dtype_bytes, mc.num_experts, mc.num_experts_per_tok)
     floor = floor_report(workload_floor([len(p) for p in prompts], max_tokens,
                                         checkpoint_num_params(model) * dtype_bytes,
-                                        kv_bytes_per_token(model_config, result["kv_dtype_bytes"])),
+                                        kv_bytes_per_token(model_config, result["kv_dtype_bytes"]), experts),
                          bandwidth * opts.tensor_parallel_size, wall)
     exact = result["output_counts"] == max_tokens
     commit, dirty = git_commit()

@@ -32,10 +32,11 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     return config["num_hidden_layers"] * 2 * kv_heads * head_dim * dtype_bytes
 
 
-def checkpoint_num_params(path: str) -> int:
+def checkpoint_num_params(path: str, experts_only: bool = False) -> int:
     """Parameters a decode step reads, counted from the safetensors headers (no tensor is loaded).
     A tied lm_head is the embedding matrix itself: some checkpoints (Qwen3-0.6B's) store it anyway,
-    so it is skipped when config.json says the embeddings are tied."""
+    so it is skipped when config.json says the embeddings are tied. experts_only: a Qwen3-MoE
+    checkpoint's expert projections alone (tensors under `.experts.`)."""
     with open(os.path.join(path, "config.json")) as f:
         tied = json.load(f).get("tie_word_embeddings", False)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -49,6 +50,8 @@ def checkpoint_num_params(path: str) -> int:
         for tensor, info in header.items():
             if tensor == "__metadata__" or (tied and tensor == "lm_head.weight"):
                 continue
+            if experts_only and ".experts." not in tensor:
+                continue
             n = 1
             for d in info["shape"]:
                 n *= d
@@ -56,12 +59,29 @@ def checkpoint_num_params(path: str) -> int:
     return total
 
 
+def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
+    """The distinct experts a layer reads in a step of `batch` tokens that each pick top_k of
+    num_experts at random, uniformly: E (1 - (1 - k/E)^b) on average. A random checkpoint's router
+    picks close to that; a trained one's routing is not uniform, and for it this is an estimate."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
 def workload_floor(prompt_lens: list[int], max_tokens: list[int], weight_bytes: int,
-                   kv_bytes_per_tok: int) -> dict:
-    """Bytes the floor counts for this workload (seconds need a bandwidth: see floor_report)."""
+                   kv_bytes_per_tok: int, experts: tuple[int, int, int] | None = None) -> dict:
+    """Bytes the floor counts for this workload (seconds need a bandwidth: see floor_report).
+
+    experts: a Qwen3-MoE checkpoint's (expert bytes, num_experts, top_k), of which weight_bytes
+    holds the expert bytes too. A step then reads its experts' share of them: at step j every
+    request with more than j output tokens is still running, and they touch experts_touched of
+    each layer's experts, so the tail of a run reads a few experts where its first steps read all."""
     kv_read = kv_bytes_per_tok * context_tokens_read(prompt_lens, max_tokens)
     decode_steps = max(max_tokens)       # the longest request alone needs this many forward passes
     weight_read = weight_bytes * decode_steps
+    if experts is not None:
+        expert_bytes, num_experts, top_k = experts
+        running = [sum(m > j for m in max_tokens) for j in range(decode_steps)]
+        weight_read = round(sum(weight_bytes - expert_bytes * (1 - experts_touched(num_experts, top_k, b) / num_experts)
+                                for b in running))
     return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_tok, "decode_steps": decode_steps,
             "kv_read_bytes": kv_read, "weight_read_bytes": weight_read, "floor_bytes": kv_read + weight_read}
 

@@ -15,7 +15,7 @@ from mini_engine.speculative import SpeculativeConfig
 
 @dataclass(slots=True)
 class ModelConfig:
-    """The subset of a Hugging Face Qwen3 `config.json` that the decoder needs."""
+    """The subset of a Hugging Face Qwen3 (or Qwen3-MoE) `config.json` that the decoder needs."""
 
     vocab_size: int
     hidden_size: int
@@ -39,6 +39,22 @@ class ModelConfig:
     # {"classifier_from_token": ["no", "yes"]}): its score is the second token's probability against
     # the first's, from the lm_head's two logits at the last token of the query and document.
     classifier_from_token: tuple[str, ...] | None = None
+    # Qwen3-MoE (transformers' Qwen3MoeForCausalLM, e.g. Qwen3-30B-A3B): num_experts 0 is the dense
+    # Qwen3. A sparse layer's MLP is num_experts experts of moe_intermediate_size columns, of which
+    # a router picks num_experts_per_tok a token (their weights renormalised to sum to 1 with
+    # norm_topk_prob); the layers in mlp_only_layers, and all but every decoder_sparse_step-th, keep
+    # a dense MLP of intermediate_size columns (layers/moe.py).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is a mixture of experts (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def max_positions(self) -> int:
@@ -50,10 +66,11 @@ class ModelConfig:
     def from_dict(cls, raw: dict) -> "ModelConfig":
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
-        if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+        moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
+        if not moe and model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
             raise ValueError(
                 f"config.json: unsupported architecture (model_type={model_type!r}, "
-                f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM only")
+                f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM and Qwen3MoeForCausalLM")
         rope_scaling = parse_rope_scaling(raw)
         _, params = rope_parameters(raw)
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -95,6 +112,7 @@ class ModelConfig:
             is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
             matryoshka_dimensions=tuple(raw["matryoshka_dimensions"]) if raw.get("matryoshka_dimensions") else None,
             classifier_from_token=tuple(raw["classifier_from_token"]) if raw.get("classifier_from_token") else None,
+            **(moe_fields(raw) if moe else {}),
         )
 
     @classmethod
@@ -108,6 +126,24 @@ class ModelConfig:
         if eos is not None:
             config.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
         return config
+
+
+def moe_fields(raw: dict) -> dict:
+    """A Qwen3-MoE config.json's expert fields; one left out takes transformers' Qwen3MoeConfig
+    default (transformers 5 writes num_experts as num_local_experts)."""
+    num_experts = raw.get("num_experts", raw.get("num_local_experts", 128))
+    fields = dict(num_experts=num_experts, num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+                  moe_intermediate_size=raw.get("moe_intermediate_size", 768),
+                  norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                  decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+                  mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        if not isinstance(fields[name], int) or fields[name] < 1:
+            raise ValueError(f"config.json: {name} must be an integer >= 1, got {fields[name]!r}")
+    if fields["num_experts_per_tok"] > num_experts:
+        raise ValueError(f"config.json: num_experts_per_tok={fields['num_experts_per_tok']} is more than "
+                         f"num_experts={num_experts}")
+    return fields
 
 
 # The fields of a generation_config.json that set a request's defaults, as vLLM reads them (it also
@@ -222,7 +258,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         mc = self.model_config
         check_divisible({"num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-                         "intermediate_size": mc.intermediate_size}, self.tensor_parallel_size)
+                         "intermediate_size": mc.intermediate_size}
+                        | ({"moe_intermediate_size": mc.moe_intermediate_size} if mc.num_experts else {}),
+                        self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"with tensor_parallel_size > 1, rank r runs on cuda:r: give device 'cuda' or 'cpu', "
                              f"not {self.device!r}")

@@ -1,4 +1,4 @@
-"""transformers' own Qwen3ForCausalLM, loaded from the same safetensors files: the oracle."""
+"""transformers' own Qwen3ForCausalLM (or Qwen3MoeForCausalLM), loaded from the same safetensors files: the oracle."""
 import functools
 
 import torch
@@ -33,7 +33,8 @@ def hf_model(path: str, kv_cache_dtype: str = "auto"):
     """kv_cache_dtype "fp8" or "fp8_e5m2": attention reads keys and values rounded to that fp8
     format (rounded_kv_eager_attention)."""
     attention = ATTENTION_BY_KV_CACHE_DTYPE[kv_cache_dtype]
-    model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    # Qwen3ForCausalLM, or Qwen3MoeForCausalLM for a Qwen3-MoE checkpoint, as config.json says
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     return model.eval()
 
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from bench import REPO, WORKLOADS, make_workload
-from benchmarks.floor import (checkpoint_num_params, context_tokens_read, floor_report, kv_bytes_per_token,
-                              workload_floor)
-from mini_engine.model.random_checkpoint import QWEN3_0_6B, qwen3_tensor_shapes
+from benchmarks.floor import (checkpoint_num_params, context_tokens_read, experts_touched, floor_report,
+                              kv_bytes_per_token, workload_floor)
+from mini_engine.model.random_checkpoint import QWEN3_0_6B, QWEN3_30B_A3B, qwen3_tensor_shapes
 
 
 def test_workload_is_nano_vllms():
@@ -62,6 +62,21 @@ def test_floor_of_the_real_workload():
     assert floor["floor_bytes"] / 4.2e12 == pytest.approx(3.6, abs=0.05)   # at ~4.2 TB/s
 
 
+def test_moe_floor_reads_the_experts_a_step_touches():
+    """A Qwen3-MoE step reads the experts its tokens pick: all of them at 256 requests, top_k's
+    share at one, as the tail of the run has; uniform routing, counted by hand."""
+    assert experts_touched(128, 8, 1) == pytest.approx(8)
+    assert experts_touched(128, 8, 2) == pytest.approx(8 + 8 * 120 / 128)
+    assert experts_touched(128, 8, 256) == pytest.approx(128, abs=1e-5)
+    # requests of 3 and 1 tokens: step 0 runs both, steps 1 and 2 the first alone
+    floor = workload_floor([2, 1], [3, 1], weight_bytes=1000, kv_bytes_per_tok=7, experts=(800, 4, 1))
+    assert floor["weight_read_bytes"] == round((200 + 800 * (1 - 0.75 ** 2)) + 2 * (200 + 800 / 4))
+    shapes = qwen3_tensor_shapes(QWEN3_30B_A3B)
+    expert_params = sum(math.prod(s) for name, s in shapes.items() if ".experts." in name)
+    assert sum(math.prod(s) for s in shapes.values()) == pytest.approx(30.5e9, rel=0.01)
+    assert expert_params == 48 * 128 * 3 * 768 * 2048
+
+
 def test_param_count_skips_a_stored_tied_lm_head(tmp_path):
     embed = torch.zeros(10, 4)
     save_file({"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone(),
@@ -70,6 +85,7 @@ def test_param_count_skips_a_stored_tied_lm_head(tmp_path):
     assert checkpoint_num_params(str(tmp_path)) == 44
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     assert checkpoint_num_params(str(tmp_path)) == 84
+    assert checkpoint_num_params(str(tmp_path), experts_only=True) == 0
 
 
 def run_bench(*args, timeout=120):

@@ -1,6 +1,8 @@
-"""Loads a Hugging Face safetensors checkpoint into Qwen3ForCausalLM, packing q/k/v and gate/up."""
+"""Loads a Hugging Face safetensors checkpoint into Qwen3ForCausalLM, packing q/k/v and gate/up
+(and, for Qwen3-MoE, stacking each layer's experts: layers.moe.FusedExperts)."""
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -53,12 +55,15 @@ def load_model(model: nn.Module, path: str) -> None:
                     continue
                 name, shard = translate(model, ckpt_name)
                 param = params.get(name)
-                if param is None:
-                    raise ValueError(f"{file}: unexpected tensor {ckpt_name!r} (no parameter {name!r} in Qwen3)")
+                if param is None or (shard or 0) >= num_shards(model, name):
+                    raise ValueError(f"{file}: unexpected tensor {ckpt_name!r} (no parameter {name!r} in Qwen3"
+                                     + (f", or no shard {shard} of it)" if shard else ")"))
                 tensor = f.get_tensor(ckpt_name)
                 module = module_of(model, name)
                 if shard is None:
                     expected = list(param.shape)
+                elif hasattr(module, "shard_shape"):
+                    expected = module.shard_shape(name.rpartition(".")[2], shard)
                 else:
                     expected = [module.output_sizes[shard], *param.shape[1:]]
                 dim = split_dim(module, name)
@@ -89,9 +94,12 @@ def load_model(model: nn.Module, path: str) -> None:
 def split_dim(module: nn.Module, param_name: str) -> int | None:
     """The dimension of a checkpoint tensor that tensor parallelism splits among the ranks, each
     loading its slice (layers' tp_dim), or None: every rank loads it whole. A bias is split with
-    its weight's output rows; a row-parallel layer's is whole (rank 0 adds it), as are norms'."""
+    its weight's output rows; a row-parallel layer's is whole (rank 0 adds it), as are norms'.
+    Stacked experts say for each of their parameters (layers.moe.FusedExperts.split_dim)."""
     dim, tp = getattr(module, "tp_dim", None), getattr(module, "tp", None)
     attr = param_name.rpartition(".")[2]
+    if callable(getattr(module, "split_dim", None)):
+        return None if tp.size == 1 else module.split_dim(attr)
     if dim is None or tp is None or tp.size == 1 or attr not in ("weight", "bias") or (attr == "bias" and dim != 0):
         return None
     return dim
@@ -115,17 +123,30 @@ def rank_slice(module: nn.Module, param_name: str, tensor: torch.Tensor) -> torc
 
 def num_shards(model: nn.Module, param_name: str) -> int:
     """How many checkpoint tensors fill a parameter: one per packed projection for a packed
-    layer's weight and bias, else one."""
+    layer's weight and bias, one per expert and projection for stacked experts, else one."""
     module, _, attr = param_name.rpartition(".")
-    output_sizes = getattr(model.get_submodule(module), "output_sizes", None)
+    module = model.get_submodule(module)
+    if callable(getattr(module, "num_shards", None)):
+        return module.num_shards(attr)
+    output_sizes = getattr(module, "output_sizes", None)
     return len(output_sizes) if output_sizes and attr in ("weight", "bias") else 1
 
 
+# One expert's projection in a Qwen3-MoE checkpoint: layers.{i}.mlp.experts.{e}.gate_proj.weight
+EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
 def translate(model: nn.Module, ckpt_name: str) -> tuple[str, int | None]:
-    """Checkpoint tensor name -> (our parameter name, shard index in a packed parameter or None)."""
+    """Checkpoint tensor name -> (our parameter name, shard index in a packed parameter or None).
+    An expert's projection is shard 2e (gate) or 2e + 1 (up) of w13_weight, or e of w2_weight."""
     name = ckpt_name.removeprefix("model.")
-    for old, new in model.renamed_modules.items():
+    for old, new in model.renames(name).items():
         name = name.replace(old, new)
+    if expert := EXPERT_TENSOR.fullmatch(name):
+        e = int(expert["expert"])
+        if expert["proj"] == "down_proj":
+            return f"{expert['experts']}.w2_weight", e
+        return f"{expert['experts']}.w13_weight", 2 * e + (expert["proj"] == "up_proj")
     for part, (packed, shard) in model.packed_modules_mapping.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{packed}."), shard
@@ -133,11 +154,15 @@ def translate(model: nn.Module, ckpt_name: str) -> tuple[str, int | None]:
 
 
 def untranslate(model: nn.Module, name: str, shard: int) -> str:
+    module, _, attr = name.rpartition(".")
+    checkpoint_name = getattr(model.get_submodule(module), "checkpoint_name", None)
+    if checkpoint_name is not None:
+        name = f"{module}.{checkpoint_name(attr, shard)}"
     for part, (packed, index) in model.packed_modules_mapping.items():
         if f".{packed}." in name and index == shard:
             name = name.replace(f".{packed}.", f".{part}.")
             break
-    for old, new in model.renamed_modules.items():
+    for old, new in model.renames(name).items():
         name = name.replace(new, old)
     return name if name.startswith("lm_head") else "model." + name
 

@@ -1,4 +1,5 @@
-"""The Qwen3 decoder (transformers' Qwen3ForCausalLM), over a flat batch of tokens."""
+"""The Qwen3 decoder (transformers' Qwen3ForCausalLM, and Qwen3MoeForCausalLM, whose layers' MLPs
+are mixtures of experts: layers/moe.py), over a flat batch of tokens."""
 import torch
 from torch import nn
 
@@ -10,6 +11,7 @@ from mini_engine.layers.attention import Attention, AttentionMetadata
 from mini_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from mini_engine.layers.layernorm import RMSNorm
 from mini_engine.layers.linear import NormedPackedLinear, RowParallelLinear
+from mini_engine.layers.moe import Qwen3SparseMoeBlock
 from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
 
@@ -55,13 +57,14 @@ class Qwen3DecoderLayer(nn.Module):
     is folded into the projection after it and each residual add into the projection before it,
     so a layer is 7 launches: qkv, qk-norm/rope/kv-write, attention, o_proj(+h), gate_up, SwiGLU,
     down(+h); at few rows also decode attention's split reduce and down_proj's split-K sum. Under
-    tensor parallelism o_proj and down_proj each add one all-reduce (layers/linear.py)."""
+    tensor parallelism o_proj and down_proj each add one all-reduce (layers/linear.py).
+    A Qwen3-MoE checkpoint's sparse layers take a Qwen3SparseMoeBlock for the MLP."""
 
     def __init__(self, config: ModelConfig, kernels: frozenset[str], cos_sin_cache: torch.Tensor,
-                 tp: TensorParallel):
+                 tp: TensorParallel, sparse: bool = False):
         super().__init__()
         self.self_attn = Qwen3Attention(config, kernels, cos_sin_cache, tp)
-        self.mlp = Qwen3MLP(config, kernels, tp)
+        self.mlp = Qwen3SparseMoeBlock(config, kernels, tp) if sparse else Qwen3MLP(config, kernels, tp)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.mlp(self.self_attn(hidden, positions, meta))
@@ -78,6 +81,9 @@ class Qwen3ForCausalLM(nn.Module):
         "self_attn.q_norm.": "self_attn.qk_norm_rope.q_norm_", "self_attn.k_norm.": "self_attn.qk_norm_rope.k_norm_",
         "input_layernorm.": "self_attn.qkv_proj.norm_", "post_attention_layernorm.": "mlp.gate_up_proj.norm_",
     }
+    # the same, in a Qwen3-MoE checkpoint's sparse layers (whose experts' tensors the loader maps
+    # through layers.moe.FusedExperts)
+    renamed_modules_sparse = renamed_modules | {"post_attention_layernorm.": "mlp.norm."}
 
     def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset(), tp: TensorParallel = TensorParallel(),
                  lm_head: bool = True):
@@ -90,12 +96,19 @@ class Qwen3ForCausalLM(nn.Module):
         # fp32 whatever the model's dtype: positions up to 40k need the precision before the cast.
         cos_sin_cache = rope_cos_sin_cache(config.head_dim, config.max_positions, config.rope_theta,
                                            yarn=config.rope_scaling)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cos_sin_cache, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cos_sin_cache, tp, config.is_sparse_layer(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "rms_norm" in kernels)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp) if lm_head else None
         if lm_head and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def renames(self, name: str) -> dict[str, str]:
+        """The renamed_modules that apply to our tensor `name` (without "model."): a sparse layer's own."""
+        layer = name.split(".")[1] if name.startswith("layers.") else None
+        if layer is not None and layer.isdigit() and self.config.is_sparse_layer(int(layer)):
+            return self.renamed_modules_sparse
+        return self.renamed_modules
 
     def fold_norm_weights(self) -> None:
         """Once the checkpoint is loaded: each layer norm's weight into the projection after it."""

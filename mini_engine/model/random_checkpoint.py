@@ -20,6 +20,19 @@ QWEN3_0_6B = {
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }
 
+# Qwen3-30B-A3B's config.json, as published: 48 layers, each a mixture of 128 experts of which a
+# token takes 8 (3.3B of its 30.5B parameters a token).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+
 
 def qwen3_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shape = ModelConfig.from_dict(config)            # head_dim and KV heads as transformers reads them
@@ -35,8 +48,16 @@ def qwen3_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_proj.weight": (hq * d, h), p + "self_attn.k_proj.weight": (hkv * d, h),
             p + "self_attn.v_proj.weight": (hkv * d, h), p + "self_attn.o_proj.weight": (h, hq * d),
             p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
         }
+        if shape.is_sparse_layer(layer):        # Qwen3-MoE: the router and each expert's projections
+            mi = shape.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (shape.num_experts, h)
+            for e in range(shape.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes |= {q + "gate_proj.weight": (mi, h), q + "up_proj.weight": (mi, h), q + "down_proj.weight": (h, mi)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)}
         if config.get("attention_bias", False):
             shapes |= {p + "self_attn.q_proj.bias": (hq * d,), p + "self_attn.k_proj.bias": (hkv * d,),
                        p + "self_attn.v_proj.bias": (hkv * d,), p + "self_attn.o_proj.bias": (h,)}
@@ -62,16 +83,30 @@ def write_random_checkpoint(path: str, config: dict, dtype: torch.dtype = torch.
     return path
 
 
-def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str:
-    """The embedded default: Qwen3-0.6B's shape with random bf16 weights, written once and reused."""
+def cached_checkpoint(name: str, config: dict, cache_dir: str | None = None, device: str = "cpu") -> str:
+    """A random bf16 checkpoint of `config`'s shape, written once to cache_dir/name and reused."""
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mini_engine")
-    path = os.path.join(cache_dir, "qwen3-0.6b-random")
+    path = os.path.join(cache_dir, name)
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         tmp = path + ".partial"
-        write_random_checkpoint(tmp, QWEN3_0_6B, device=device)
+        write_random_checkpoint(tmp, config, device=device)
         if not os.path.exists(path):        # else another process wrote it meanwhile
             os.replace(tmp, path)
     return path
+
+
+def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str:
+    """The embedded default: Qwen3-0.6B's shape with random bf16 weights."""
+    return cached_checkpoint("qwen3-0.6b-random", QWEN3_0_6B, cache_dir, device)
+
+
+def moe_checkpoint(num_layers: int, cache_dir: str | None = None, device: str = "cpu") -> str:
+    """Qwen3-30B-A3B's shape cut to num_layers of its 48 layers (1.2 GB of bf16 experts a layer,
+    61 GB in all at 48), with random bf16 weights."""
+    if not 1 <= num_layers <= QWEN3_30B_A3B["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, 48], got {num_layers}")
+    return cached_checkpoint(f"qwen3-30b-a3b-{num_layers}-layers-random",
+                             QWEN3_30B_A3B | {"num_hidden_layers": num_layers}, cache_dir, device)
 
 
 def write_embedding_layout(source: str, path: str) -> str:
