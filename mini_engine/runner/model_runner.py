@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mini_engine.config import KV_CACHE_DTYPES, EngineConfig
 from mini_engine.distributed import (TensorParallel, abandon_process_group, check_no_process_group, init_process_group,
@@ -23,8 +24,9 @@ from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, b
                                          grammar_bitmask_tensors, logit_bias_tensors, penalty_tensors)
 from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors, needs_top_k_top_p,
                                        prompt_logprob_tensors, prompt_logprobs_by_row, sample_logprobs)
+from mini_engine.layers.moe import Qwen3SparseMoeBlock
 from mini_engine.model.loader import load_model
-from mini_engine.model.qwen3 import Qwen3ForCausalLM
+from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.tensor_parallel_workers import TensorParallelWorkers
@@ -246,23 +248,31 @@ class ModelRunner:
         before it, then left the device idle while it caught up: 25-54 ms stopped in lm_head in four
         of the benchmark's nine prefill steps, and the ninth (12,823 tokens, whose kernel no count in
         a ladder of every 64th had loaded) ~30 ms in its projections (benchmarks/step_gaps.py,
-        NOTES entry 33). Hence the padding: it makes the row counts a known, short list."""
+        NOTES entry 33). Hence the padding: it makes the row counts a known, short list.
+        A Qwen3-MoE model's sparse layers have one cuBLAS product, the router's (their experts are
+        Triton's); its dense layers, if any, the dense MLP's two."""
         start = time.perf_counter()
-        mc, layer = self.model_config, self.model.layers[0]
+        mc = self.model_config
         sample_rows, token_rows = gemm_row_counts(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = self.model.layers[0].self_attn
+        mlps = {type(layer.mlp): layer.mlp for layer in self.model.layers}      # one of each kind
+        dense, sparse = mlps.get(Qwen3MLP), mlps.get(Qwen3SparseMoeBlock)
         # Zeros, read by the products (and the residual adds into `residual`, which stay zero).
         max_rows = max(sample_rows[-1], token_rows[-1])
         hidden, residual, o_in, down_in = (
             torch.zeros(max_rows, width, dtype=self.dtype, device=self.device)
-            for width in (mc.hidden_size, mc.hidden_size, attn.o_proj.in_features, mlp.down_proj.in_features))
+            for width in (mc.hidden_size, mc.hidden_size, attn.o_proj.in_features,
+                          dense.down_proj.in_features if dense else 1))
         for n in sample_rows if self.model.lm_head is not None else []:
             self.model.compute_logits(hidden[:n])
         for n in token_rows:
             attn.qkv_proj(hidden[:n])
             attn.o_proj(o_in[:n], residual=residual[:n])
-            mlp.gate_up_proj(hidden[:n])
-            mlp.down_proj(down_in[:n], residual=residual[:n])
+            if dense is not None:
+                dense.gate_up_proj(hidden[:n])
+                dense.down_proj(down_in[:n], residual=residual[:n])
+            if sparse is not None:
+                F.linear(hidden[:n], sparse.gate.weight)
         torch.cuda.synchronize(self.device)
         self.gemm_warmup_s = time.perf_counter() - start
 
