@@ -1,27 +1,16 @@
 """A Qwen3-MoE layer's MLP (transformers' Qwen3MoeSparseMoeBlock): a router picks k of E experts
 for each token, and the token's update is their SwiGLU MLPs' outputs weighted by the router's
 probabilities. The experts run as two grouped GEMMs over the tokens sorted by expert
-(kernels/fused_moe.py); the router's softmax and top-k are a few small torch ops."""
+(kernels/fused_moe.py), after one launch for the router's product, softmax and top-k
+(kernels/moe_router.py)."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mini_engine.config import ModelConfig
 from mini_engine.distributed import TensorParallel, all_reduce
 from mini_engine.kernels.fused_moe import fused_moe_ref
+from mini_engine.kernels.moe_router import route_ref
 from mini_engine.layers.layernorm import RMSNorm
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> (weights [T, k] in dtype, expert ids [T, k]): softmax in fp32, the k
-    likeliest, renormalised to sum to 1 when asked (norm_topk_prob), then rounded to the model's
-    dtype, in transformers' order."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), ids
 
 
 class FusedExperts(nn.Module):
@@ -91,10 +80,14 @@ class Qwen3SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                     use_triton="fused_moe" in kernels, tp=tp)
+        self.route = route_ref
+        if "fused_moe" in kernels:
+            from mini_engine.kernels.moe_router import route
+            self.route = route
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.norm(hidden)
-        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize, x.dtype)
+        weights, ids = self.route(x, self.gate.weight, self.top_k, self.renormalize)
         update = self.experts(x, weights, ids)
         if self.tp.size == 1:
             return hidden.add_(update)

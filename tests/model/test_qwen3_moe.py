@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from mini_engine import LLM, SamplingParams
 from mini_engine.config import EngineConfig, ModelConfig
-from mini_engine.layers.moe import Qwen3SparseMoeBlock, route
+from mini_engine.kernels.moe_router import route_ref
+from mini_engine.layers.moe import Qwen3SparseMoeBlock
 from mini_engine.model.random_checkpoint import QWEN3_0_6B, QWEN3_30B_A3B, qwen3_tensor_shapes
 from mini_engine.runner.model_runner import ModelRunner
 from tests.conftest import tiny_config
@@ -126,14 +127,14 @@ def test_malformed_expert_tensors_are_clear_errors(checkpoint_factory, tmp_path)
 
 
 def test_router_is_transformers(checkpoint_factory):
-    """route() against transformers' Qwen3MoeTopKRouter, on the checkpoint's router and the rows
-    it sees, for both settings of norm_topk_prob."""
+    """route_ref() against transformers' Qwen3MoeTopKRouter, on the checkpoint's router, for both
+    settings of norm_topk_prob (the Triton kernel against route_ref: tests/kernels/test_moe_router.py)."""
     for name in (MOE, "moe-top3"):
         router = hf_model(checkpoint_factory(name)).model.layers[0].mlp.gate
         x = torch.randn(37, router.hidden_dim, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits, their_weights, their_ids = router(x)
-        weights, ids = route(logits, router.top_k, router.norm_topk_prob, x.dtype)
+        weights, ids = route_ref(x, router.weight, router.top_k, router.norm_topk_prob)
         assert torch.equal(ids, their_ids)
         torch.testing.assert_close(weights, their_weights, rtol=1e-6, atol=1e-7)
         assert torch.allclose(weights.sum(-1), torch.ones(37)) == router.norm_topk_prob
@@ -176,7 +177,7 @@ def test_scheduler_paths_match_transformers(checkpoint_factory):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_fused_moe_kernel_in_the_model(checkpoint_factory):
-    """The experts on the grouped-GEMM Triton kernel (its interpreter on CPU), in prefill and
+    """The router and the experts on their Triton kernels (the interpreter on CPU), in prefill and
     decode steps: greedy tokens as transformers'."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -186,6 +187,9 @@ def test_fused_moe_kernel_in_the_model(checkpoint_factory):
     path = checkpoint_factory(MOE)
     llm = LLM(path, device="cpu", num_kv_blocks=256, kernels="fused_moe")
     rows = []
+    from mini_engine.kernels.moe_router import route
+    assert all(layer.mlp.route is route for layer in llm.engine.runner.model.layers if layer.mlp is not None
+               and hasattr(layer.mlp, "route"))
     for module in llm.engine.runner.model.modules():
         if isinstance(module, FusedExperts):
             assert module.impl is fused_moe
