@@ -11,9 +11,14 @@ run is the control that says how far bf16 rounding alone moves things.
    error, within 1.5x the control's.
 2. Greedy tokens, teacher-forced: for each token the engine chose, fp32's largest logit minus the
    chosen token's, given the same prefix; the worst within --margin or 1.5x the control's worst.
-3. CUDA graphs against eager steps on the same kernels: identical tokens, for 8 requests of
-   different lengths (batches that pad to a captured size and ones that hit one, requests
-   finishing mid-batch) and through a pool small enough to preempt.
+3. CUDA graphs, eager steps on the same kernels, and a pool small enough to preempt, for 8
+   requests of different lengths (batches that pad to a captured size and ones that hit one,
+   requests finishing mid-batch): each judged teacher-forced as in 2, and the graphs' run again
+   must give the same tokens (the engine is deterministic). Graphs and eager steps are not
+   required to agree bit for bit: a graph's decode attention splits the context for
+   max_model_len, an eager step for the batch's longest sequence, so their sums round
+   differently, and a router with 128 experts often has a near tie that such a difference
+   tips (benchmarks/NOTES.md, entry 55). Their agreeing prefixes are reported.
 4. After every run, every KV block is free.
 """
 import argparse
@@ -25,6 +30,13 @@ import sys
 import tempfile
 
 import torch
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def main():
@@ -78,6 +90,7 @@ def main():
 
     def run(label, **options):
         llm = LLM(path, max_num_seqs=64, **({"num_kv_blocks": 256} | options))
+        # the graphs' runs: requests of different lengths, so that batches shrink mid-run
         outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=max(1, args.tokens - 2 * i),
                                                         ignore_eos=True)
                                          for i in range(len(prompts))] if "graphs" in label else greedy,
@@ -115,17 +128,22 @@ def main():
             failures.append(f"{label}: logits rel err {err:.4g} > 1.5 x control {control_err:.4g}")
         if margin > limit_margin:
             failures.append(f"{label}: a greedy token {margin:.3f} below fp32's argmax (limit {limit_margin:.3f})")
-    graphs, _, graph_info = run("graphs")
-    eager, _, _ = run("graphs eager", enforce_eager=True)
     block_size = 64 if dev == "cuda" else 16          # the engine's default
     longest = -(-(max(map(len, prompts)) + args.tokens) // block_size)
-    small, _, small_info = run("graphs small pool", num_kv_blocks=longest + 1)
-    results["graphs"] = dict(equal_to_eager=graphs == eager, small_pool_equal=small == eager, **graph_info,
-                             small_pool_preemptions=small_info["preemptions"])
-    if graphs != eager or small != eager:
-        failures.append("CUDA graphs: tokens differ from eager steps'")
-    if dev == "cuda" and (not graph_info["cuda_graphs"] or not small_info["preemptions"]):
-        failures.append(f"graphs not used ({graph_info}) or the small pool never preempted ({small_info})")
+    runs = {"graphs": {}, "graphs again": {}, "eager steps": dict(enforce_eager=True),
+            "graphs, small pool": dict(num_kv_blocks=longest + 1)}
+    tokens = {}
+    for label, options in runs.items():
+        tokens[label], _, info = run("graphs " + label, **options)
+        margin = worst_margin(tokens[label])
+        results[label] = dict(worst_margin=margin, agreeing_prefix_with_graphs=[
+            common_prefix(a, b) for a, b in zip(tokens[label], tokens["graphs"])], **info)
+        if margin > limit_margin:
+            failures.append(f"{label}: a greedy token {margin:.3f} below fp32's argmax (limit {limit_margin:.3f})")
+    if tokens["graphs again"] != tokens["graphs"]:
+        failures.append("the same run with CUDA graphs twice gave different tokens")
+    if dev == "cuda" and (not results["graphs"]["cuda_graphs"] or not results["graphs, small pool"]["preemptions"]):
+        failures.append("graphs not used, or the small pool never preempted")
     print(json.dumps(results, indent=1))
     for failure in failures:
         print("FAILED:", failure)

@@ -12,7 +12,8 @@ on T, K, E and BLOCK_M only, never on the routing, so the layer can be captured 
 vLLM's fused_moe works the same way (its moe_align_block_size).
 
 fused_moe: moe_align; gate/up GEMM into [T*K, 2I]; silu_and_mul; down GEMM, scaled by the
-routing weight, into [T*K, H]; the sum over each token's K rows.
+routing weight, into [T*K, H]; the sum over each token's K rows, added to the residual stream:
+five launches (moe_align's one at decode).
 """
 from dataclasses import dataclass
 
@@ -23,12 +24,13 @@ from mini_engine.kernels.activation import silu_and_mul_ref
 
 
 def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I],
     topk_weights and topk_ids [T, K] -> [T, H]. transformers' loop over the experts hit, with its
     rounding: each expert's down output is rounded to the model dtype, multiplied by the routing
     weight in that dtype, and added into a model-dtype sum, in the same order (expert by expert;
-    within an expert, by k, then by token). The CPU path of the engine."""
+    within an expert, by k, then by token). With residual, the sum is added into it (the decoder's
+    residual add) and residual returned. The CPU path of the engine."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden)
     # Pair q = k * T + t is transformers' order within an expert (torch.where over a [K, T] mask).
@@ -44,7 +46,7 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         k, tokens = pairs // num_tokens, pairs % num_tokens
         act = silu_and_mul_ref(F.linear(hidden[tokens], w13[expert]))
         out.index_add_(0, tokens, F.linear(act, w2[expert]) * topk_weights[tokens, k, None])
-    return out
+    return out if residual is None else residual.add_(out)
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,12 @@ def max_padded_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-bound // block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     """Sort the pairs by expert (stable, so pairs of one expert keep their order) and pad each
     expert's group to a multiple of block_m. Device ops only, no host sync (no .item(), nonzero or
-    bincount, whose output size is data-dependent), so that it can be captured in a CUDA graph."""
+    bincount, whose output size is data-dependent), so that it can be captured in a CUDA graph:
+    about twenty small launches, which a decode step pays in every sparse layer (moe_align takes
+    one Triton launch there instead)."""
     device = topk_ids.device
     experts = topk_ids.reshape(-1).long()
     num_pairs = experts.numel()
@@ -99,6 +103,75 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
 
 from mini_engine.kernels.activation import silu_and_mul  # noqa: E402
 from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
+
+
+@triton.jit
+def _moe_align_kernel(topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr, num_pairs,
+                      max_padded, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """moe_align_ref's layout, program c filling slots [c CHUNK, (c+1) CHUNK) and placing pairs
+    [c CHUNK, (c+1) CHUNK). Each program counts every pair's expert for itself (a [CHUNK, E]
+    comparison a step: a few thousand pairs at decode), and the pairs of each expert before its
+    own chunk; a pair's slot is then its expert's start, plus the pairs of that expert before it.
+    Padding slots get the sentinel and pair slots a pair id, so no slot is written twice."""
+    pdl_enter(USE_PDL)
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)          # this expert's pairs in the chunks before this one
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + tl.arange(0, CHUNK)
+        # a masked pair's id matches no expert's column
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=BLOCK_E).to(tl.int32)
+        hits = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        counts += hits
+        before += tl.where(start < chunk * CHUNK, hits, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    if chunk == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+    # This chunk's slots: each slot's expert is the number of groups that end at or before it.
+    slots = chunk * CHUNK + tl.arange(0, CHUNK)
+    slot_expert = tl.sum((ends[None, :] <= slots[:, None]).to(tl.int32), axis=1)
+    mine = experts[None, :] == slot_expert[:, None]
+    padding = slots - tl.sum(tl.where(mine, starts[None, :], 0), axis=1) >= tl.sum(tl.where(mine, counts[None, :], 0),
+                                                                                 axis=1)
+    in_range = slots < max_padded
+    tl.store(sorted_pair_ids_ptr + slots, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=in_range & padding)
+    tl.store(block_expert_ids_ptr + slots // BLOCK_M, tl.minimum(slot_expert, NUM_EXPERTS - 1),
+             mask=in_range & (slots % BLOCK_M == 0))
+
+    # This chunk's pairs: slot = expert's start + its pairs before this chunk + before it in the chunk.
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=BLOCK_E).to(tl.int32)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+    rank = tl.cumsum(onehot, axis=0) - onehot + before[None, :] + starts[None, :]
+    tl.store(sorted_pair_ids_ptr + tl.sum(onehot * rank, axis=1), pairs, mask=pairs < num_pairs)
+
+
+# The most pairs moe_align lays out with its Triton kernel: each program counts every pair, so the
+# work grows with the square of the pairs; decode steps have at most max_num_seqs x K (2,048 for
+# Qwen3-30B-A3B at 256 sequences). Prefill steps' tens of thousands take moe_align_ref's sort.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+ALIGN_CHUNK = 128
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """moe_align_ref's layout; in one Triton launch where there are at most ALIGN_KERNEL_MAX_PAIRS pairs."""
+    num_pairs = topk_ids.numel()
+    if not 0 < num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_ref(topk_ids, num_experts, block_m)
+    max_padded = max_padded_slots(num_pairs, num_experts, block_m)
+    sorted_pair_ids = torch.empty(max_padded, dtype=torch.int32, device=topk_ids.device)
+    block_expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=topk_ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    _moe_align_kernel[(triton.cdiv(max_padded, ALIGN_CHUNK),)](
+        topk_ids.contiguous(), sorted_pair_ids, block_expert_ids, num_padded, num_pairs, max_padded,
+        NUM_EXPERTS=num_experts, BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_M=block_m,
+        CHUNK=ALIGN_CHUNK, num_warps=4, **pdl_options(topk_ids.device))
+    return MoeAlignment(sorted_pair_ids, block_expert_ids, num_padded, block_m)
 
 
 @triton.jit
@@ -150,6 +223,25 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_pair_id
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _sum_pairs_kernel(pairs_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (token, column block): out = the sum of the token's K pair rows, in fp32, rounded;
+    with ADD_OUT that rounded sum is added to what out holds (the residual stream), as
+    fused_moe_ref rounds it. K rows in a fixed order: a token's bits do not depend on its batch."""
+    pdl_enter(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden_size
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (token * TOP_K + k) * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if ADD_OUT:
+        out = (out.to(tl.float32) + tl.load(out_ptr + token * hidden_size + cols, mask=mask).to(tl.float32))
+    tl.store(out_ptr + token * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     block_m: int        # slots per program, and the padding unit of moe_align
@@ -190,12 +282,14 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weig
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
-    """fused_moe_ref's result (shapes there), as two grouped GEMMs. Sums run in fp32 and the routing
-    weight scales a pair's fp32 down sum before it is rounded, so in bf16 the result differs from
-    the reference's (rounded at every step) by a few ulps. config overrides moe_config's choice.
-    Static shapes, no host sync: CUDA-graph safe."""
+              topk_ids: torch.Tensor, config: MoeConfig | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe_ref's result (shapes there; with residual, added into it), as two grouped GEMMs.
+    Sums run in fp32 and the routing weight scales a pair's fp32 down sum before it is rounded, so
+    in bf16 the result differs from the reference's (rounded at every step) by a few ulps. config
+    overrides moe_config's choice. Static shapes, no host sync: CUDA-graph safe."""
     assert hidden.is_contiguous() and topk_weights.is_contiguous()
+    assert residual is None or (residual.shape == hidden.shape and residual.is_contiguous())
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1
     num_tokens, hidden_size = hidden.shape
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
@@ -203,7 +297,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     assert w2.shape[2] * 2 == w13.shape[1] and topk_weights.shape == topk_ids.shape
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
-        return torch.zeros_like(hidden)
+        return torch.zeros_like(hidden) if residual is None else residual
     cfg = config or moe_config(num_pairs, num_experts)
     align = moe_align(topk_ids, num_experts, cfg.block_m)
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
@@ -211,4 +305,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     act = silu_and_mul(gate_up)
     out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, out, topk_weights, align, top_k, True, cfg)
-    return out.view(num_tokens, top_k, hidden_size).sum(1, dtype=torch.float32).to(hidden.dtype)
+    total = torch.empty_like(hidden) if residual is None else residual
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out, total, hidden_size, TOP_K=top_k, BLOCK_H=block_h, ADD_OUT=residual is not None, num_warps=4,
+        **pdl_options(hidden.device))
+    return total

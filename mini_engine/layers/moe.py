@@ -33,8 +33,10 @@ class FusedExperts(nn.Module):
             from mini_engine.kernels.fused_moe import fused_moe
             self.impl = fused_moe
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.impl(x, self.w13_weight, self.w2_weight, weights, ids)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' update of x's rows; with residual, added into it (and residual returned)."""
+        return self.impl(x, self.w13_weight, self.w2_weight, weights, ids, residual=residual)
 
     # ---- what the loader asks (model/loader.py) ----
 
@@ -88,13 +90,12 @@ class Qwen3SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.norm(hidden)
         weights, ids = self.route(x, self.gate.weight, self.top_k, self.renormalize)
-        update = self.experts(x, weights, ids)
         if self.tp.size == 1:
-            return hidden.add_(update)
+            return self.experts(x, weights, ids, residual=hidden)
         # Each rank's update is its share of the experts' columns: a term of the sum, as a
         # row-parallel product's (layers/linear.py RowParallelLinear).
         if self.tp.rank == 0:
-            hidden.add_(update)
+            self.experts(x, weights, ids, residual=hidden)
         else:
-            hidden.copy_(update)
+            hidden.copy_(self.experts(x, weights, ids))
         return all_reduce(hidden, self.tp)

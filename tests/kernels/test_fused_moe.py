@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
-from mini_engine.kernels.fused_moe import (DECODE_CONFIG, PREFILL_CONFIG, fused_moe, fused_moe_ref,  # noqa: E402
-                                           max_padded_slots, moe_align)
+from mini_engine.kernels.fused_moe import (ALIGN_KERNEL_MAX_PAIRS, DECODE_CONFIG, PREFILL_CONFIG,  # noqa: E402
+                                           fused_moe, fused_moe_ref, max_padded_slots, moe_align, moe_align_ref)
 
 # bf16: the reference rounds to bf16 at every step (down output, times the weight, each add into
 # the sum), the kernel once per pair and once per token; and the interpreter rounds fp32 -> bf16
@@ -113,11 +113,11 @@ def test_fused_moe_applies_each_routing_weight_once(device):
         assert not torch.allclose(out, fused_moe_ref(hidden, w13, w2, wrong, ids), **TOL[torch.bfloat16])
 
 
-def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, align_fn=moe_align) -> None:
     """moe_align's layout, expert by expert: its pairs, then sentinels up to a multiple of block_m,
     from a start that is the previous groups' padded sizes summed; blocks labelled with the expert;
     sentinels in every slot past num_padded."""
-    align = moe_align(ids, num_experts, block_m)
+    align = align_fn(ids, num_experts, block_m)
     num_pairs = ids.numel()
     sorted_pair_ids, block_expert_ids = align.sorted_pair_ids.cpu(), align.block_expert_ids.cpu()
     max_padded = max_padded_slots(num_pairs, num_experts, block_m)
@@ -138,22 +138,50 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     assert (sorted_pair_ids[start:] == num_pairs).all()
 
 
+@pytest.mark.parametrize("align_fn", [moe_align, moe_align_ref], ids=["kernel", "ref"])
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,ids_dtype", [
     (1, 8, 128, 16, torch.int64),     # decode: 8 experts of one pair each, max_padded reached exactly
     (37, 4, 8, 16, torch.int32),
     (100, 2, 4, 64, torch.int64),
     (13, 3, 5, 4, torch.int32),
     (0, 2, 4, 16, torch.int64),
+    (300, 2, 6, 16, torch.int32),     # 600 pairs: the kernel's programs each take 128 of them
 ])
-def test_moe_align_layout(device, num_tokens, top_k, num_experts, block_m, ids_dtype):
+def test_moe_align_layout(device, align_fn, num_tokens, top_k, num_experts, block_m, ids_dtype):
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
-    check_alignment(ids.to(device, ids_dtype), num_experts, block_m)
+    check_alignment(ids.to(device, ids_dtype), num_experts, block_m, align_fn)
     # routings with repeats and skewed loads: independent draws, and every pair on the last expert
     check_alignment(torch.randint(0, num_experts, (num_tokens, top_k), generator=gen).to(device, ids_dtype),
-                    num_experts, block_m)
+                    num_experts, block_m, align_fn)
     check_alignment(torch.full((num_tokens, top_k), num_experts - 1, dtype=ids_dtype, device=device),
-                    num_experts, block_m)
+                    num_experts, block_m, align_fn)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(1, 8, 128, 16), (200, 8, 128, 16),
+                                                                  (70, 3, 7, 64), (513, 8, 128, 16)])
+def test_align_kernel_lays_out_as_the_reference(device, num_tokens, top_k, num_experts, block_m):
+    """The Triton layout is moe_align_ref's slot for slot (both keep each expert's pairs in order).
+    513 tokens x 8 is past ALIGN_KERNEL_MAX_PAIRS: moe_align takes the reference's path there."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen).to(device)
+    got, ref = moe_align(ids, num_experts, block_m), moe_align_ref(ids, num_experts, block_m)
+    assert (num_tokens * top_k > ALIGN_KERNEL_MAX_PAIRS) == (num_tokens == 513)
+    for name in ("sorted_pair_ids", "block_expert_ids", "num_padded"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_adds_into_the_residual(device, dtype):
+    """With residual: the experts' sum, rounded, added into it in place (the decoder's residual add)."""
+    hidden, w13, w2, weights, ids = make_inputs("ragged", dtype, device)
+    residual = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    expected = fused_moe_ref(hidden, w13, w2, weights, ids, residual=residual.clone())
+    mine = residual.clone()
+    out = fused_moe(hidden, w13, w2, weights, ids, residual=mine)
+    assert out.data_ptr() == mine.data_ptr()
+    torch.testing.assert_close(mine, expected, **TOL[dtype])
+    assert not torch.allclose(mine, fused_moe(hidden, w13, w2, weights, ids), **TOL[dtype])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

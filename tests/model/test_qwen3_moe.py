@@ -193,7 +193,7 @@ def test_fused_moe_kernel_in_the_model(checkpoint_factory):
     for module in llm.engine.runner.model.modules():
         if isinstance(module, FusedExperts):
             assert module.impl is fused_moe
-            module.impl = lambda x, *args: rows.append(x.shape[0]) or fused_moe(x, *args)
+            module.impl = lambda x, *args, **kwargs: rows.append(x.shape[0]) or fused_moe(x, *args, **kwargs)
     prompts = mixed_prompts()[:3]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
