@@ -251,19 +251,24 @@ class MoeConfig:
     num_stages: int = 3
 
 
-# Untuned starting points, to tune on the H200. Few pairs per expert (decode, small batches): each
-# expert's block is mostly padding and the kernel is bound by reading the experts' weights, so a
-# short block_m wastes little and a long K step keeps many loads in flight. Many pairs per expert
-# (prefill): compute bound, so taller tiles reuse each weight tile over more rows.
+# From benchmarks/moe_sweep.py on the H200 (Qwen3-30B-A3B's experts, one layer, weights from HBM,
+# uniform routing; benchmarks/NOTES.md, entry 55). Decode is bound by reading the experts: at 1-128
+# tokens a 16-row block, 64 columns and 128 of K a step came within 0.5% of the best of 21
+# configurations (38 us at one token, where the 8 experts' bytes take 18 at copy bandwidth; 306
+# against 283 us at 128 tokens). At 256 tokens (16 pairs an expert) a 32-row block reads each
+# expert's weights once more rarely: 326 against 347 us. Prefill is bound by the tensor cores:
+# 128 x 256 tiles on 8 warps, 2.87 against 3.54 ms at 16,384 tokens (431 against 349 TFLOP/s).
 DECODE_CONFIG = MoeConfig(block_m=16, block_n=64, block_k=128)
-PREFILL_CONFIG = MoeConfig(block_m=64, block_n=128, block_k=64)
+DECODE_WIDE_CONFIG = MoeConfig(block_m=32, block_n=64, block_k=128)
+PREFILL_CONFIG = MoeConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
 def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
-    """Tiles by the mean number of pairs per expert: up to 16 (Qwen3-30B-A3B: 128 experts, K = 8,
-    so up to 256 tokens), a 16-row block holds an expert's pairs with little padding; past it, the
-    64-row block's padding (under one block per expert) is small against the work."""
-    return DECODE_CONFIG if num_pairs <= 16 * num_experts else PREFILL_CONFIG
+    """Tiles by the mean number of pairs an expert gets: up to 8 (Qwen3-30B-A3B: 128 tokens), a
+    16-row block; up to 16 (256 tokens), 32 rows; past that, prefill's tiles."""
+    if num_pairs <= 8 * num_experts:
+        return DECODE_CONFIG
+    return DECODE_WIDE_CONFIG if num_pairs <= 16 * num_experts else PREFILL_CONFIG
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,

@@ -3,8 +3,9 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
-from mini_engine.kernels.fused_moe import (ALIGN_KERNEL_MAX_PAIRS, DECODE_CONFIG, PREFILL_CONFIG,  # noqa: E402
-                                           fused_moe, fused_moe_ref, max_padded_slots, moe_align, moe_align_ref)
+from mini_engine.kernels.fused_moe import (ALIGN_KERNEL_MAX_PAIRS, DECODE_CONFIG, DECODE_WIDE_CONFIG,  # noqa: E402
+                                           PREFILL_CONFIG, fused_moe, fused_moe_ref, max_padded_slots, moe_align,
+                                           moe_align_ref)
 
 # bf16: the reference rounds to bf16 at every step (down output, times the weight, each add into
 # the sum), the kernel once per pair and once per token; and the interpreter rounds fp32 -> bf16
@@ -24,7 +25,7 @@ CASES = {
     "one_expert": (20, 48, 40, 4, 2, "one_expert"),  # all 40 pairs on expert 2: several 16-slot blocks
     "wide": (9, 256, 64, 8, 2, "random"),
 }
-CONFIGS = {"block_m16": DECODE_CONFIG, "block_m64": PREFILL_CONFIG}
+CONFIGS = {"block_m16": DECODE_CONFIG, "block_m32": DECODE_WIDE_CONFIG, "block_m128": PREFILL_CONFIG}
 
 
 def make_inputs(case: str, dtype: torch.dtype, device: str, seed: int = 0):
