@@ -33,16 +33,26 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for a JSON of the results")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--moe-layers", type=int, metavar="N",
+                    help="instead: Qwen3-30B-A3B's shape cut to N layers (each rank half of every expert's columns)")
     args = ap.parse_args()
     if not args.cpu_dry_run and torch.cuda.device_count() < 2:
         sys.exit("tensor_parallel_check.py needs two GPUs (or --cpu-dry-run)")
-    from transformers import Qwen3ForCausalLM as HFQwen3
+    from transformers import AutoModelForCausalLM as HFQwen3       # Qwen3ForCausalLM, or Qwen3-MoE's
 
     from benchmarks.gpu_correctness import common_prefix, std006_checkpoint
     from mini_engine import LLM, SamplingParams
 
     dev = "cpu" if args.cpu_dry_run else "cuda"
     path, config = std006_checkpoint(args.cpu_dry_run, dev)
+    if args.moe_layers:
+        from mini_engine.model.random_checkpoint import QWEN3_30B_A3B, write_random_checkpoint
+        config = QWEN3_30B_A3B | {"num_hidden_layers": args.moe_layers}
+        if args.cpu_dry_run:
+            config |= dict(vocab_size=2048, hidden_size=64, moe_intermediate_size=32, num_experts=16,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        path = write_random_checkpoint(os.path.join(os.path.dirname(path), f"qwen3-moe-tp-{args.moe_layers}"),
+                                       config, std=0.06, seed=1, device=dev)
     rng = random.Random(0)
     prompts = [[rng.randrange(config["vocab_size"]) for _ in range(n)]
                for n in (5, 17, 64, 200, 333, 1000, 31, 128, 2, 45, 700, 90, 12)]
