@@ -32,13 +32,6 @@ import tempfile
 import torch
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -52,6 +45,7 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.gpu_correctness import common_prefix
     from mini_engine import LLM, SamplingParams
     from mini_engine.model.random_checkpoint import QWEN3_30B_A3B, write_random_checkpoint
     config = QWEN3_30B_A3B | {"num_hidden_layers": args.layers}
