@@ -1,12 +1,12 @@
 """A Qwen3-MoE layer's router (transformers' Qwen3MoeTopKRouter): each token's logits over the E
 experts, their softmax, the k likeliest and their renormalised weights, in one launch.
 
-One launch instead of six (the product, softmax, top-k, the sum, the division, the cast), and,
-what matters more, a token's experts do not depend on the batch around it: a program takes 16
-tokens and walks the hidden dimension in a fixed order, where cuBLAS picks its kernel (and its
-split of the sum) by the number of rows. A router's top experts are often near ties in bf16, so
-a CUDA graph's padded batch and an eager step's unpadded one chose different experts for the
-same token under cuBLAS (benchmarks/moe_check.py, NOTES entry 55)."""
+One launch instead of six (the product, softmax, top-k, the sum, the division, the cast). A
+token's experts do not depend on the batch around it by construction: a program takes 16 tokens
+and walks the hidden dimension in a fixed order, whatever the number of rows. (It was written
+because a CUDA graph's run and an eager run picked other experts for a token; cuBLAS's router
+product turned out to give every row the same bits at 5-256 rows on the H200 too, and the
+difference was elsewhere: decode attention's splits, benchmarks/NOTES.md, entry 55.)"""
 import torch
 import torch.nn.functional as F
 
