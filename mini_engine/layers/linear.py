@@ -72,6 +72,16 @@ class PackedLinear(Linear):
         super().__init__(in_features, sum(output_sizes), bias=bias, use_triton=use_triton, tp=tp)
         self.output_sizes = output_sizes
 
+    # ---- what the loader asks (model/loader.py), as of layers.moe.FusedExperts ----
+
+    def num_shards(self, attr: str) -> int:
+        """Checkpoint tensors that fill parameter `attr`: one a projection for the weight and bias."""
+        return len(self.output_sizes) if attr in ("weight", "bias") else 1
+
+    def shard_shape(self, attr: str, shard: int) -> list[int]:
+        """Projection `shard`'s part of `attr`: its rows (this rank's share of them)."""
+        return [self.output_sizes[shard], *getattr(self, attr).shape[1:]]
+
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]

@@ -62,10 +62,8 @@ def load_model(model: nn.Module, path: str) -> None:
                 module = module_of(model, name)
                 if shard is None:
                     expected = list(param.shape)
-                elif hasattr(module, "shard_shape"):
-                    expected = module.shard_shape(name.rpartition(".")[2], shard)
                 else:
-                    expected = [module.output_sizes[shard], *param.shape[1:]]
+                    expected = module.shard_shape(name.rpartition(".")[2], shard)
                 dim = split_dim(module, name)
                 if dim is not None:           # the parameter is this rank's slice of the tensor
                     expected[dim] = getattr(module, "vocab_size", expected[dim] * module.tp.size)
@@ -122,14 +120,11 @@ def rank_slice(module: nn.Module, param_name: str, tensor: torch.Tensor) -> torc
 
 
 def num_shards(model: nn.Module, param_name: str) -> int:
-    """How many checkpoint tensors fill a parameter: one per packed projection for a packed
-    layer's weight and bias, one per expert and projection for stacked experts, else one."""
+    """How many checkpoint tensors fill a parameter, as its module says (a packed layer's weight and
+    bias: one a projection; stacked experts: one an expert and projection), else one."""
     module, _, attr = param_name.rpartition(".")
-    module = model.get_submodule(module)
-    if callable(getattr(module, "num_shards", None)):
-        return module.num_shards(attr)
-    output_sizes = getattr(module, "output_sizes", None)
-    return len(output_sizes) if output_sizes and attr in ("weight", "bias") else 1
+    shards = getattr(model.get_submodule(module), "num_shards", None)
+    return shards(attr) if callable(shards) else 1
 
 
 # One expert's projection in a Qwen3-MoE checkpoint: layers.{i}.mlp.experts.{e}.gate_proj.weight
