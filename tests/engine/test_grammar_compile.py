@@ -131,14 +131,17 @@ def test_a_compiled_request_keeps_its_place_in_the_queue(tokenized_model, held_c
     compiled it goes before the plain one that came after it (FCFS)."""
     release, _ = held_compiles
     engine = LLM(tokenized_model, device="cpu", num_kv_blocks=64, max_num_seqs=2).engine
-    engine.add_request("Hello", choice_params(), "structured")
+    structured = engine.add_request("Hello", choice_params(), "structured")
     engine.add_request("Hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), "short")
     engine.add_request("Ho", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "long")
     engine.add_request("Hey", PLAIN, "last")
     started = []
     while engine.has_unfinished_requests():
-        if {"short", "long"} <= {seq.request_id for seq in engine.scheduler.running}:
+        if not release.is_set() and {"short", "long"} <= {seq.request_id for seq in engine.scheduler.running}:
             release.set()
+            # The compile must end before "short" does (two steps), or "last" takes the free
+            # place by rights; on a busy machine the compile thread could lose that race.
+            structured.grammar_compiling.result(timeout=30)
         started += [r for r in (seq.request_id for seq in engine.scheduler.running) if r not in started]
         engine.step()
     assert started == ["short", "long", "structured", "last"]
