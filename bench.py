@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
+    engine.add_argument("--quantization", choices=["fp8"], help="mini only: fp8 weights (an FP8 checkpoint "
+                        "is fp8 without it; with it a bf16 one is quantized as it loads)")
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--no-async-scheduling", action="store_true", help="mini only: each step waits for its tokens")
     engine.add_argument("--speculative-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
@@ -128,7 +130,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching,
                   kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size,
                   async_scheduling=not opts.no_async_scheduling)
-    for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "speculative_config"):
+    for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "speculative_config",
+                 "quantization"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
     llm = LLM(model, **kwargs)
@@ -160,10 +163,14 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                "cuda_graph_reserve_bytes": getattr(runner, "graph_reserve_bytes", None),
                "gemm_warmup_s": getattr(runner, "gemm_warmup_s", None)}
     kv_blocks_free = engine.num_free_blocks == engine.block_manager.num_blocks
+    weight_bytes = None
+    if engine.config.quantization:      # fp8 weights: the bytes the ranks hold (a tied lm_head once), for the floor
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters()) * opts.tensor_parallel_size
     llm.shutdown()
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
             "kv_blocks_free": kv_blocks_free,
             "dtype_bytes": runner.dtype.itemsize, "kv_dtype_bytes": runner.kv_cache_dtype.itemsize,
+            "weight_bytes": weight_bytes,
             "engine_version": None, "engine_config": config,
             "engine_stats": {"num_preemptions": engine.num_preemptions,
                              "prefix_cache_hit_tokens": engine.prefix_cache_hit_tokens,
@@ -235,7 +242,7 @@ def main(argv=None) -> int:
         mc = ModelConfig.from_dict(model_config)
         experts = (checkpoint_num_params(model, experts_only=True) * dtype_bytes, mc.num_experts, mc.num_experts_per_tok)
     floor = floor_report(workload_floor([len(p) for p in prompts], max_tokens,
-                                        checkpoint_num_params(model) * dtype_bytes,
+                                        result.get("weight_bytes") or checkpoint_num_params(model) * dtype_bytes,
                                         kv_bytes_per_token(model_config, result["kv_dtype_bytes"]), experts),
                          bandwidth * opts.tensor_parallel_size, wall)
     exact = result["output_counts"] == max_tokens

@@ -8,6 +8,7 @@ from mini_engine.distributed import check_divisible
 from mini_engine.json_files import read_json_file
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
 from mini_engine.pooling_params import PoolerConfig
+from mini_engine.quantization import QUANTIZATION_METHODS, Fp8Config, parse_quantization_config
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.speculative import SpeculativeConfig
@@ -50,6 +51,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # An FP8 checkpoint's quantization_config (Qwen3-*-FP8: mini_engine/quantization.py), or None.
+    quantization: Fp8Config | None = None
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer`'s MLP is a mixture of experts (transformers' rule)."""
@@ -73,6 +76,10 @@ class ModelConfig:
                 f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM and Qwen3MoeForCausalLM")
         rope_scaling = parse_rope_scaling(raw)
         _, params = rope_parameters(raw)
+        quantization = parse_quantization_config(raw.get("quantization_config"))
+        if quantization is not None and moe:
+            raise ValueError("config.json: fp8 Qwen3-MoE checkpoints are not supported (their experts would need "
+                             "an fp8 grouped GEMM); the dense Qwen3-*-FP8 ones are")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
         for name in required:
@@ -112,6 +119,7 @@ class ModelConfig:
             is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
             matryoshka_dimensions=tuple(raw["matryoshka_dimensions"]) if raw.get("matryoshka_dimensions") else None,
             classifier_from_token=tuple(raw["classifier_from_token"]) if raw.get("classifier_from_token") else None,
+            quantization=quantization,
             **(moe_fields(raw) if moe else {}),
         )
 
@@ -221,6 +229,10 @@ class EngineConfig:
     # "prompt_lookup_max": ..., "prompt_lookup_min": ..., "disable_by_batch_size": ...}
     # (mini_engine/speculative.py). Steps that propose drafts run synchronously.
     speculative_config: dict | SpeculativeConfig | None = None
+    # As vLLM's --quantization: None, whatever the checkpoint is (an FP8 checkpoint runs in fp8);
+    # or "fp8", which also quantizes a bf16 checkpoint's projections to fp8 blocks as it loads
+    # them (mini_engine/quantization.py): half the weights' bytes, fp8 tensor cores for prefill.
+    quantization: str | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
@@ -254,6 +266,13 @@ class EngineConfig:
             self.model_config = ModelConfig.from_pretrained(self.model, self.hf_overrides)
         elif self.hf_overrides:
             raise ValueError("hf_overrides change config.json as it is read: give them or a model_config, not both")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
+        if self.model_config.quantization is not None:
+            self.quantization = "fp8"
+        elif self.quantization == "fp8" and self.model_config.num_experts:
+            raise ValueError("quantization='fp8' is not supported for Qwen3-MoE (the experts would need an fp8 "
+                             "grouped GEMM)")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         mc = self.model_config

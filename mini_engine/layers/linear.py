@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mini_engine.distributed import TensorParallel, all_reduce
+from mini_engine.kernels.fp8_linear import BLOCK, FP8, fp8_linear_ref, quantize_fp8_weight_ref
 from mini_engine.kernels.linear import skinny_config
 from mini_engine.kernels.rms_norm import rms_norm_ref
 
@@ -14,7 +15,11 @@ class Linear(nn.Linear):
 
     forward(x, residual) adds the product to the residual stream in place, in the product's own
     epilogue (cuBLAS's beta = 1, or the skinny kernel's store): the decoder's residual adds cost
-    no launch of their own."""
+    no launch of their own.
+
+    With fp8 weights (hold_fp8_weight: an FP8 checkpoint, or quantization="fp8"), the weight is
+    float8_e4m3fn in 128 x 128 blocks, each with its fp32 scale in weight_scale_inv, and the
+    product is kernels/fp8_linear.py's."""
     # Under tensor parallelism, the dimension of the checkpoint's weight that a rank holds a slice
     # of (model/loader.py cuts it): 0, output rows (a column-parallel layer); 1, input columns
     # (row-parallel); None, all of it.
@@ -25,8 +30,36 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.use_triton = use_triton
         self.tp = tp
+        self.weight_scale_inv: nn.Parameter | None = None       # with fp8 weights: their block scales
+        self.fp8_product = fp8_linear_ref
+
+    def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
+                        scale: torch.Tensor | None = None) -> None:
+        """Hold the weight as fp8 blocks: the given ones (quantization="fp8"), or empty ones that
+        the loader fills from an FP8 checkpoint. A block must not straddle two projections of a
+        packed layer, nor two ranks' shares."""
+        n, k = self.weight.shape
+        if self.tp.size > 1 and (n if self.tp_dim == 0 else k) % BLOCK:
+            raise ValueError(f"fp8 weights under tensor parallelism: a rank's share of a projection "
+                             f"({n} x {k}) must be whole {BLOCK}-wide blocks")
+        device = self.weight.device
+        if weight is None:
+            weight = torch.empty(n, k, dtype=FP8, device=device)
+            scale = torch.empty(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32, device=device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        if use_triton:
+            from mini_engine.kernels.fp8_linear import fp8_linear
+            self.fp8_product = fp8_linear
+
+    @torch.no_grad()
+    def quantize_weight_fp8(self, use_triton: bool) -> None:
+        """quantization="fp8": the loaded weight, in fp8 blocks from now on."""
+        self.hold_fp8_weight(use_triton, *quantize_fp8_weight_ref(self.weight))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight_scale_inv is not None:
+            return self.fp8_product(x, self.weight, self.weight_scale_inv, residual, bias=self.bias)
         if self.bias is not None:
             out = F.linear(x, self.weight, self.bias)
             return out if residual is None else residual.add_(out)
@@ -55,6 +88,8 @@ class RowParallelLinear(Linear):
             raise ValueError("a row-parallel product under tensor parallelism sums into the residual stream")
         if self.tp.rank == 0:
             super().forward(x, residual)
+        elif self.weight_scale_inv is not None:
+            residual.copy_(self.fp8_product(x, self.weight, self.weight_scale_inv))
         else:
             torch.mm(x, self.weight.t(), out=residual)
         return all_reduce(residual, self.tp)
@@ -74,17 +109,32 @@ class PackedLinear(Linear):
 
     # ---- what the loader asks (model/loader.py), as of layers.moe.FusedExperts ----
 
+    def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
+                        scale: torch.Tensor | None = None) -> None:
+        if any(size % BLOCK for size in self.output_sizes):
+            raise ValueError(f"fp8 weights: the projections packed here ({self.output_sizes} rows) must be "
+                             f"whole {BLOCK}-row blocks, so that each block's scale is one projection's")
+        super().hold_fp8_weight(use_triton, weight, scale)
+
+    # ---- what the loader asks (model/loader.py), as of layers.moe.FusedExperts ----
+
     def num_shards(self, attr: str) -> int:
-        """Checkpoint tensors that fill parameter `attr`: one a projection for the weight and bias."""
-        return len(self.output_sizes) if attr in ("weight", "bias") else 1
+        """Checkpoint tensors that fill parameter `attr`: one a projection for the weight, its
+        scales and the bias."""
+        return len(self.output_sizes) if attr in ("weight", "bias", "weight_scale_inv") else 1
+
+    def shard_rows(self, attr: str) -> int:
+        """The rows of `attr` that one of a projection's rows takes: 1/128 for the block scales."""
+        return BLOCK if attr == "weight_scale_inv" else 1
 
     def shard_shape(self, attr: str, shard: int) -> list[int]:
         """Projection `shard`'s part of `attr`: its rows (this rank's share of them)."""
-        return [self.output_sizes[shard], *getattr(self, attr).shape[1:]]
+        return [self.output_sizes[shard] // self.shard_rows(attr), *getattr(self, attr).shape[1:]]
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
-        start = sum(self.output_sizes[:shard])
-        size = self.output_sizes[shard]
+        rows = self.shard_rows("weight_scale_inv" if param is self.weight_scale_inv else "weight")
+        start = sum(self.output_sizes[:shard]) // rows
+        size = self.output_sizes[shard] // rows
         param.data[start:start + size].copy_(loaded)
 
 
@@ -98,24 +148,37 @@ class NormedPackedLinear(PackedLinear):
     reading x's row to get it (kernels.rotary_kv and kernels.activation, `norm_input`).
 
     A bias is added after the norm, which a divided product cannot do: a layer with one is not
-    folded and norms x itself (returning None in place of x)."""
+    folded and norms x itself (returning None in place of x). Nor are an FP8 checkpoint's weights
+    (rounding W diag(g) to fp8 again would change them): the norm is done in the launch that
+    quantizes x for the product (kernels/fp8_linear.py). quantization="fp8" quantizes W' itself,
+    once it is folded."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, eps: float, use_triton: bool = False,
                  tp: TensorParallel = TensorParallel()):
         super().__init__(in_features, output_sizes, bias, use_triton, tp)
         self.norm_weight = nn.Parameter(torch.ones(in_features))
         self.eps = eps
+        self.norm_in_weight = not bias       # whether g is (or will be) folded into the weight
+
+    def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
+                        scale: torch.Tensor | None = None) -> None:
+        super().hold_fp8_weight(use_triton, weight, scale)
+        if weight is None:                   # an FP8 checkpoint's: never folded
+            self.norm_in_weight = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (product, norm_input): the rows whose 1/rms the product's reader still owes,
         or None when the product is already normed."""
-        if self.bias is not None:
-            return super().forward(rms_norm_ref(x, self.norm_weight, self.eps)), None
-        return super().forward(x), x
+        if self.norm_in_weight:
+            return super().forward(x), x
+        if self.weight_scale_inv is not None:
+            return self.fp8_product(x, self.weight, self.weight_scale_inv, None, self.norm_weight, self.eps,
+                                    self.bias), None
+        return super().forward(rms_norm_ref(x, self.norm_weight, self.eps)), None
 
     @torch.no_grad()
     def fold_norm_weight(self) -> None:
         """W <- W diag(g), rounded once to W's dtype; then g <- 1, so folding twice changes nothing."""
-        if self.bias is None:
+        if self.norm_in_weight:
             self.weight.copy_(self.weight.float() * self.norm_weight.float())
             self.norm_weight.fill_(1.0)

@@ -8,6 +8,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mini_engine.kernels.fp8_linear import FP8
+from mini_engine.layers.linear import Linear
+from mini_engine.quantization import Fp8Config
+
 
 def checkpoint_files(path: str) -> dict[str, list[str] | None]:
     """Each safetensors file of the checkpoint, with the tensors to take from it: those its index's
@@ -70,6 +74,10 @@ def load_model(model: nn.Module, path: str) -> None:
                 if tuple(tensor.shape) != tuple(expected):
                     raise ValueError(f"{file}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(expected)}")
+                if (param.dtype == FP8) != (tensor.dtype == FP8):   # a cast would drop (or skip) the scales
+                    raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
+                                     + ("float8_e4m3fn (config.json's quantization_config says fp8)"
+                                        if param.dtype == FP8 else f"{param.dtype} (config.json says nothing of fp8)"))
                 tensor = rank_slice(module, name, tensor)
                 with torch.no_grad():
                     if shard is None:
@@ -92,13 +100,15 @@ def load_model(model: nn.Module, path: str) -> None:
 def split_dim(module: nn.Module, param_name: str) -> int | None:
     """The dimension of a checkpoint tensor that tensor parallelism splits among the ranks, each
     loading its slice (layers' tp_dim), or None: every rank loads it whole. A bias is split with
-    its weight's output rows; a row-parallel layer's is whole (rank 0 adds it), as are norms'.
+    its weight's output rows; a row-parallel layer's is whole (rank 0 adds it), as are norms'. An
+    fp8 weight's block scales are split as the weight is.
     Stacked experts say for each of their parameters (layers.moe.FusedExperts.split_dim)."""
     dim, tp = getattr(module, "tp_dim", None), getattr(module, "tp", None)
     attr = param_name.rpartition(".")[2]
     if callable(getattr(module, "split_dim", None)):
         return None if tp.size == 1 else module.split_dim(attr)
-    if dim is None or tp is None or tp.size == 1 or attr not in ("weight", "bias") or (attr == "bias" and dim != 0):
+    if (dim is None or tp is None or tp.size == 1 or attr not in ("weight", "bias", "weight_scale_inv")
+            or (attr == "bias" and dim != 0)):
         return None
     return dim
 
@@ -164,3 +174,20 @@ def untranslate(model: nn.Module, name: str, shard: int) -> str:
 
 def module_of(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(param_name.rpartition(".")[0])
+
+
+def hold_fp8_weights(model: nn.Module, quantization: Fp8Config, use_triton: bool) -> None:
+    """Before an FP8 checkpoint loads: each projection that it stores in fp8 holds its weight as
+    fp8 blocks (layers.linear.Linear.hold_fp8_weight), to be filled with the scales beside it."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        weight = f"{name}.weight"
+        stored = [untranslate(model, weight, shard).removesuffix(".weight")
+                  for shard in range(num_shards(model, weight))]
+        in_fp8 = [quantization.quantizes(part) for part in stored]
+        if all(in_fp8):
+            module.hold_fp8_weight(use_triton)
+        elif any(in_fp8):
+            raise ValueError(f"config.json: modules_to_not_convert keeps some of {stored} out of fp8 but not all; "
+                             "mini_engine runs them as one product")

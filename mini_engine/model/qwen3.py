@@ -10,7 +10,7 @@ from mini_engine.layers.activation import SiluAndMul
 from mini_engine.layers.attention import Attention, AttentionMetadata
 from mini_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from mini_engine.layers.layernorm import RMSNorm
-from mini_engine.layers.linear import NormedPackedLinear, RowParallelLinear
+from mini_engine.layers.linear import Linear, NormedPackedLinear, RowParallelLinear
 from mini_engine.layers.moe import Qwen3SparseMoeBlock
 from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
@@ -115,6 +115,13 @@ class Qwen3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, NormedPackedLinear):
                 module.fold_norm_weight()
+
+    def quantize_fp8(self, use_triton: bool) -> None:
+        """quantization="fp8" over a bf16 checkpoint, once it is loaded and its norms folded: every
+        decoder projection's weight to fp8 blocks (the embedding, lm_head and the MoE router stay)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_weight_fp8(use_triton)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states, [T, hidden]."""

@@ -3,12 +3,15 @@ model.safetensors), for benchmarks and tests: no weights can be downloaded here,
 throughput nor the engine's agreement with transformers depends on the weights' values."""
 import json
 import os
+import re
 import shutil
 
 import torch
 from safetensors.torch import save_file
 
 from mini_engine.config import ModelConfig
+from mini_engine.kernels.fp8_linear import BLOCK, quantize_fp8_weight_ref
+from mini_engine.quantization import Fp8Config
 
 # Qwen3-0.6B's config.json, as published.
 QWEN3_0_6B = {
@@ -120,4 +123,34 @@ def write_embedding_layout(source: str, path: str) -> str:
     tensors = load_file(os.path.join(source, "model.safetensors"))
     save_file({name.removeprefix("model."): t for name, t in tensors.items() if name != "lm_head.weight"},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+# A dense decoder projection's weight, which an FP8 checkpoint stores in fp8.
+PROJECTION_WEIGHT = re.compile(r"(model\.layers\.\d+\.(?:self_attn\.[qkvo]|mlp\.(?:gate|up|down))_proj)\.weight")
+
+
+def write_fp8_layout(source: str, path: str, modules_to_not_convert: list[str] | None = None,
+                     scale_dtype: torch.dtype = torch.float32) -> str:
+    """source's checkpoint as Qwen3-*-FP8 lays itself out: each decoder projection's weight in
+    float8_e4m3fn, 128 x 128 blocks, with its scales as `weight_scale_inv` (those of the modules
+    in modules_to_not_convert left as they are), and config.json's quantization_config."""
+    from safetensors.torch import load_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    kept = Fp8Config(tuple(modules_to_not_convert or ()))
+    tensors = {}
+    for name, t in load_file(os.path.join(source, "model.safetensors")).items():
+        projection = PROJECTION_WEIGHT.fullmatch(name)
+        if projection and kept.quantizes(projection[1]):
+            t, scales = quantize_fp8_weight_ref(t)
+            tensors[f"{projection[1]}.weight_scale_inv"] = scales.to(scale_dtype)
+        tensors[name] = t
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK],
+                                     "modules_to_not_convert": modules_to_not_convert}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     return path

@@ -25,7 +25,7 @@ from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, b
 from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors, needs_top_k_top_p,
                                        prompt_logprob_tensors, prompt_logprobs_by_row, sample_logprobs)
 from mini_engine.layers.moe import Qwen3SparseMoeBlock
-from mini_engine.model.loader import load_model
+from mini_engine.model.loader import hold_fp8_weights, load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
@@ -100,6 +100,18 @@ def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dty
     return dtype
 
 
+def check_fp8_kernels(config: EngineConfig, device: torch.device, kernels: frozenset[str]) -> bool:
+    """Whether fp8 weights' products take the Triton kernel: Triton's fp8 dot needs compute
+    capability 8.9 (Ada) or newer; on an older GPU it is refused, as for the fp8 KV cache."""
+    if config.quantization is None or "fp8_linear" not in kernels:
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        others = ",".join(name for name in KERNEL_NAMES if name != "fp8_linear")
+        raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer for the Triton kernel "
+                         f"fp8_linear: leave it out, as kernels={others!r} (products in fp32 from the fp8 weights)")
+    return True
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, port: int | None = None):
         """tp and port: a tensor-parallel worker's rank, and where rank 0 gathers the ranks. Rank 0
@@ -158,7 +170,14 @@ class ModelRunner:
                                               lm_head=not self.pooling or self.classifier_token_ids is not None)
         finally:
             torch.set_default_dtype(default_dtype)
+        fp8_triton = check_fp8_kernels(config, self.device, self.kernels)
+        if mc.quantization is not None:
+            hold_fp8_weights(self.model, mc.quantization, fp8_triton)
         load_model(self.model, config.model)
+        if config.quantization == "fp8" and mc.quantization is None:
+            self.model.quantize_fp8(fp8_triton)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()        # the bf16 weights' memory, for the KV pool
         self.model.eval()
         # Unseeded rows' noise on the PyTorch path from the runner's own generator, not the process's:
         # every tensor-parallel rank then draws the same, whatever else rank 0's process draws.

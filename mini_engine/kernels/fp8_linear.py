@@ -1,0 +1,199 @@
+"""Products with fp8 weights: the block scheme of DeepSeek-V3 that Qwen3's FP8 checkpoints
+(Qwen3-*-FP8) use, and that vLLM runs them with.
+
+A weight W [N, K] is stored in float8_e4m3fn with one fp32 scale for each 128 x 128 block,
+`weight_scale_inv` [ceil(N/128), ceil(K/128)] (the checkpoint's name: W = W_fp8 * scale). The
+activations are quantized as they arrive ("dynamic"): one scale for each row's group of 128
+columns, the group's largest |value| over 448, e4m3's largest. Each 128-wide slice of the product
+is then an fp8 x fp8 dot (the H200's fp8 tensor cores: half the bytes of bf16 and twice its rate),
+scaled by the two scales and summed in fp32.
+"""
+import torch
+import torch.nn.functional as F
+
+from mini_engine.kernels.rms_norm import rms_norm_ref
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128             # a weight block's rows and columns, and an activation group's columns
+# A group of zeros takes this as its largest |value| (vLLM's floor): its scale stays finite.
+MIN_AMAX = 1e-10
+
+
+def quantize_fp8_ref(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                     eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K], scales [M, ceil(K/128)] fp32), x ~ x_fp8 * scale, each row's
+    group of 128 columns scaled so that its largest |value| becomes 448. With norm_weight, x is
+    first RMSNormed as rms_norm_ref norms it: a layer norm that cannot be folded into fp8 weights
+    (layers.linear.NormedPackedLinear)."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    q, scales = quantize_blocks_ref(x.unsqueeze(1), 1)
+    return q.squeeze(1), scales.squeeze(1)
+
+
+def quantize_fp8_weight_ref(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (W_fp8 [N, K], weight_scale_inv [ceil(N/128), ceil(K/128)] fp32), one scale a
+    128 x 128 block: how an FP8 checkpoint stores a weight, and quantization="fp8" a bf16 one's."""
+    return quantize_blocks_ref(weight, BLOCK)
+
+
+def quantize_blocks_ref(x: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., R, K] in blocks of block_rows x 128, each scaled so that its largest |value| is 448."""
+    *lead, rows, cols = x.shape
+    row_blocks, col_blocks = -(-rows // block_rows), -(-cols // BLOCK)
+    padded = F.pad(x.float(), (0, col_blocks * BLOCK - cols, 0, row_blocks * block_rows - rows))
+    blocks = padded.view(*lead, row_blocks, block_rows, col_blocks, BLOCK)
+    scales = blocks.abs().amax(dim=(-3, -1)).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(*lead, row_blocks * block_rows, col_blocks * BLOCK)[..., :rows, :cols], scales
+
+
+def dequantize_fp8_ref(q: torch.Tensor, scales: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The fp32 values that q [R, K] (fp8) and its scales stand for, in blocks of block_rows x 128."""
+    rows, cols = q.shape
+    expanded = scales.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+    return q.float() * expanded
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                   eps: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) in x's dtype, W given as fp8 blocks and their scales, x quantized to fp8 by
+    row groups first (after its RMSNorm, with norm_weight); with residual, added into it, the
+    product rounded first (kernels.linear.linear_ref's order)."""
+    q, scales = quantize_fp8_ref(x, norm_weight, eps)
+    out = F.linear(dequantize_fp8_ref(q, scales, 1), dequantize_fp8_ref(weight, weight_scale, BLOCK),
+                   None if bias is None else bias.float()).to(x.dtype)
+    return out if residual is None else residual.add_(out)
+
+
+# ---- Triton ----
+
+from dataclasses import dataclass  # noqa: E402
+
+from mini_engine.kernels.fp8_rounding import to_fp8  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, norm_ptr, q_ptr, scale_ptr, K, num_groups, stride_xm, eps,
+                         GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, MIN_AMAX: tl.constexpr,
+                         HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program a row: the whole row as a [GROUPS, BLOCK_K] tile, so the norm's sum of squares
+    and every group's largest |value| come from one read. Rounds as quantize_fp8_ref: the normed
+    row to x's dtype, then the weight's product to it, then IEEE divisions (div_rn: Triton's `/` is
+    approximate on the GPU) and round-to-nearest-even into e4m3."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, GROUPS)
+    cols = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
+        weight = tl.load(norm_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = ((x * inv_rms).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    q = to_fp8(tl.math.div_rn(x, scale[:, None]), q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * K + cols, q, mask=mask)
+    tl.store(scale_ptr + row * num_groups + groups, scale, mask=groups < num_groups)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, num_groups,
+                     stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (n_block, m_block): out[m_block, n_block] = sum over K's 128-column groups g of
+    (a_g . w_g^T) * a_scale[:, g] * w_scale[n // 128, g], the dot on fp8 operands, the sum in fp32.
+    A product of a few rows (decode) reads the weight once: BLOCK_M covers the batch."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    w_scale_rows = w_scale_ptr + (cols // BLOCK_K) * num_groups
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for g in range(0, num_groups):
+        offs_k = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a_scale = tl.load(a_scale_ptr + rows * num_groups + g, mask=row_ok, other=0.0)
+        w_scale = tl.load(w_scale_rows + g, mask=col_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if ADD_OUT:         # the product rounded first, as fp8_linear_ref rounds it
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def fp8_gemm_config(num_rows: int) -> Fp8GemmConfig:
+    """A tile by the product's rows: at a decode step's few rows, one tile covers them all and
+    narrow columns give many programs to stream the weight; from 128 rows, the square tiles of a
+    compute-bound product."""
+    if num_rows <= 16:
+        return Fp8GemmConfig(16, 32, num_stages=4)
+    if num_rows <= 64:
+        return Fp8GemmConfig(64, 64)
+    return Fp8GemmConfig(128, 128, num_warps=8)
+
+
+def quantize_fp8(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_ref in one launch. x: [M, K] with contiguous rows."""
+    assert x.stride(-1) == 1
+    m, k = x.shape
+    num_groups = triton.cdiv(k, BLOCK)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if m:
+        groups = triton.next_power_of_2(num_groups)
+        _quantize_fp8_kernel[(m,)](x, x if norm_weight is None else norm_weight, q, scales, k, num_groups,
+                                   x.stride(0), eps, GROUPS=groups, BLOCK_K=BLOCK, MIN_AMAX=MIN_AMAX,
+                                   HAS_NORM=norm_weight is not None, num_warps=min(max(groups // 2, 1), 8),
+                                   **pdl_options(x.device))
+    return q, scales
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               eps: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear_ref in two launches: the activations' quantization (with the norm), then the
+    block-scaled GEMM. The grids depend on shapes only (CUDA-graph safe)."""
+    assert weight.dtype == FP8 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
+    m, n = x.shape[0], weight.shape[0]
+    q, scales = quantize_fp8(x, norm_weight, eps)
+    if residual is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        assert residual.shape == (m, n) and residual.stride(-1) == 1
+        out = residual
+    if m == 0:
+        return out
+    cfg = fp8_gemm_config(m)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _fp8_gemm_kernel[grid](q, scales, weight, weight_scale, out if bias is None else bias, out, m, n, q.shape[1],
+                           scales.shape[1], weight.stride(0), out.stride(0), BLOCK_M=cfg.block_m,
+                           BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, HAS_BIAS=bias is not None,
+                           ADD_OUT=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                           **pdl_options(x.device))
+    return out
