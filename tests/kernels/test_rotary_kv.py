@@ -3,7 +3,8 @@ import torch
 
 pytest.importorskip("triton")
 from mini_engine.kernels.rotary_kv import (  # noqa: E402
-    _to_fp8, qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref, rope_cos_sin_cache, to_cache_dtype_ref)
+    qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref, rope_cos_sin_cache, to_cache_dtype_ref)
+from mini_engine.kernels.fp8_rounding import to_fp8  # noqa: E402
 from mini_engine.kernels.triton_utils import tl, triton  # noqa: E402
 
 # bf16: a 1-ulp flip after the norm (fp32 sums in another order) can reach 2 ulps through the
@@ -63,7 +64,7 @@ FP8_FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 def to_fp8_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, _to_fp8(x.to(tl.float32), out_ptr.dtype.element_ty), mask=offs < n)
+    tl.store(out_ptr + offs, to_fp8(x.to(tl.float32), out_ptr.dtype.element_ty), mask=offs < n)
 
 
 @pytest.mark.parametrize("fp8", FP8_FORMATS)
