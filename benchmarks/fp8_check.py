@@ -77,8 +77,7 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.gpu_correctness import common_prefix
-    from mini_engine import LLM, SamplingParams
+    from benchmarks.engine_judge import EngineJudge
     from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_fp8_layout, write_random_checkpoint
     config = QWEN3_0_6B
     if args.cpu_dry_run:        # every projection whole 128 x 128 blocks
@@ -92,110 +91,23 @@ def main():
         write_fp8_layout(bf16, path)
     rng = random.Random(0)
     prompts = [[rng.randrange(config["vocab_size"]) for _ in range(n)] for n in (5, 17, 64, 200, 333, 31, 128, 90)]
-    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    results, failures = {}, []
 
-    def generate(model, prompt):
-        out = model.generate(torch.tensor([prompt], device=dev), max_new_tokens=args.tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
-
-    references = {"fp8": fp8_oracle(path, torch.float32, dev),
-                  "unquantized": AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32,
-                                                                      attn_implementation="eager").to(dev).eval()}
+    unquantized = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32, attn_implementation="eager")
+    judge = EngineJudge(prompts, args.tokens, dev, {"fp8": fp8_oracle(path, torch.float32, dev),
+                                                    "unquantized": unquantized.to(dev).eval()})
     control_model = fp8_oracle(path, torch.bfloat16, dev, "sdpa")
-    with torch.inference_mode():
-        control = [generate(control_model, p) for p in prompts]
-        ref_logits = {name: [m(torch.tensor([p], device=dev)).logits[0, -1].float() for p in prompts]
-                      for name, m in references.items()}
-        control_logits = [control_model(torch.tensor([p], device=dev)).logits[0, -1].float() for p in prompts]
+    limit_margin = judge.judge_paths(path, control_model, args.margin)
     del control_model
     gc.collect()
-
-    @torch.inference_mode()
-    def worst_margin(outputs, reference="fp8") -> float:
-        """The largest fp32 gap between a chosen token's logit and the argmax's, given its prefix."""
-        worst = 0.0
-        for p, gen in zip(prompts, outputs):
-            logits = references[reference](torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
-            chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
-            worst = max(worst, (logits.max(-1).values - chosen).max().item())
-        return worst
-
-    def rel_err(logits, reference="fp8") -> float:
-        return max(((g - r).norm() / r.norm()).item() for g, r in zip(logits, ref_logits[reference]))
-
-    def run(label, model=path, **options):
-        llm = LLM(model, max_num_seqs=64, **({"num_kv_blocks": 256} | options))
-        params = greedy
-        if "graphs" in label:       # requests of different lengths, so that batches shrink mid-run
-            params = [SamplingParams(temperature=0, max_tokens=max(1, args.tokens - 2 * i), ignore_eos=True)
-                      for i in range(len(prompts))]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        engine = llm.engine
-        if engine.num_free_blocks != engine.block_manager.num_blocks:
-            failures.append(f"{label}: KV blocks leaked")
-        logits = []
-        with torch.inference_mode():
-            from mini_engine.runner.batch import BatchRow
-            runner = engine.runner
-            for p in prompts:
-                blocks = list(range(-(-len(p) // runner.block_size)))
-                t, meta = runner.prepare_inputs([BatchRow(p, 0, blocks, True, greedy)])
-                hidden = runner.model(t.input_ids, t.positions, meta)
-                logits.append(runner.model.compute_logits(hidden[t.logits_indices]).float()[0])
-        info = dict(preemptions=engine.num_preemptions, kernels=sorted(runner.kernels),
-                    cuda_graphs=runner.use_cuda_graphs, quantization=engine.config.quantization)
-        llm.shutdown()
-        del llm, engine, runner
-        gc.collect()
-        torch.cuda.empty_cache() if dev == "cuda" else None
-        return [o.outputs[0].token_ids for o in outputs], logits, info
-
-    control_err = max(((c - r).norm() / r.norm()).item() for c, r in zip(control_logits, ref_logits["fp8"]))
-    control_margin = worst_margin(control)
-    results["control"] = dict(logits_rel_err=control_err, worst_margin=control_margin)
-    limit_margin = max(args.margin, 1.5 * control_margin)
-    for label, options in (("kernels", {}), ("pytorch", dict(kernels="none", enforce_eager=True))):
-        tokens, logits, info = run(label, **options)
-        err, margin = rel_err(logits), worst_margin(tokens)
-        results[label] = dict(logits_rel_err=err, worst_margin=margin,
-                              equal_to_control=sum(t == c for t, c in zip(tokens, control)), **info)
-        if err > 1.5 * control_err:
-            failures.append(f"{label}: logits rel err {err:.4g} > 1.5 x control {control_err:.4g}")
-        if margin > limit_margin:
-            failures.append(f"{label}: a greedy token {margin:.3f} below fp32's argmax (limit {limit_margin:.3f})")
-    block_size = 64 if dev == "cuda" else 16          # the engine's default
-    longest = -(-(max(map(len, prompts)) + args.tokens) // block_size)
-    runs = {"graphs": {}, "graphs again": {}, "eager steps": dict(enforce_eager=True),
-            "graphs, small pool": dict(num_kv_blocks=longest + 1)}
-    tokens = {}
-    for label, options in runs.items():
-        tokens[label], _, info = run("graphs " + label, **options)
-        margin = worst_margin(tokens[label])
-        results[label] = dict(worst_margin=margin, agreeing_prefix_with_graphs=[
-            common_prefix(a, b) for a, b in zip(tokens[label], tokens["graphs"])], **info)
-        if margin > limit_margin:
-            failures.append(f"{label}: a greedy token {margin:.3f} below fp32's argmax (limit {limit_margin:.3f})")
-    if tokens["graphs again"] != tokens["graphs"]:
-        failures.append("the same run with CUDA graphs twice gave different tokens")
-    if dev == "cuda" and (not results["graphs"]["cuda_graphs"] or not results["graphs, small pool"]["preemptions"]):
-        failures.append("graphs not used, or the small pool never preempted")
+    tokens = judge.judge_scheduler_runs(path, limit_margin)
     # quantization="fp8" over the bf16 checkpoint, and the bf16 engine, against the unquantized fp32 model
     for label, options in (("online fp8", dict(quantization="fp8")), ("bf16 engine", {})):
-        online, logits, info = run(label, model=bf16, **options)
-        results[label] = dict(logits_rel_err_vs_unquantized=rel_err(logits, "unquantized"),
-                              worst_margin_vs_unquantized=worst_margin(online, "unquantized"), **info)
-    results["fp8 checkpoint vs unquantized"] = dict(worst_margin=worst_margin(tokens["graphs"], "unquantized"))
-    print(json.dumps(results, indent=1))
-    for failure in failures:
-        print("FAILED:", failure)
-    print("ALL PASSED" if not failures else f"{len(failures)} FAILED")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fp8_check.json"), "w") as f:
-            json.dump(dict(results=results, failures=failures), f, indent=1)
-    return 1 if failures else 0
+        online, logits, info = judge.run(bf16, label, **options)
+        judge.results[label] = dict(logits_rel_err_vs_unquantized=judge.rel_err(logits, "unquantized"),
+                                    worst_margin_vs_unquantized=judge.worst_margin(online, "unquantized"), **info)
+    judge.results["fp8 checkpoint vs unquantized"] = dict(worst_margin=judge.worst_margin(tokens["graphs"],
+                                                                                           "unquantized"))
+    return judge.report("fp8_check", args.out)
 
 
 if __name__ == "__main__":

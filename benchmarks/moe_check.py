@@ -23,7 +23,6 @@ run is the control that says how far bf16 rounding alone moves things.
 """
 import argparse
 import gc
-import json
 import os
 import random
 import sys
@@ -45,8 +44,7 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.gpu_correctness import common_prefix
-    from mini_engine import LLM, SamplingParams
+    from benchmarks.engine_judge import EngineJudge
     from mini_engine.model.random_checkpoint import QWEN3_30B_A3B, write_random_checkpoint
     config = QWEN3_30B_A3B | {"num_hidden_layers": args.layers}
     if args.cpu_dry_run:
@@ -56,97 +54,15 @@ def main():
                                                 f"{config['hidden_size']}"), config, std=0.06, seed=1, device=dev)
     rng = random.Random(0)
     prompts = [[rng.randrange(config["vocab_size"]) for _ in range(n)] for n in (5, 17, 64, 200, 333, 31, 128, 90)]
-    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    results, failures = {}, []
 
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
+    judge = EngineJudge(prompts, args.tokens, dev, {"fp32": hf32})
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
-    with torch.inference_mode():
-        control = [hf16.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-        ref_logits = [hf32(torch.tensor([p], device=dev)).logits[0, -1].float() for p in prompts]
-        control_logits = [hf16(torch.tensor([p], device=dev)).logits[0, -1].float() for p in prompts]
+    limit_margin = judge.judge_paths(path, hf16, args.margin)
     del hf16
     gc.collect()
-
-    @torch.inference_mode()
-    def worst_margin(outputs) -> float:
-        """The largest fp32 gap between a chosen token's logit and the argmax's, given its prefix."""
-        worst = 0.0
-        for p, gen in zip(prompts, outputs):
-            logits = hf32(torch.tensor([p + gen[:-1]], device=dev)).logits[0, len(p) - 1:].float()
-            chosen = logits.gather(-1, torch.tensor(gen, device=dev)[:, None]).squeeze(-1)
-            worst = max(worst, (logits.max(-1).values - chosen).max().item())
-        return worst
-
-    def rel_err(logits) -> float:
-        return max(((g - r).norm() / r.norm()).item() for g, r in zip(logits, ref_logits))
-
-    def run(label, **options):
-        llm = LLM(path, max_num_seqs=64, **({"num_kv_blocks": 256} | options))
-        # the graphs' runs: requests of different lengths, so that batches shrink mid-run
-        outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=max(1, args.tokens - 2 * i),
-                                                        ignore_eos=True)
-                                         for i in range(len(prompts))] if "graphs" in label else greedy,
-                               use_tqdm=False)
-        engine = llm.engine
-        if engine.num_free_blocks != engine.block_manager.num_blocks:
-            failures.append(f"{label}: KV blocks leaked")
-        logits = []
-        with torch.inference_mode():
-            from mini_engine.runner.batch import BatchRow
-            runner = engine.runner
-            for p in prompts:
-                blocks = list(range(-(-len(p) // runner.block_size)))
-                t, meta = runner.prepare_inputs([BatchRow(p, 0, blocks, True, greedy)])
-                hidden = runner.model(t.input_ids, t.positions, meta)
-                logits.append(runner.model.compute_logits(hidden[t.logits_indices]).float()[0])
-        info = dict(preemptions=engine.num_preemptions, kernels=sorted(engine.runner.kernels),
-                    cuda_graphs=engine.runner.use_cuda_graphs)
-        llm.shutdown()
-        del llm, engine, runner
-        gc.collect()
-        torch.cuda.empty_cache() if dev == "cuda" else None
-        return [o.outputs[0].token_ids for o in outputs], logits, info
-
-    control_err = max(((c - r).norm() / r.norm()).item() for c, r in zip(control_logits, ref_logits))
-    control_margin = worst_margin(control)
-    results["control"] = dict(logits_rel_err=control_err, worst_margin=control_margin)
-    limit_margin = max(args.margin, 1.5 * control_margin)
-    for label, options in (("kernels", {}), ("pytorch", dict(kernels="none", enforce_eager=True))):
-        tokens, logits, info = run(label, **options)
-        err, margin = rel_err(logits), worst_margin(tokens)
-        agree = sum(t == c for t, c in zip(tokens, control))
-        results[label] = dict(logits_rel_err=err, worst_margin=margin, equal_to_control=agree, **info)
-        if err > 1.5 * control_err:
-            failures.append(f"{label}: logits rel err {err:.4g} > 1.5 x control {control_err:.4g}")
-        if margin > limit_margin:
-            failures.append(f"{label}: a greedy token {margin:.3f} below fp32's argmax (limit {limit_margin:.3f})")
-    block_size = 64 if dev == "cuda" else 16          # the engine's default
-    longest = -(-(max(map(len, prompts)) + args.tokens) // block_size)
-    runs = {"graphs": {}, "graphs again": {}, "eager steps": dict(enforce_eager=True),
-            "graphs, small pool": dict(num_kv_blocks=longest + 1)}
-    tokens = {}
-    for label, options in runs.items():
-        tokens[label], _, info = run("graphs " + label, **options)
-        margin = worst_margin(tokens[label])
-        results[label] = dict(worst_margin=margin, agreeing_prefix_with_graphs=[
-            common_prefix(a, b) for a, b in zip(tokens[label], tokens["graphs"])], **info)
-        if margin > limit_margin:
-            failures.append(f"{label}: a greedy token {margin:.3f} below fp32's argmax (limit {limit_margin:.3f})")
-    if tokens["graphs again"] != tokens["graphs"]:
-        failures.append("the same run with CUDA graphs twice gave different tokens")
-    if dev == "cuda" and (not results["graphs"]["cuda_graphs"] or not results["graphs, small pool"]["preemptions"]):
-        failures.append("graphs not used, or the small pool never preempted")
-    print(json.dumps(results, indent=1))
-    for failure in failures:
-        print("FAILED:", failure)
-    print("ALL PASSED" if not failures else f"{len(failures)} FAILED")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "moe_check.json"), "w") as f:
-            json.dump(dict(results=results, failures=failures), f, indent=1)
-    return 1 if failures else 0
+    judge.judge_scheduler_runs(path, limit_margin)
+    return judge.report("moe_check", args.out)
 
 
 if __name__ == "__main__":

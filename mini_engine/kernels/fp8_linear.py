@@ -73,6 +73,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 from dataclasses import dataclass  # noqa: E402
 
 from mini_engine.kernels.fp8_rounding import to_fp8  # noqa: E402
+from mini_engine.kernels.linear import product_output  # noqa: E402
 from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
@@ -182,11 +183,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     assert weight.dtype == FP8 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
     m, n = x.shape[0], weight.shape[0]
     q, scales = quantize_fp8(x, norm_weight, eps)
-    if residual is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        assert residual.shape == (m, n) and residual.stride(-1) == 1
-        out = residual
+    out = product_output(x, n, residual)
     if m == 0:
         return out
     cfg = fp8_gemm_config(m)

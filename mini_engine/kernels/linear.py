@@ -118,6 +118,15 @@ def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyC
     return SkinnyConfig() if num_rows <= 16 else None
 
 
+def product_output(x: torch.Tensor, n: int, residual: torch.Tensor | None) -> torch.Tensor:
+    """Where a kernel stores x [M, K] times an [N, K] weight: into residual (adding to it), which
+    must be [M, N] with contiguous rows, or a new [M, N] tensor in x's dtype."""
+    if residual is None:
+        return torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    assert residual.shape == (x.shape[0], n) and residual.stride(-1) == 1
+    return residual
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """linear_ref(x, weight, residual) for x [M, K] with M small, weight [N, K] row-major -> [M, N]
@@ -125,11 +134,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
     shapes only (CUDA-graph safe)."""
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
     (m, k), n = x.shape, weight.shape[0]
-    if residual is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        assert residual.shape == (m, n) and residual.stride(-1) == 1
-        out = residual
+    out = product_output(x, n, residual)
     if m == 0:
         return out
     cfg = config or skinny_config(m, n, k) or SkinnyConfig()

@@ -26,7 +26,7 @@ from mini_engine.runner.model_runner import ModelRunner
 from tests.conftest import TINY_BASE, tiny_config
 from tests.engine.test_greedy_vs_transformers import MAX_TOKENS, mixed_prompts
 from tests.hf_reference import transformers  # noqa: F401 (skips the file without transformers)
-from tests.model.test_qwen3_vs_transformers import GREEDY, all_logits
+from tests.model.test_qwen3_vs_transformers import GREEDY, all_logits, flat_batch_logits
 
 # Every projection a whole number of 128 x 128 blocks, and two ranks' shares too.
 FP8_TINY = TINY_BASE | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -171,19 +171,10 @@ def test_logits_match_transformers(fp8_checkpoint):
     runner = ModelRunner(EngineConfig(fp8_checkpoint, device="cpu", num_kv_blocks=64, block_size=4))
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 6, 17, 33)]
-    rows, next_block = [], 0
-    for p in prompts:
-        blocks = list(range(next_block, next_block + (len(p) + 3) // 4))
-        next_block += len(blocks)
-        rows.append(BatchRow(p, 0, blocks, True, GREEDY))
-    logits = all_logits(runner, rows)
-    start = 0
-    for row in rows:
-        n = len(row.token_ids)
+    for prompt, logits in flat_batch_logits(runner, prompts):
         with torch.inference_mode():
-            expected = hf_fp8_model(fp8_checkpoint)(torch.tensor([row.token_ids])).logits[0]
-        torch.testing.assert_close(logits[start:start + n], expected, rtol=0, atol=2e-2)
-        start += n
+            expected = hf_fp8_model(fp8_checkpoint)(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits, expected, rtol=0, atol=2e-2)
 
 
 def test_greedy_through_the_scheduler_matches_transformers(fp8_checkpoint):

@@ -29,20 +29,22 @@ def test_logits_match_transformers(checkpoint_factory, name):
     runner = ModelRunner(EngineConfig(path, device="cpu", num_kv_blocks=64, block_size=4))
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 40)]
-    # All four prompts in one flat batch, each in its own blocks.
+    for prompt, logits in flat_batch_logits(runner, prompts):
+        torch.testing.assert_close(logits, hf_logits(path, prompt), rtol=1e-4, atol=1e-4)
+
+
+def flat_batch_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """All the prompts in one flat batch, each in its own blocks of runner's block_size (one-token
+    prompts first, where a step puts its decode rows): each prompt with its logits."""
     rows, next_block = [], 0
     for p in prompts:
-        blocks = list(range(next_block, next_block + (len(p) + 3) // 4))
+        blocks = list(range(next_block, next_block + -(-len(p) // runner.block_size)))
         next_block += len(blocks)
         rows.append(BatchRow(p, 0, blocks, True, GREEDY))
     rows.sort(key=lambda r: len(r.token_ids) != 1)
     logits = all_logits(runner, rows)
-    start = 0
-    for row in rows:
-        n = len(row.token_ids)
-        expected = hf_logits(path, row.token_ids)
-        torch.testing.assert_close(logits[start:start + n], expected, rtol=1e-4, atol=1e-4)
-        start += n
+    ends = torch.tensor([len(r.token_ids) for r in rows]).cumsum(0).tolist()
+    return [(row.token_ids, logits[end - len(row.token_ids):end]) for row, end in zip(rows, ends)]
 
 
 def test_chunked_prefill_logits_match(tiny_checkpoint):
