@@ -59,6 +59,28 @@ def hf_fp8_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOK
     return outputs
 
 
+# The engine's greedy tokens and the oracle's can part at a near tie: activation quantization makes
+# a model's outputs discontinuous in its inputs (a sum in another order moves a value across an
+# e4m3 rounding boundary; benchmarks/NOTES.md, entry 56), and chunked prefill, preemption and
+# batches sum attention in other orders. So each of the engine's tokens is judged by the oracle
+# given the same prefix: its logit within TIE of the oracle's largest. Measured here: the worst a
+# token of these tests came to 0.004 under (7.858 against 7.862, chunked prefill); tokens of a
+# wrong KV slot or scale are whole logits under.
+TIE = 0.02
+
+
+@torch.inference_mode()
+def assert_oracle_agrees(path: str, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Every token of `outputs` (greedy, MAX_TOKENS of them) within TIE of the largest logit of the
+    oracle over `path`, given the same prefix."""
+    model = hf_fp8_model(path)
+    for prompt, out in zip(prompts, outputs):
+        assert len(out) == MAX_TOKENS
+        logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        gap = logits.max(-1).values - logits.gather(-1, torch.tensor(out)[:, None]).squeeze(-1)
+        assert gap.max() <= TIE, (prompt, out, gap)
+
+
 def greedy(path: str, prompts, **engine_kwargs) -> list[list[int]]:
     llm = LLM(path, device="cpu", **engine_kwargs)
     try:
@@ -182,8 +204,8 @@ def test_greedy_through_the_scheduler_matches_transformers(fp8_checkpoint):
     prompts = mixed_prompts()
     want = hf_fp8_greedy(fp8_checkpoint, prompts)
     assert len({tuple(w) for w in want}) > 1
-    assert greedy(fp8_checkpoint, prompts, num_kv_blocks=256) == want
-    assert greedy(fp8_checkpoint, prompts, num_kv_blocks=16, block_size=4, max_num_batched_tokens=16) == want
+    for options in (dict(num_kv_blocks=256), dict(num_kv_blocks=16, block_size=4, max_num_batched_tokens=16)):
+        assert_oracle_agrees(fp8_checkpoint, prompts, greedy(fp8_checkpoint, prompts, **options))
 
 
 def test_triton_products_in_the_model(fp8_checkpoint):
@@ -230,7 +252,7 @@ def test_modules_kept_out_of_fp8_stay_in_the_models_dtype(source, tmp_path):
     assert layers[1].mlp.gate_up_proj.weight.dtype == torch.float32 and layers[1].mlp.down_proj.weight_scale_inv is None
     assert layers[1].self_attn.o_proj.weight.dtype == FP8 and layers[0].mlp.down_proj.weight.dtype == FP8
     prompts = mixed_prompts()[:4]
-    assert greedy(path, prompts, num_kv_blocks=64) == hf_fp8_greedy(path, prompts)
+    assert_oracle_agrees(path, prompts, greedy(path, prompts, num_kv_blocks=64))
     half = write_fp8_layout(source, str(tmp_path / "half"), modules_to_not_convert=["k_proj"])
     with pytest.raises(ValueError, match="keeps some of .*q_proj.* out of fp8 but not all"):
         ModelRunner(EngineConfig(half, device="cpu", num_kv_blocks=8))
@@ -239,8 +261,8 @@ def test_modules_kept_out_of_fp8_stay_in_the_models_dtype(source, tmp_path):
 def test_tensor_parallel_fp8_matches_transformers(fp8_checkpoint):
     """Two ranks (gloo), each with its rows or columns of every fp8 weight and of its scales."""
     prompts = mixed_prompts()[:4]
-    assert greedy(fp8_checkpoint, prompts, num_kv_blocks=64, tensor_parallel_size=2) == \
-        hf_fp8_greedy(fp8_checkpoint, prompts)
+    assert_oracle_agrees(fp8_checkpoint, prompts, greedy(fp8_checkpoint, prompts, num_kv_blocks=64,
+                                                         tensor_parallel_size=2))
 
 
 # ---- quantization="fp8" over a bf16 (here fp32) checkpoint ----
@@ -284,4 +306,4 @@ def test_online_quantization_is_the_folded_weights_in_blocks(source, tmp_path):
     # the same groups and scales up to fp32's rounding of the division.
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
     prompts = mixed_prompts()[:4]
-    assert greedy(source, prompts, num_kv_blocks=64, quantization="fp8") == hf_fp8_greedy(oracle, prompts)
+    assert_oracle_agrees(oracle, prompts, greedy(source, prompts, num_kv_blocks=64, quantization="fp8"))
