@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--random-moe-layers", type=int, metavar="N",
                    help="instead of --model: a random bf16 checkpoint of Qwen3-30B-A3B's shape (128 experts, "
                         "8 a token) cut to N of its 48 layers, written once to the cache folder")
+    p.add_argument("--random-8b-layers", type=int, metavar="N",
+                   help="instead of --model: a random bf16 checkpoint of Qwen3-8B's shape cut to N of its 36 "
+                        "layers, written once to the cache folder")
     p.add_argument("--workload", choices=["auto", "full", "cpu-smoke"], default="auto",
                    help="auto: full on a GPU, cpu-smoke without one")
     p.add_argument("--num-seqs", type=int, help="run only the first N requests of the workload")
@@ -216,6 +219,9 @@ def main(argv=None) -> int:
     elif opts.random_moe_layers:
         from mini_engine.model.random_checkpoint import moe_checkpoint
         model = moe_checkpoint(opts.random_moe_layers, opts.cache_dir, device="cuda" if has_cuda else "cpu")
+    elif opts.random_8b_layers:
+        from mini_engine.model.random_checkpoint import dense_8b_checkpoint
+        model = dense_8b_checkpoint(opts.random_8b_layers, opts.cache_dir, device="cuda" if has_cuda else "cpu")
     elif workload == "cpu-smoke":
         model = tiny_checkpoint(opts.cache_dir)
     else:

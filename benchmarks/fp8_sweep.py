@@ -1,7 +1,9 @@
 """Tiles for kernels/fp8_linear.py on the GPU: each candidate of fp8_gemm_config (the quantize launch
 included) against the bf16 product the engine runs today (cuBLAS, or the skinny kernel at few rows),
-for Qwen3-0.6B's four projections at 1 to 2048 rows, timed as CUDA-graph replays. One JSON line a
-shape and row count."""
+for Qwen3-0.6B's four projections at 1 to 2048 rows, timed as CUDA-graph replays (the weights stay
+in L2 across a graph's calls, as they do not in a model's step: the launches and the arithmetic are
+what this compares). One JSON line a shape and row count, microseconds a call: bf16, the quantize
+launch alone, the chosen config, and each candidate (label m<rows>n<columns>w<warps>s<stages>k<splits>)."""
 import json
 import sys
 
@@ -32,26 +34,27 @@ def main() -> int:
     from mini_engine.kernels import fp8_linear as f
     from mini_engine.layers.linear import Linear
     shapes = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-    candidates = {"m16n16": f.Fp8GemmConfig(16, 16, num_stages=4), "m16n32": f.Fp8GemmConfig(16, 32, num_stages=4),
-                  "m16n64": f.Fp8GemmConfig(16, 64, num_stages=4), "m32n64": f.Fp8GemmConfig(32, 64),
-                  "m64n64": f.Fp8GemmConfig(64, 64), "m64n128": f.Fp8GemmConfig(64, 128),
-                  "m128n128w8": f.Fp8GemmConfig(128, 128, 8), "m128n128w4s4": f.Fp8GemmConfig(128, 128, 4, 4),
-                  "m128n256w8": f.Fp8GemmConfig(128, 256, 8)}
+    candidates = {f"m{m}n{n}w{w}s{stages}k{split}": f.Fp8GemmConfig(m, n, w, stages, split)
+                  for m, n, w, stages in ((16, 32, 4, 4), (16, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3),
+                                          (128, 128, 8, 3)) for split in (1, 2, 4)}
     chosen = f.fp8_gemm_config
     torch.manual_seed(0)
     for name, (n, k) in shapes.items():
         linear = Linear(k, n, False, use_triton=True).cuda().bfloat16()
         weight, scales = f.quantize_fp8_weight_ref(linear.weight.detach())
-        for rows in (1, 8, 16, 32, 64, 256, 2048):
+        for rows in (1, 8, 32, 64, 128, 256, 512, 2048):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             line = {"shape": name, "rows": rows, "bf16_us": round(replay_us(lambda: linear(x)), 2),
+                    "quantize_us": round(replay_us(lambda: f.quantize_fp8(x)), 2),
+                    "chosen": chosen(rows, n, k, f.num_sms(x.device)).__dict__,
                     "fp8_chosen_us": round(replay_us(lambda: f.fp8_linear(x, weight, scales)), 2)}
             for label, config in candidates.items():
-                if config.block_m > 2 * max(rows, 16):
+                tiles = -(-rows // config.block_m) * -(-n // config.block_n)
+                if config.block_m > 2 * max(rows, 16) or (config.split_k > 1 and tiles * config.split_k > 4 * 132):
                     continue
-                f.fp8_gemm_config = lambda _, config=config: config
+                f.fp8_gemm_config = lambda *_, config=config, **__: config
                 try:
-                    line[f"fp8_{label}_us"] = round(replay_us(lambda: f.fp8_linear(x, weight, scales)), 2)
+                    line[label] = round(replay_us(lambda: f.fp8_linear(x, weight, scales)), 2)
                 finally:
                     f.fp8_gemm_config = chosen
             print(json.dumps(line), flush=True)

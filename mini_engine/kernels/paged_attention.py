@@ -71,13 +71,12 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 # converted to q's dtype as they load: a no-op for a cache in the model's dtype, and how an fp8
 # cache dequantises (its values are stored unscaled: EngineConfig.kv_cache_dtype).
 
-import functools  # noqa: E402
 import math  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 from mini_engine.kernels.rotary_kv import FP8_DTYPES  # noqa: E402
-from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
+from mini_engine.kernels.triton_utils import num_sms, pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
@@ -328,13 +327,6 @@ def _paged_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4    # the interpreter: any small number, so tests exercise several splits
-
-
 # Pipeline stages of the decode kernel. Stages set both the tiles a program keeps in flight and how
 # many programs an SM holds (DECODE_PROGRAMS_PER_SM). At 16-token KV blocks the H200 measured other
 # stage and split counts faster at some batch sizes (benchmarks/NOTES.md, entries 35 and 39), and
@@ -463,7 +455,7 @@ def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int,
     batch with more splits holding larger partials (benchmarks/NOTES.md, entry 39)."""
     most = 0
     for num_seqs in range(1, max_num_seqs + 1):
-        splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(device), DECODE_STAGES)
+        splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, num_sms(device), DECODE_STAGES)
         if splits > 1:
             most = max(most, _partials_layout(num_seqs * num_heads * splits, head_dim)[1])
     return most
@@ -495,7 +487,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_stages is None:
         num_stages = DECODE_STAGES
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, _num_sms(q.device), num_stages)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_n, num_sms(q.device), num_stages)
     if num_splits > 1:
         partial_out, partial_max, partial_sum = _split_partials(workspace, num_seqs, num_heads, num_splits,
                                                                 head_dim, q.device)

@@ -43,6 +43,15 @@ except ImportError:
 
 
 @functools.lru_cache
+def num_sms(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors, which kernels that split their work count programs
+    against; under the interpreter a small number, so that tests exercise several splits."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@functools.lru_cache
 def use_pdl(device: torch.device) -> bool:
     """Whether decode kernels on `device` launch with PDL: CUDA at compute capability 9.0 or newer
     (the interpreter and older GPUs have no griddepcontrol). MINI_ENGINE_PDL=0 turns it off, for

@@ -23,6 +23,13 @@ QWEN3_0_6B = {
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }
 
+# Qwen3-8B's config.json, as published: where a decode step's time is the weights' (16 GB in bf16)
+# more than the KV cache's, the case fp8 weights are for.
+QWEN3_8B = QWEN3_0_6B | {
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "tie_word_embeddings": False,
+}
+
 # Qwen3-30B-A3B's config.json, as published: 48 layers, each a mixture of 128 experts of which a
 # token takes 8 (3.3B of its 30.5B parameters a token).
 QWEN3_30B_A3B = {
@@ -101,6 +108,15 @@ def cached_checkpoint(name: str, config: dict, cache_dir: str | None = None, dev
 def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str:
     """The embedded default: Qwen3-0.6B's shape with random bf16 weights."""
     return cached_checkpoint("qwen3-0.6b-random", QWEN3_0_6B, cache_dir, device)
+
+
+def dense_8b_checkpoint(num_layers: int, cache_dir: str | None = None, device: str = "cpu") -> str:
+    """Qwen3-8B's shape cut to num_layers of its 36 layers (0.4 GB of bf16 a layer, 2.5 GB of
+    embedding and lm_head), with random bf16 weights."""
+    if not 1 <= num_layers <= QWEN3_8B["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, 36], got {num_layers}")
+    return cached_checkpoint(f"qwen3-8b-{num_layers}-layers-random", QWEN3_8B | {"num_hidden_layers": num_layers},
+                             cache_dir, device)
 
 
 def moe_checkpoint(num_layers: int, cache_dir: str | None = None, device: str = "cpu") -> str:

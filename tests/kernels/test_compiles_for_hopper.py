@@ -75,22 +75,26 @@ def compile_kv_writes() -> None:
 
 def compile_fp8_linear() -> None:
     """The fp8 weights' kernels (kernels/fp8_linear.py): the quantization's IEEE divisions and
-    hand rounding, with and without the norm, and the fp8 dot at each tile of fp8_gemm_config."""
+    rounding (the GPU's conversion, and by hand as under the interpreter), with and without the norm, and the fp8 dot at each tile of fp8_gemm_config."""
     from mini_engine.kernels import fp8_linear as f
-    for has_norm in (False, True):
-        constexprs = dict(GROUPS=8, BLOCK_K=128, MIN_AMAX=f.MIN_AMAX, HAS_NORM=has_norm, USE_PDL=True)
+    for has_norm, hand_rounding in ((False, False), (True, False), (True, True)):
+        constexprs = dict(GROUPS=8, BLOCK_K=128, MIN_AMAX=f.MIN_AMAX, HAS_NORM=has_norm, HAND_ROUNDING=hand_rounding,
+                          USE_PDL=True)
         signature = {"x_ptr": "*bf16", "norm_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "K": "i32",
-                     "num_groups": "i32", "stride_xm": "i32", "eps": "fp32"} | dict.fromkeys(constexprs, "constexpr")
+                     "num_groups": "i32", "stride_xm": "i32", "stride_sm": "i32", "stride_sg": "i32",
+                     "eps": "fp32"} | dict.fromkeys(constexprs, "constexpr")
         compiled = triton.compile(ASTSource(f._quantize_fp8_kernel, signature, constexprs=constexprs), target=HOPPER,
                                   options={"num_warps": 4})
         assert "cubin" in compiled.asm
-    for rows in (1, 32, 512):
-        cfg = f.fp8_gemm_config(rows)
-        constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, HAS_BIAS=False, ADD_OUT=True,
-                          USE_PDL=True)
+    # Qwen3-0.6B's down_proj (split over K at decode) and gate_up_proj, at decode and prefill rows
+    for rows, n, k in ((1, 1024, 3072), (32, 6144, 1024), (256, 1024, 3072), (2048, 6144, 1024)):
+        cfg = f.fp8_gemm_config(rows, n, k, sms=132)
+        constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, SPLIT_K=cfg.split_k, HAS_BIAS=False,
+                          ADD_OUT=True, USE_PDL=True)
         signature = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
-                     "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "num_groups": "i32",
-                     "stride_wn": "i32", "stride_om": "i32"} | dict.fromkeys(constexprs, "constexpr")
+                     "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32",
+                     "N": "i32", "K": "i32", "num_groups": "i32", "stride_wn": "i32",
+                     "stride_om": "i32"} | dict.fromkeys(constexprs, "constexpr")
         compiled = triton.compile(ASTSource(f._fp8_gemm_kernel, signature, constexprs=constexprs), target=HOPPER,
                                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         assert "cubin" in compiled.asm, cfg

@@ -215,8 +215,8 @@ def test_decode_splits_in_a_given_workspace(device):
     """The splits' partial results in a caller's workspace (the runner's one scratch for every
     layer), sized by decode_workspace_numel for any batch up to its maximum; a workspace too
     small for the launch is a clear error, not a write past its end."""
-    from mini_engine.kernels.paged_attention import (
-        _num_sms, _split_partials, decode_num_splits, decode_workspace_numel)
+    from mini_engine.kernels.paged_attention import _split_partials, decode_num_splits, decode_workspace_numel
+    from mini_engine.kernels.triton_utils import num_sms
     max_len = max(DECODE_SEQ_LENS)
     numel = decode_workspace_numel(len(DECODE_SEQ_LENS), 4, 2, HEAD_DIM, max_len, torch.device(device))
     for num_seqs in (1, 2, len(DECODE_SEQ_LENS)):
@@ -225,14 +225,14 @@ def test_decode_splits_in_a_given_workspace(device):
         workspace = torch.full((numel,), float("nan"), device=device)
         out = paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=max_len, workspace=workspace)
         check(out, *batch)
-        splits = decode_num_splits(num_seqs, 2, max_len, 64, _num_sms(batch[0].device), DECODE_STAGES)
+        splits = decode_num_splits(num_seqs, 2, max_len, 64, num_sms(batch[0].device), DECODE_STAGES)
         assert workspace.isnan().all().item() == (splits == 1)       # written where the launch splits
     # One sequence, one KV head of two query heads, three splits: 6 partial rows, so the maxima and
     # sums start at the next multiple of 4 rows, not right after the accumulators.
     batch = make_batch([1], [130], 2, 1, 16, device)
     workspace = torch.full((decode_workspace_numel(1, 2, 1, HEAD_DIM, 130, torch.device(device)),), float("nan"),
                            device=device)
-    assert decode_num_splits(1, 1, 130, 64, _num_sms(batch[0].device), DECODE_STAGES) == 3
+    assert decode_num_splits(1, 1, 130, 64, num_sms(batch[0].device), DECODE_STAGES) == 3
     check(paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=130, workspace=workspace), *batch)
     views = _split_partials(workspace, 1, 2, 3, HEAD_DIM, workspace.device)
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in views)
