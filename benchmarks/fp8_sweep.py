@@ -45,8 +45,7 @@ def main() -> int:
         weight, scales = f.quantize_fp8_weight_ref(linear.weight.detach())
         for rows in (1, 8, 32, 64, 128, 256, 512, 2048):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            cublas = (rows >= f.CUBLAS_MIN_ROWS and 2 * rows * n * k >= f.CUBLAS_MIN_FLOP
-                      and f.cublas_block_scaled(x.device))
+            cublas = f.takes_cublas(rows, n, k, x.dtype, False, x.device)
             line = {"shape": name, "rows": rows, "bf16_us": round(replay_us(lambda: linear(x)), 2),
                     "quantize_us": round(replay_us(lambda: f.quantize_fp8(x)), 2),
                     "chosen": "cublas" if cublas else chosen(rows, n, k, f.num_sms(x.device)).__dict__,

@@ -265,6 +265,13 @@ def cublas_block_scaled(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
+def takes_cublas(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool, device: torch.device) -> bool:
+    """Whether fp8_linear runs an [m, k] x [n, k]^T product on cuBLAS: a large one, of whole
+    blocks, into bf16 and without a bias, where torch has the block-scaled GEMM."""
+    return (m >= CUBLAS_MIN_ROWS and 2 * m * n * k >= CUBLAS_MIN_FLOP and not has_bias and dtype == torch.bfloat16
+            and k % BLOCK == 0 and n % BLOCK == 0 and cublas_block_scaled(device))
+
+
 def cublas_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """fp8_linear's product on cuBLAS: the quantize launch writes the scales column-major, as
@@ -287,8 +294,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     depend on shapes only (CUDA-graph safe)."""
     assert weight.dtype == FP8 and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
     (m, k), n = x.shape, weight.shape[0]
-    if (m >= CUBLAS_MIN_ROWS and 2 * m * n * k >= CUBLAS_MIN_FLOP and bias is None and x.dtype == torch.bfloat16
-            and k % BLOCK == 0 and n % BLOCK == 0 and cublas_block_scaled(x.device)):
+    if takes_cublas(m, n, k, x.dtype, bias is not None, x.device):
         return cublas_fp8_linear(x, weight, weight_scale, residual, norm_weight, eps)
     q, scales = quantize_fp8(x, norm_weight, eps)
     out = product_output(x, n, residual)

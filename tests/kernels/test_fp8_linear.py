@@ -5,10 +5,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from mini_engine.kernels.fp8_linear import (CUBLAS_MIN_FLOP, FP8, FP8_MAX, cublas_block_scaled,  # noqa: E402
-                                            dequantize_fp8_ref, fp8_gemm_config, fp8_linear, fp8_linear_ref,
-                                            quantize_fp8, quantize_fp8_ref, quantize_fp8_weight_ref,
-                                            split_counters)
+from mini_engine.kernels.fp8_linear import (FP8, FP8_MAX, cublas_block_scaled, dequantize_fp8_ref,  # noqa: E402
+                                            fp8_gemm_config, fp8_linear, fp8_linear_ref, quantize_fp8,
+                                            quantize_fp8_ref, quantize_fp8_weight_ref, split_counters,
+                                            takes_cublas)
 from mini_engine.kernels.triton_utils import num_sms  # noqa: E402
 
 # (rows M, columns K): K a multiple of the 128-column group, and K that leaves the last group short.
@@ -169,7 +169,7 @@ def test_cublas_product_matches_reference(m, with_norm):
     """Prefill's rows on cuBLAS (rows padded to 16 for it, the scales column-major): against the
     reference, with the norm and the sum into a residual, as the Triton kernel is held."""
     k, n = 1024, 1024
-    assert 2 * m * n * k >= CUBLAS_MIN_FLOP
+    assert takes_cublas(m, n, k, torch.bfloat16, False, torch.device("cuda"))
     x = activations(m, k, torch.bfloat16, "cuda", seed=11)
     w, scales = weight_and_scales(n, k, "cuda")
     norm = (0.5 + torch.rand(k, generator=torch.Generator().manual_seed(12))).to("cuda", torch.bfloat16)
