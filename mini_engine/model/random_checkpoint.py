@@ -110,22 +110,25 @@ def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str
     return cached_checkpoint("qwen3-0.6b-random", QWEN3_0_6B, cache_dir, device)
 
 
+def first_layers_checkpoint(name: str, config: dict, num_layers: int, cache_dir: str | None, device: str) -> str:
+    """A random bf16 checkpoint of config's shape cut to its first num_layers layers, cached as
+    name-<num_layers>-layers-random."""
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, {config['num_hidden_layers']}], got {num_layers}")
+    return cached_checkpoint(f"{name}-{num_layers}-layers-random", config | {"num_hidden_layers": num_layers},
+                             cache_dir, device)
+
+
 def dense_8b_checkpoint(num_layers: int, cache_dir: str | None = None, device: str = "cpu") -> str:
     """Qwen3-8B's shape cut to num_layers of its 36 layers (0.4 GB of bf16 a layer, 2.5 GB of
     embedding and lm_head), with random bf16 weights."""
-    if not 1 <= num_layers <= QWEN3_8B["num_hidden_layers"]:
-        raise ValueError(f"num_layers must be in [1, 36], got {num_layers}")
-    return cached_checkpoint(f"qwen3-8b-{num_layers}-layers-random", QWEN3_8B | {"num_hidden_layers": num_layers},
-                             cache_dir, device)
+    return first_layers_checkpoint("qwen3-8b", QWEN3_8B, num_layers, cache_dir, device)
 
 
 def moe_checkpoint(num_layers: int, cache_dir: str | None = None, device: str = "cpu") -> str:
     """Qwen3-30B-A3B's shape cut to num_layers of its 48 layers (1.2 GB of bf16 experts a layer,
     61 GB in all at 48), with random bf16 weights."""
-    if not 1 <= num_layers <= QWEN3_30B_A3B["num_hidden_layers"]:
-        raise ValueError(f"num_layers must be in [1, 48], got {num_layers}")
-    return cached_checkpoint(f"qwen3-30b-a3b-{num_layers}-layers-random",
-                             QWEN3_30B_A3B | {"num_hidden_layers": num_layers}, cache_dir, device)
+    return first_layers_checkpoint("qwen3-30b-a3b", QWEN3_30B_A3B, num_layers, cache_dir, device)
 
 
 def write_embedding_layout(source: str, path: str) -> str:
