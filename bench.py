@@ -91,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--no-async-scheduling", action="store_true", help="mini only: each step waits for its tokens")
     engine.add_argument("--speculative-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    engine.add_argument("--random-loras", type=int, metavar="K", help="mini only: K random LoRA adapters of rank "
+                        "--max-lora-rank on every projection (enable_lora, max_loras K), request i runs adapter i %% K")
+    engine.add_argument("--max-lora-rank", type=int, default=16, help="mini only: with --random-loras")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="GPUs the model is split over (mini and vllm); the floor counts their bandwidth together")
     p.add_argument("--profile", metavar="DIR", help="mini only: time every step (wall and GPU), print the "
@@ -126,6 +129,16 @@ def warm_up(llm, prompts: list[list[int]], sampling: dict) -> None:
                   for i in range(len(lengths))], use_tqdm=False)
 
 
+def random_loras(model: str, count: int, rank: int) -> list:
+    """count random adapters of the model's shape (written once, beside the checkpoint)."""
+    from mini_engine import LoRARequest
+    from mini_engine.config import ModelConfig
+    from mini_engine.lora import write_random_adapter
+    mc = ModelConfig.from_pretrained(model)
+    return [LoRARequest(f"random-{i}", i + 1, write_random_adapter(os.path.join(model, f"lora-r{rank}-{i}"), mc, rank, i))
+            for i in range(count)]
+
+
 def run_mini(model: str, prompts, max_tokens, opts) -> dict:
     from mini_engine import LLM, SamplingParams
     from benchmarks.peers import sampling_options
@@ -137,6 +150,10 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                  "quantization"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
+    loras = None
+    if opts.random_loras:
+        kwargs |= dict(enable_lora=True, max_loras=opts.random_loras, max_lora_rank=opts.max_lora_rank)
+        loras = random_loras(model, opts.random_loras, opts.max_lora_rank)
     llm = LLM(model, **kwargs)
     engine = llm.engine
     warm_up(llm, prompts, sampling_options(opts))
@@ -146,7 +163,8 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
         from benchmarks.step_profile import StepProfiler
         profiler = StepProfiler(engine, num_requests=len(prompts))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)   # returns once every token is on the host
+    outputs = llm.generate(prompts, params, use_tqdm=False,   # returns once every token is on the host
+                           lora_request=None if loras is None else [loras[i % len(loras)] for i in range(len(prompts))])
     wall = time.perf_counter() - start
     if profiler:
         profiler.print_summary()

@@ -1,9 +1,10 @@
 """mini_engine: a small vLLM-style inference engine for Qwen3."""
 from mini_engine.llm import LLM
+from mini_engine.lora import LoRARequest
 from mini_engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
                                  ScoringOutput, ScoringRequestOutput)
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
            "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput"]

@@ -233,6 +233,13 @@ class EngineConfig:
     # or "fp8", which also quantizes a bf16 checkpoint's projections to fp8 blocks as it loads
     # them (mini_engine/quantization.py): half the weights' bytes, fp8 tensor cores for prefill.
     quantization: str | None = None
+    # As vLLM's: LoRA adapters (mini_engine/lora.py). enable_lora gives every decoder projection
+    # max_loras slots of rank up to max_lora_rank (the adapters one step may mix); max_cpu_loras
+    # (None: max_loras) adapters stay read on the host.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
@@ -302,10 +309,24 @@ class EngineConfig:
             raise ValueError("classifier_from_token (a cross-encoder reranker) needs runner='pooling'")
         elif self.pooler_config is not None:
             raise ValueError("pooler_config needs runner='pooling'")
+        self.check_lora()
         if self.speculative_config is not None:
             if self.runner == "pooling":
                 raise ValueError("speculative_config is for generation: a pooling runner samples nothing")
             self.speculative_config = SpeculativeConfig.resolve(self.speculative_config)
+
+    def check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+        if self.enable_lora and self.runner == "pooling":
+            raise ValueError("enable_lora is for generation here: a pooling runner takes no adapters")
 
     def read_sampling_defaults(self) -> dict:
         if self.generation_config == "none":

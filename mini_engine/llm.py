@@ -12,6 +12,7 @@ from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
 from mini_engine.engine.sequence import Sequence
 from mini_engine.layers.pooler import cosine_similarity
+from mini_engine.lora import LoRARequest
 from mini_engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
                                  ScoringOutput, ScoringRequestOutput)
 from mini_engine.pooling_params import PoolingParams
@@ -39,9 +40,10 @@ class Admission:
     # The prompt added last: its token ids, which its other completions share.
     last_prompt_ids: list[int] = field(default_factory=list)
     # Each prompt's request id (drawn in the prompts' order, as vLLM's, whatever order they are
-    # added in) and priority.
+    # added in), priority and LoRA adapter (None: the base model).
     request_ids: list[str] = field(default_factory=list)
     priorities: list[int] = field(default_factory=list)
+    loras: list = field(default_factory=list)
 
 
 class LLM:
@@ -74,9 +76,11 @@ class LLM:
 
     def generate(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """priority: one for each prompt, with scheduling_policy "priority" (vLLM's): a lower value
-        is scheduled first."""
+        is scheduled first. lora_request (vLLM's, with enable_lora): the LoRA adapter every prompt
+        runs with, or one for each prompt (None: the base model)."""
         if self.engine.config.runner == "pooling":
             raise ValueError("this LLM runs an embedding model (runner='pooling'): use LLM.embed; generation needs "
                              "runner='generate'")
@@ -92,7 +96,13 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         for value in priority:
             self.engine.check_priority(value)
-        seqs, completion_of, stoppers = self.run_requests(prompts, sampling_params, priority, use_tqdm, "Generating")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lora in dict.fromkeys(loras):         # each adapter read and checked once, before any request runs
+            self.engine.check_lora(lora)
+        seqs, completion_of, stoppers = self.run_requests(prompts, sampling_params, priority, use_tqdm, "Generating",
+                                                          loras)
         groups: list[list[tuple[int, Sequence]]] = [[] for _ in prompts]
         for seq in seqs:
             i, k = completion_of[seq.request_id]
@@ -156,11 +166,11 @@ class LLM:
                 for a, b in pairs]
 
     def run_requests(self, prompts: list, params: list[SamplingParams | PoolingParams], priority: list[int],
-                     use_tqdm: bool, desc: str) -> tuple[list[Sequence], dict[str, tuple[int, int]],
-                                                         dict[str, IncrementalDetokenizer]]:
+                     use_tqdm: bool, desc: str, loras: list[LoRARequest | None] | None = None
+                     ) -> tuple[list[Sequence], dict[str, tuple[int, int]], dict[str, IncrementalDetokenizer]]:
         """Runs the prompts to the end: their sequences (n of a prompt whose SamplingParams ask for
         n), each one's (prompt, completion) index by request id, and the stop-string matchers of
-        those with stop strings."""
+        those with stop strings. loras: each prompt's LoRA adapter, or None."""
         engine = self.engine
         # A sequence for each completion: n of a prompt whose SamplingParams ask for n.
         num_completions = [p.n if isinstance(p, SamplingParams) else 1 for p in params]
@@ -191,7 +201,7 @@ class LLM:
             # the others nothing, and leaves the engine as it found it.
             budget = engine.config.max_num_batched_tokens
             admission = Admission(request_ids=[str(next(engine.request_counter)) for _ in prompts],
-                                  priorities=priority)
+                                  priorities=priority, loras=loras or [None] * len(prompts))
             pending = self.add_requests(requests, seqs, completion_of, stoppers, budget, admission)
             while pending or engine.has_unfinished_requests():
                 outputs = engine.step()
@@ -265,13 +275,14 @@ class LLM:
                 raise type(e)(f"prompt {i}: {e}") from None
             # One completion takes its prompt's request id; several, vLLM's ids for its children.
             request_id = admission.request_ids[i] if n == 1 else f"{k}_{admission.request_ids[i]}"
-            seq = engine.add_request(ids, params, request_id, validated=True, priority=admission.priorities[i])
+            seq = engine.add_request(ids, params, request_id, validated=True, priority=admission.priorities[i],
+                                     lora_request=admission.loras[i])
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if isinstance(params, SamplingParams) and params.stop:
                 stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens,
                                                                   params.include_stop_str_in_output)
-            cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks)
+            cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks, seq.cache_root)
             if seq.computes_whole_prompt:       # the cache serves it nothing (prompt_logprobs, a MEAN embedding)
                 cost = len(ids)
             admission.prompt_costs[seq.request_id] = cost

@@ -10,6 +10,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from mini_engine.config import EngineConfig
+from mini_engine.server.lora_modules import LoRAModulePath, parse_lora_module
 from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
 
 # --reasoning-parser is the server's own flag below, and sets the engine's field too.
@@ -44,6 +45,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, dest=f.name, type=kind, default=default, help=f"default: {default}")
 
 
+def lora_module(item: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(item)
+    except ValueError as e:     # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def served_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or args.model or "qwen3-0.6b-random"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mini_engine.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a Hugging Face Qwen3 checkpoint folder "
@@ -61,10 +73,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="chat responses give Hermes-style <tool_call> blocks (Qwen3's) as `tool_calls`")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accept requests with tools (tool_choice \"auto\"); needs --tool-call-parser")
+    # As vLLM's: adapters served under their names (the request's `model`), each read and checked
+    # by the engine before the server is ready; --enable-lora, --max-loras, --max-lora-rank and
+    # --max-cpu-loras are EngineConfig's (below). Repeated, the flag adds to the list.
+    parser.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
+                        metavar="name=path", help='LoRA adapters (PEFT folders) as name=path, or as JSON '
+                        '{"name": ..., "path": ..., "base_model_name": ...}; needs --enable-lora')
     add_engine_options(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    names = [module.name for module in args.lora_modules]
+    if duplicates := sorted({name for name in names if names.count(name) > 1}):
+        parser.error(f"--lora-modules names each adapter once: {duplicates} given more than once")
+    if served_name(args) in names:
+        parser.error(f"--lora-modules: the adapter name {served_name(args)!r} is the served model's name")
     return args
 
 
@@ -77,15 +102,17 @@ def main(argv: list[str] | None = None) -> None:
     from mini_engine.server.app import build_app
 
     model = args.model or default_checkpoint()
-    name = args.served_model_name or args.model or "qwen3-0.6b-random"
+    name = served_name(args)
     options = {f.name: getattr(args, f.name) for f in engine_option_fields()}
     config = EngineConfig.from_kwargs(model, reasoning_parser=args.reasoning_parser, **options)
     parsers = ParserOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
-    app = build_app(config, name, parsers)
+    app = build_app(config, name, parsers, args.lora_modules)
     limits = app.state.server.async_engine.limits
     logging.getLogger("mini_engine.server").info(
         "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
         limits.block_size, limits.max_model_len)
+    for module in args.lora_modules:
+        logging.getLogger("mini_engine.server").info("serving LoRA adapter %s as %r", module.path, module.name)
     if config.sampling_defaults:
         logging.getLogger("mini_engine.server").info(
             "requests that leave them unset sample with %s, from %s's generation_config.json "

@@ -7,7 +7,7 @@ set -euo pipefail
 specs=(triton safetensors tokenizers tqdm numpy)
 if [[ "${1:-engine}" == test ]]; then
     specs+=(pytest hypothesis transformers fastapi uvicorn jinja2 prometheus_client:prometheus-client
-            openai httpx matplotlib xgrammar xdist:pytest-xdist)
+            openai httpx matplotlib xgrammar xdist:pytest-xdist peft)
 fi
 need=()
 python3 -c "import torch" 2>/dev/null || need+=("torch==2.13.0")

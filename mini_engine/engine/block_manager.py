@@ -80,7 +80,8 @@ def block_key(parent_hash: int | None, token_ids: list[int]) -> tuple:
 def chained_blocks(token_ids: list[int], block_size: int, start: int, stop: int,
                    parent: int | None = None) -> Iterator[tuple[int, tuple, int]]:
     """(i, key, hash) of the full blocks start..stop-1 of token_ids, each key holding the hash
-    before it (parent: block start-1's, None from the first block)."""
+    before it (parent: block start-1's; for the first block, the sequence's Sequence.cache_root,
+    None for the base model's)."""
     for i in range(start, stop):
         key = block_key(parent, token_ids[i * block_size:(i + 1) * block_size])
         parent = hash(key)
@@ -116,22 +117,24 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for _, key, h in chained_blocks(seq.token_ids, self.block_size, 0, (seq.num_tokens - 1) // self.block_size):
+        for _, key, h in chained_blocks(seq.token_ids, self.block_size, 0, (seq.num_tokens - 1) // self.block_size,
+                                        seq.cache_root):
             block_id = self.cached_blocks.get(h)
             if block_id is None or self.blocks[block_id].key != key:
                 break
             hits.append(block_id)
         return hits
 
-    def prompt_cost(self, token_ids: list[int], shared: set[int]) -> int:
+    def prompt_cost(self, token_ids: list[int], shared: set[int], cache_root: int | None = None) -> int:
         """The tokens a new prompt will take from a step's budget: those past the longest chain of
         its full blocks that the cache holds or that `shared` holds, the hashes of the prompts
         waiting ahead of it, whose blocks are cached as they are admitted (first come, first
-        served: before it, or in the same step). Adds its own hashes to shared."""
+        served: before it, or in the same step). Adds its own hashes to shared. cache_root: its
+        sequence's (Sequence.cache_root)."""
         if not self.enable_prefix_caching:
             return len(token_ids)
         bs, covered = self.block_size, 0
-        for i, _, h in chained_blocks(token_ids, bs, 0, (len(token_ids) - 1) // bs):   # the last token is computed
+        for i, _, h in chained_blocks(token_ids, bs, 0, (len(token_ids) - 1) // bs, cache_root):   # the last is computed
             if covered == i * bs and (h in shared or h in self.cached_blocks):
                 covered += bs
             shared.add(h)
@@ -195,7 +198,7 @@ class BlockManager:
         # tokens they hold are known, and so is the token still in flight.
         num_tokens = min(num_tokens, seq.num_tokens - (seq.token_ids[-1] == PENDING_TOKEN))
         start = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if start else None
+        parent = seq.block_hashes[-1] if start else seq.cache_root
         for i, key, h in chained_blocks(seq.token_ids, bs, start, num_tokens // bs, parent):
             seq.block_hashes.append(h)
             if self.enable_prefix_caching and h not in self.cached_blocks:

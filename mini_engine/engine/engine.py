@@ -16,6 +16,7 @@ from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from mini_engine.layers.pooler import chunk_chain, classifier_probabilities, finish_embedding
 from mini_engine.layers.sampler import SampleLogprobs
+from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
@@ -82,7 +83,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
-                                   config.max_model_len, config.scheduling_policy)
+                                   config.max_model_len, config.scheduling_policy,
+                                   config.max_loras if config.enable_lora else 0)
         mc = config.model_config
         self.limits = RequestLimits(mc.vocab_size, config.max_model_len, config.block_size,
                                     self.block_manager.num_blocks, self.tokenizer is not None, config.max_logprobs,
@@ -139,15 +141,18 @@ class LLMEngine:
         self.limits.validate(prompt_token_ids, params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                    request_id: str | None = None, validated: bool = False, priority: int = 0) -> Sequence:
+                    request_id: str | None = None, validated: bool = False, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> Sequence:
         """params: SamplingParams, or an embedding engine's PoolingParams. validated: the caller
         has already passed these token ids and params to validate() (a batch is validated whole
         before any of it is added), so the prompt is not checked twice. priority: with
-        scheduling_policy "priority", a lower value is scheduled first (vLLM's)."""
+        scheduling_policy "priority", a lower value is scheduled first (vLLM's). lora_request:
+        the LoRA adapter it runs with (enable_lora), None for the base model."""
         prompt_token_ids = self.tokenize(prompt, params)
         if not validated:
             self.validate(prompt_token_ids, params)
         self.check_priority(priority)
+        self.check_lora(lora_request)
         request_id = request_id if request_id is not None else str(next(self.request_counter))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -158,7 +163,8 @@ class LLMEngine:
             self.requests[request_id] = seq
             self.scheduler.add(seq)
             return seq
-        seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals))
+        seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals),
+                       lora_request=lora_request)
         self.draft_backoff, self.next_draft_backoff = 0, 1     # the proposer looks at a new prompt at once
         stop_token_ids = self.stop_token_ids(params)
         if params.bad_words:            # before anything of the engine's changes: it may raise
@@ -183,6 +189,18 @@ class LLMEngine:
     def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: EOS and its own stop_token_ids."""
         return self.eos_token_ids | frozenset(params.stop_token_ids)
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A ValueError, before the request touches the engine, for an adapter the engine cannot
+        run: LoRA not enabled, or the adapter's files (read here once, then kept: AdapterCache)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        if not self.config.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        self.runner.lora.check(lora_request)
 
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
@@ -500,7 +518,7 @@ class LLMEngine:
             p = seq.sampling_params
             seed = hash((p.seed, seq.num_output_tokens)) & 0x7FFFFFFF if sample and p.seed is not None else None
             row = BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed,
-                           seq.block_table_array)
+                           seq.block_table_array, lora_request=seq.lora_request)
             if row.token_ids[-1] == PENDING_TOKEN:        # sampled by the step still in flight
                 row.prev_token_index = seq.pending_sample_index
             if sample and p.penalized:
@@ -535,7 +553,7 @@ class LLMEngine:
             output_index = seq.num_output_tokens + i
             seed = hash((p.seed, output_index)) & 0x7FFFFFFF if p.seed is not None else None
             row = BatchRow([token], start + i, seq.block_table, True, p, seed, seq.block_table_array,
-                           num_output_tokens=output_index if p.min_tokens else 0)
+                           num_output_tokens=output_index if p.min_tokens else 0, lora_request=seq.lora_request)
             if seq.bad_words_ids:
                 row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.token_ids + tokens[1:i + 1],
                                                   seq.num_prompt_tokens)

@@ -24,8 +24,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 max_model_len: int, policy: str = "fcfs"):
+                 max_model_len: int, policy: str = "fcfs", max_loras: int = 0):
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras          # the LoRA adapters the running requests may use at once
         self.by_priority = policy == "priority"
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,12 +74,14 @@ class Scheduler:
                 i += 1
 
         # A step that had to preempt admits nobody: the pool is already short. A request whose
-        # grammar still compiles stays where it waits, and those behind it go first.
-        compiling = []
+        # grammar still compiles, or whose LoRA adapter would be one too many, stays where it
+        # waits, and those behind it go first (as vLLM's).
+        skipped = []
+        adapters = {s.lora_int_id for s in self.running if s.lora_request is not None}
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.grammar_compiling is not None:
-                compiling.append(self.waiting.popleft())
+            if seq.grammar_compiling is not None or not self.admits_lora(seq, adapters):
+                skipped.append(self.waiting.popleft())
                 continue
             cached = [] if seq.computes_whole_prompt else bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
@@ -92,13 +95,20 @@ class Scheduler:
             if seq.sampling_params.penalized:
                 seq.penalty_row, seq.penalty_row_filled = self.free_penalty_rows.pop(), False
             self.place(self.running, seq, self.running.append)
+            if seq.lora_request is not None:
+                adapters.add(seq.lora_int_id)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(skipped))
         if with_drafts:
             self.grant_drafts(out, budget)
         return out
+
+    def admits_lora(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether seq may run beside the running requests' adapters (their ids): it takes none, its
+        own is among them, or they leave room for one more under max_loras."""
+        return seq.lora_request is None or seq.lora_int_id in adapters or len(adapters) < self.max_loras
 
     def grant_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Each scheduled decode's drafts (Sequence.spec_token_ids, from the engine's proposer),

@@ -4,6 +4,7 @@ from enum import Enum, auto
 
 import numpy as np
 
+from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
@@ -73,6 +74,19 @@ class Sequence:
     # the scheduler may cut to what the step has room for; the engine clears them when they resolve.
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: object | None = field(default=None, repr=False)   # the proposer's (speculative.NgramIndex)
+    # With enable_lora: the adapter it runs with, or None (the base model).
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def cache_root(self) -> int | None:
+        """What its first block's hash chains from (BlockManager): None for the base model; an
+        adapter's own root, since the same tokens under another adapter have other K and V."""
+        return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
 
     def __post_init__(self):
         if not self.token_ids:

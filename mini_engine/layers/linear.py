@@ -6,6 +6,7 @@ from mini_engine.distributed import TensorParallel, all_reduce
 from mini_engine.kernels.fp8_linear import BLOCK, FP8, fp8_linear_ref, quantize_fp8_weight_ref
 from mini_engine.kernels.linear import skinny_config
 from mini_engine.kernels.rms_norm import rms_norm_ref
+from mini_engine.layers.lora import LoRASlots, LoRAStep
 
 
 class Linear(nn.Linear):
@@ -32,6 +33,22 @@ class Linear(nn.Linear):
         self.tp = tp
         self.weight_scale_inv: nn.Parameter | None = None       # with fp8 weights: their block scales
         self.fp8_product = fp8_linear_ref
+        self.lora: LoRASlots | None = None                      # with enable_lora: the adapters' slots
+
+    def enable_lora(self, step: LoRAStep, max_rank: int) -> None:
+        self.lora = LoRASlots(step, self.in_features, getattr(self, "output_sizes", [self.out_features]), max_rank)
+
+    def lora_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of a LoRA pair of one of its projections, A [r, in] and B [out, r] as
+        the checkpoint's shapes are: a column-parallel layer's rows of B, a row-parallel one's
+        columns of A (its input is its share of the columns: the ranks' deltas sum, in the
+        all-reduce the product already makes)."""
+        if self.tp.size > 1 and self.tp_dim is not None:
+            half = b if self.tp_dim == 0 else a
+            share = half.shape[self.tp_dim] // self.tp.size
+            half = half.narrow(self.tp_dim, self.tp.rank * share, share)
+            a, b = (a, half) if self.tp_dim == 0 else (half, b)
+        return a, b
 
     def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None) -> None:
@@ -58,6 +75,10 @@ class Linear(nn.Linear):
         self.hold_fp8_weight(use_triton, *quantize_fp8_weight_ref(self.weight))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.product(x, residual)
+        return out if self.lora is None else self.lora.add(x, out)
+
+    def product(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight_scale_inv is not None:
             return self.fp8_product(x, self.weight, self.weight_scale_inv, residual, bias=self.bias)
         if self.bias is not None:
@@ -88,10 +109,13 @@ class RowParallelLinear(Linear):
             raise ValueError("a row-parallel product under tensor parallelism sums into the residual stream")
         if self.tp.rank == 0:
             super().forward(x, residual)
-        elif self.weight_scale_inv is not None:
-            residual.copy_(self.fp8_product(x, self.weight, self.weight_scale_inv))
         else:
-            torch.mm(x, self.weight.t(), out=residual)
+            if self.weight_scale_inv is not None:
+                residual.copy_(self.fp8_product(x, self.weight, self.weight_scale_inv))
+            else:
+                torch.mm(x, self.weight.t(), out=residual)
+            if self.lora is not None:
+                self.lora.add(x, residual)
         return all_reduce(residual, self.tp)
 
 
@@ -159,6 +183,7 @@ class NormedPackedLinear(PackedLinear):
         self.norm_weight = nn.Parameter(torch.ones(in_features))
         self.eps = eps
         self.norm_in_weight = not bias       # whether g is (or will be) folded into the weight
+        self.folded_norm_weight: torch.Tensor | None = None     # g, once folded (LoRA's A takes it too)
 
     def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None) -> None:
@@ -172,13 +197,25 @@ class NormedPackedLinear(PackedLinear):
         if self.norm_in_weight:
             return super().forward(x), x
         if self.weight_scale_inv is not None:
-            return self.fp8_product(x, self.weight, self.weight_scale_inv, None, self.norm_weight, self.eps,
-                                    self.bias), None
+            out = self.fp8_product(x, self.weight, self.weight_scale_inv, None, self.norm_weight, self.eps, self.bias)
+            if self.lora is not None:
+                self.lora.add(rms_norm_ref(x, self.norm_weight, self.eps), out)
+            return out, None
         return super().forward(rms_norm_ref(x, self.norm_weight, self.eps)), None
+
+    def lora_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """With g folded into the weight the product reads x, not the normed x: A takes g as W did
+        (the reader's 1/rms then norms the delta with the product)."""
+        a, b = super().lora_pair(a, b)
+        if self.norm_in_weight and self.folded_norm_weight is not None:
+            a = a * self.folded_norm_weight.float().cpu()
+        return a, b
 
     @torch.no_grad()
     def fold_norm_weight(self) -> None:
         """W <- W diag(g), rounded once to W's dtype; then g <- 1, so folding twice changes nothing."""
         if self.norm_in_weight:
             self.weight.copy_(self.weight.float() * self.norm_weight.float())
+            if self.folded_norm_weight is None:
+                self.folded_norm_weight = self.norm_weight.detach().clone()
             self.norm_weight.fill_(1.0)

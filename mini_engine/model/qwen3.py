@@ -11,6 +11,7 @@ from mini_engine.layers.attention import Attention, AttentionMetadata
 from mini_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from mini_engine.layers.layernorm import RMSNorm
 from mini_engine.layers.linear import Linear, NormedPackedLinear, RowParallelLinear
+from mini_engine.layers.lora import LoRAStep
 from mini_engine.layers.moe import Qwen3SparseMoeBlock
 from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
@@ -102,6 +103,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp) if lm_head else None
         if lm_head and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.lora_step: LoRAStep | None = None             # with enable_lora (enable_lora())
 
     def renames(self, name: str) -> dict[str, str]:
         """The renamed_modules that apply to our tensor `name` (without "model."): a sparse layer's own."""
@@ -123,8 +125,41 @@ class Qwen3ForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quantize_weight_fp8(use_triton)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Returns the final hidden states, [T, hidden]."""
+    def lora_modules(self) -> dict[str, Linear]:
+        """The projections a LoRA adapter may change, by our name ("layers.0.self_attn.qkv_proj"):
+        every layer's attention projections and a dense MLP's (a Qwen3-MoE layer's experts take none)."""
+        modules = {}
+        for i, layer in enumerate(self.layers):
+            modules |= {f"layers.{i}.self_attn.qkv_proj": layer.self_attn.qkv_proj,
+                        f"layers.{i}.self_attn.o_proj": layer.self_attn.o_proj}
+            if isinstance(layer.mlp, Qwen3MLP):
+                modules |= {f"layers.{i}.mlp.gate_up_proj": layer.mlp.gate_up_proj,
+                            f"layers.{i}.mlp.down_proj": layer.mlp.down_proj}
+        return modules
+
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        """The checkpoint's projections that our module holds, in its shard order:
+        "layers.0.self_attn.qkv_proj" -> [...q_proj, ...k_proj, ...v_proj]."""
+        parent, _, name = module_name.rpartition(".")
+        shards = sorted((index, source) for source, (packed, index) in self.packed_modules_mapping.items()
+                        if packed == name)
+        return [f"{parent}.{source}" for _, source in shards] or [module_name]
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> dict[str, Linear]:
+        """Gives every LoRA-able projection max_loras empty slots; returns them by name."""
+        weight = self.embed_tokens.weight
+        self.lora_step = LoRAStep(max_loras, weight.dtype, weight.device)
+        modules = self.lora_modules()
+        for module in modules.values():
+            module.enable_lora(self.lora_step, max_rank)
+        return modules
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the final hidden states, [T, hidden]. lora_slots: with enable_lora, each token's
+        adapter slot ([T] int32, -1: none)."""
+        if self.lora_step is not None:
+            self.lora_step.begin(lora_slots)
         hidden = self.embed_tokens(input_ids)       # the residual stream, updated in place by each layer
         for layer in self.layers:
             hidden = layer(hidden, positions, meta)

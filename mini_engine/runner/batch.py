@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mini_engine.lora import LoRARequest
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -40,6 +41,8 @@ class BatchRow:
     # For an embedding request's row that pools this step (layers/pooler.py): its pooling type,
     # "LAST" (its prompt's last chunk) or "MEAN" (every chunk). It never samples.
     pooling: str | None = None
+    # With enable_lora: the adapter the row's request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +60,7 @@ class StepTensors:
     prefill_work: torch.Tensor     # [I, 4] int32: the varlen attention kernel's work items (eager steps with prefill)
     top_k: torch.Tensor            # [N] int32: the row's top_k where kernels/top_k_sampling.py draws it, else 0
     top_p: torch.Tensor            # [N] float32: that row's top_p
+    lora_slots: torch.Tensor       # [T] int32: each token's LoRA adapter slot, -1 for none (and padding)
     logits_indices: torch.Tensor   # [S] int64: the token whose logits each sampling row uses
 
 
@@ -68,7 +72,7 @@ STEP_FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_ma
                ("prev_index", torch.int64), ("seeds", torch.int64), ("seq_lens", torch.int32),
                ("query_start_loc", torch.int32), ("block_tables", torch.int32), ("temperatures", torch.float32),
                ("prefill_work", torch.int32), ("top_k", torch.int32), ("top_p", torch.float32),
-               ("logits_indices", torch.int64))
+               ("lora_slots", torch.int32), ("logits_indices", torch.int64))
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
@@ -115,7 +119,7 @@ class StepInputBuffers:
         temperatures, top_k and top_p (a graph's batch size, or the step's sampling rows);
         num_samples: logits_indices'."""
         t, r, n = num_tokens, num_rows, num_sample_slots
-        return [t, t, t, t, n, r, r + 1, r * table_width, n, 4 * num_work_items, n, n, num_samples]
+        return [t, t, t, t, n, r, r + 1, r * table_width, n, 4 * num_work_items, n, n, t, num_samples]
 
     @classmethod
     def offsets(cls, sizes: list[int]) -> list[int]:

@@ -52,7 +52,7 @@ class CUDAGraphRunner:
     def forward(self, t: StepTensors, meta: AttentionMetadata, turn: int) -> None:
         bs = t.input_ids.shape[0]
         self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens[1 - turn])
-        hidden = self.model(t.input_ids, t.positions, meta)
+        hidden = self.model(t.input_ids, t.positions, meta, t.lora_slots)
         logits = self.model.compute_logits(hidden, out=self.logits[:bs])
         if self.sample is not None:
             self.sample(logits, t.temperatures, t.seeds, out=self.sampled_tokens[turn, :bs])

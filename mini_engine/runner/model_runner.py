@@ -29,6 +29,7 @@ from mini_engine.model.loader import hold_fp8_weights, load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
+from mini_engine.runner.lora_adapters import LoRAAdapters
 from mini_engine.runner.tensor_parallel_workers import TensorParallelWorkers
 from mini_engine.sampling_params import SamplingParams
 
@@ -179,6 +180,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()        # the bf16 weights' memory, for the KV pool
         self.model.eval()
+        # With enable_lora: every projection's adapter slots, allocated before the KV pool is sized.
+        self.lora = LoRAAdapters(self.model, config) if config.enable_lora else None
         # Unseeded rows' noise on the PyTorch path from the runner's own generator, not the process's:
         # every tensor-parallel rank then draws the same, whatever else rank 0's process draws.
         self.sampler = Sampler(use_triton="sampler" in self.kernels,
@@ -278,6 +281,8 @@ class ModelRunner:
         dense, sparse = mlps.get(Qwen3MLP), mlps.get(Qwen3SparseMoeBlock)
         # Zeros, read by the products (and the residual adds into `residual`, which stay zero).
         max_rows = max(sample_rows[-1], token_rows[-1])
+        if self.lora is not None:                 # the LoRA products run too, on no adapter
+            self.model.lora_step.begin(torch.full((max_rows,), -1, dtype=torch.int32, device=self.device))
         hidden, residual, o_in, down_in = (
             torch.zeros(max_rows, width, dtype=self.dtype, device=self.device)
             for width in (mc.hidden_size, mc.hidden_size, attn.o_proj.in_features,
@@ -447,7 +452,7 @@ class ModelRunner:
         else:
             if any(r.prev_token_index >= 0 for r in rows):
                 self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens[1 - turn])
-            hidden = self.model(t.input_ids, t.positions, meta)
+            hidden = self.model(t.input_ids, t.positions, meta, t.lora_slots)
             logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
         prompt_extras = self.prompt_logprob_extras(rows, prompt_rows, hidden) if prompt_rows else []
         pooled = self.pool(rows, hidden) if pooling_rows else None
@@ -528,19 +533,24 @@ class ModelRunner:
             self.inputs[turn].release()
         # Token-level inputs: single-token rows (they come first) append to the lists, each prefill
         # chunk adds numpy arrays (a 16k-token step spends ~3 ms less than with Python ints a token).
-        input_ids, positions, slot_mapping, prev_index = [], [], [], []
-        chunk_ids, chunk_positions, chunk_slots, chunk_prev = [], [], [], []
+        input_ids, positions, slot_mapping, prev_index, lora_slots = [], [], [], [], []
+        chunk_ids, chunk_positions, chunk_slots, chunk_prev, chunk_lora_slots = [], [], [], [], []
+        row_lora_slots = self.lora.slots(rows) if self.lora is not None else None
         query_start_loc, seq_lens, logits_indices, temperatures, seeds, top_k, top_p = [0], [], [], [], [], [], []
         bs = self.block_size
         num_tokens = 0
-        for row in rows:
+        for i, row in enumerate(rows):
             n, start, table = len(row.token_ids), row.start_position, row.block_table
             if n == 1 and not chunk_ids:
                 input_ids.append(row.token_ids[0])
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
                 prev_index.append(row.prev_token_index)
+                if row_lora_slots is not None:
+                    lora_slots.append(row_lora_slots[i])
             else:
+                if row_lora_slots is not None:
+                    chunk_lora_slots.append(np.full(n, row_lora_slots[i], dtype=np.int64))
                 chunk = np.arange(start, start + n)
                 table_array = row.block_table_array if row.block_table_array is not None else np.asarray(table)
                 chunk_ids.append(row.token_ids)
@@ -578,12 +588,14 @@ class ModelRunner:
             top_k += [0] * pad_samples
             top_p += [1.0] * pad_samples
             num_decodes = graph_size
-        # Padding tokens write no KV (slot -1).
+        # Padding tokens write no KV (slot -1), and take no adapter.
         columns = [token_column(values, chunks, pad, fill)
                    for values, chunks, fill in ((input_ids, [np.asarray(ids) for ids in chunk_ids], 0),
                                                 (positions, chunk_positions, 0), (slot_mapping, chunk_slots, -1),
                                                 (prev_index, chunk_prev, -1))]
         num_tokens += pad
+        lora_column = (token_column(lora_slots, chunk_lora_slots, pad, -1) if row_lora_slots is not None
+                       else np.full(num_tokens, -1))
         block_tables = np.zeros((num_rows, width), dtype=np.int32)       # padding rows read block 0
         for i, row in enumerate(rows):
             block_tables[i] = self.padded_block_table(row, width)
@@ -591,7 +603,7 @@ class ModelRunner:
         if max_query_len > 1 and self.triton_attention:
             work = prefill_work(np.diff(query_start_loc), seq_lens, self.prefill_block_q)
         t = self.inputs[turn].stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
-                                     top_k, top_p, logits_indices], num_tokens, num_rows, width, len(temperatures),
+                                     top_k, top_p, lora_column, logits_indices], num_tokens, num_rows, width, len(temperatures),
                                     len(logits_indices), len(work))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,

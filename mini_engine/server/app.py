@@ -22,18 +22,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.config import EngineConfig
+from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.constraints import forced_tool, structured_outputs
 from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
+from mini_engine.server.lora_modules import LoRAModulePath, LoRAModules, runtime_updating_allowed
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
-                                         DetokenizeRequest, EmbeddingRequest, ProtocolError, RerankRequest,
-                                         SamplingRequest, ScoreRequest, TokenizeRequest,
-                                         completion_body, error_body, model_card, random_id, usage)
+                                         DetokenizeRequest, EmbeddingRequest, LoadLoRAAdapterRequest, ProtocolError,
+                                         RerankRequest, SamplingRequest, ScoreRequest, TokenizeRequest,
+                                         UnloadLoRAAdapterRequest, completion_body, error_body, model_card,
+                                         random_id, usage)
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -178,25 +181,27 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class OpenAIServer:
-    def __init__(self, config: EngineConfig, model_name: str, parsers: ParserOptions | None = None):
+    def __init__(self, config: EngineConfig, model_name: str, parsers: ParserOptions | None = None,
+                 lora_modules: list[LoRAModulePath] = ()):
         self.config = config
         self.model_name = model_name
         self.parsers = parsers or ParserOptions()
         self.metrics = ServerMetrics(model_name)
-        self.async_engine = AsyncEngine(config, self.metrics)
+        self.loras = LoRAModules(model_name, lora_modules)
+        self.async_engine = AsyncEngine(config, self.metrics, tuple(self.loras.requests.values()))
         self.tokenizer = load_tokenizer(config.model)
         self.logprobs_json = LogprobsJSON(self.tokenizer)
         self.chat_template = ChatTemplate.from_pretrained(config.model)
 
     # ---- from an OpenAI request to the engine's ----
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ProtocolError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                                404, "model", "model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the served model); a 404 for a name this
+        server does not serve."""
+        return self.loras.resolve(model)
 
-    def check(self, req: SamplingRequest) -> None:
-        self.check_model(req.model)
+    def check(self, req: SamplingRequest) -> LoRARequest | None:
+        lora_request = self.check_model(req.model)
         if self.config.runner == "pooling":
             raise ProtocolError("this server runs a pooling model (--runner pooling): use /v1/embeddings, /score "
                                 "or /rerank")
@@ -211,6 +216,11 @@ class OpenAIServer:
             raise ProtocolError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
                                 param="prompt_logprobs")
         self.check_priority(req.priority)
+        return lora_request
+
+    def response_model_name(self, lora_request: LoRARequest | None) -> str:
+        """A response's `model`: the adapter's name where the request named one (vLLM's)."""
+        return self.model_name if lora_request is None else lora_request.lora_name
 
     def check_priority(self, priority: int) -> None:
         if priority and self.config.scheduling_policy != "priority":
@@ -255,7 +265,7 @@ class OpenAIServer:
             raise ProtocolError(f"{where}: {e}" if where != param else str(e), param=param) from None
 
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams,
-            priority: int = 0) -> list[RequestStream]:
+            priority: int = 0, lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """A stream for each of the params.n completions of each prompt, in that order: one request
         for one prompt and n = 1; else vLLM's ids ("{request_id}-{prompt}" for a batch of prompts,
         "{index}_..." for each of n, seeded seed + index), and the n of a prompt share it, which the
@@ -272,7 +282,8 @@ class OpenAIServer:
                        for child_id, child in ([(prompt_id, params)] if n == 1 else
                                                [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
-            return [self.async_engine.add_request(child_id, prompt, child, validated=True, priority=priority)
+            return [self.async_engine.add_request(child_id, prompt, child, validated=True, priority=priority,
+                                                  lora_request=lora_request)
                     for prompt, child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
@@ -370,12 +381,13 @@ class OpenAIServer:
                      sum(delta.num_output_tokens for delta in last))
 
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                            include_usage: bool, prompts: Prompts,
-                            parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[str]:
+                            include_usage: bool, prompts: Prompts, parsers: list[ChatOutputParser] | None = None,
+                            model: str | None = None) -> AsyncIterator[str]:
+        model = model or self.model_name
         if chat:
             first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(streams))]
-            yield sse(completion_body(request_id, created, self.model_name, first, None, chunk=True, chat=True))
+            yield sse(completion_body(request_id, created, model, first, None, chunk=True, chat=True))
         offsets, last, failed = [0] * len(streams), [None] * len(streams), None
         echoes = StreamedEchoes(prompts) if prompts.echoes is not None else None
         async for ready in interleaved(streams):
@@ -406,14 +418,15 @@ class OpenAIServer:
                 yield sse(error_body(failed, 500))
                 break
             if choices:
-                yield sse(completion_body(request_id, created, self.model_name, choices, None, chunk=True, chat=chat))
+                yield sse(completion_body(request_id, created, model, choices, None, chunk=True, chat=chat))
         if include_usage and failed is None:
             u = self.usage_of(last, prompts.n)
-            yield sse(completion_body(request_id, created, self.model_name, [], u, chunk=True, chat=chat))
+            yield sse(completion_body(request_id, created, model, [], u, chunk=True, chat=chat))
         yield sse("[DONE]")
 
     async def collect(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
-                      prompts: Prompts, parsers: list[ChatOutputParser] | None = None) -> JSONResponse:
+                      prompts: Prompts, parsers: list[ChatOutputParser] | None = None,
+                      model: str | None = None) -> JSONResponse:
         n, echoes = prompts.n, prompts.echoes
         texts, logprobs = [[] for _ in streams], [None] * len(streams)
         # Echoed, a completion's tokens start where its prompt's token strings end.
@@ -440,7 +453,8 @@ class OpenAIServer:
         else:
             choices = [self.parsed_choice(k, parsers[k].feed("".join(texts[k]), final=True), parsers[k],
                                           last[k].finish_reason, logprobs[k]) for k in range(len(streams))]
-        body = completion_body(request_id, created, self.model_name, choices, self.usage_of(last, n), chat=chat)
+        body = completion_body(request_id, created, model or self.model_name, choices, self.usage_of(last, n),
+                               chat=chat)
         # Where vLLM puts them: the chat response's, each completion's (its prompt's).
         values = [None if lp is None else self.logprobs_json.prompt_logprobs_json(ids, lp)
                   for ids, lp in zip(prompts.token_ids, prompt_logprobs)]
@@ -465,16 +479,17 @@ class OpenAIServer:
 
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
                       streaming: bool, include_usage: bool, prompts: Prompts,
-                      parsers: list[ChatOutputParser] | None = None) -> Response:
+                      parsers: list[ChatOutputParser] | None = None, model: str | None = None) -> Response:
         """streams: one for each completion (choice) asked for (add's); parsers: a chat response's
-        output parsers, one for each (output_parsers')."""
+        output parsers, one for each (output_parsers'); model: the responses' `model` (default:
+        the served model's name)."""
 
         created = int(time.time())
         if streaming:
             return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage,
-                                                           prompts, parsers), lambda: self.abort(streams))
-        return await self.unless_disconnected(raw, self.collect(streams, request_id, created, chat, prompts, parsers),
-                                              streams)
+                                                           prompts, parsers, model), lambda: self.abort(streams))
+        return await self.unless_disconnected(
+            raw, self.collect(streams, request_id, created, chat, prompts, parsers, model), streams)
 
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:
@@ -528,7 +543,7 @@ class OpenAIServer:
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check(req)
+        lora_request = self.check(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         inputs = self.prompt_list(req.prompt)
@@ -542,9 +557,9 @@ class OpenAIServer:
                 max_tokens = 1
         params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echoes else None)
         request_id = random_id("cmpl")
-        streams = self.add(request_id, prompts, params, req.priority)
+        streams = self.add(request_id, prompts, params, req.priority, lora_request)
         return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
-                                  Prompts(prompts, params.n, echoes))
+                                  Prompts(prompts, params.n, echoes), model=self.response_model_name(lora_request))
 
     def echo(self, prompt: str | list[int], prompt_token_ids: list[int], max_tokens: int) -> Echo:
         """As vLLM's echo: the prompt's text before each completion's and, with logprobs, its tokens'
@@ -562,8 +577,45 @@ class OpenAIServer:
         strings = [self.logprobs_json.token_text(t) for t in prompt_token_ids]
         return Echo(text, prompt_token_ids, strings, max_tokens == 0)
 
+    def models_route(self) -> dict:
+        """vLLM's /v1/models: the served model, then each LoRA adapter (parent: its base model)."""
+        limit = self.config.max_model_len
+        return {"object": "list", "data": [model_card(self.model_name, limit, root=self.config.model),
+                                           *self.loras.cards(limit)]}
+
+    async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's: serves one more adapter, once the engine has read and checked it."""
+        if not self.config.enable_lora:
+            raise ProtocolError("this server runs no LoRA adapters: start it with --enable-lora")
+        if not req.lora_name or not req.lora_path:
+            raise ProtocolError("Both 'lora_name' and 'lora_path' must be provided.")
+        try:
+            lora_request = self.loras.new_request(req.lora_name, req.lora_path)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="lora_name") from None
+        try:
+            await self.async_engine.check_lora(lora_request)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="lora_path") from None
+        except RuntimeError as e:        # the engine process is gone
+            raise ProtocolError(str(e), 503) from None
+        try:
+            self.loras.add(lora_request)
+        except ValueError as e:         # another request loaded that name while the engine read this one
+            raise ProtocolError(str(e), param="lora_name") from None
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> Response:
+        """vLLM's: the name is no longer served. Requests already running with the adapter finish
+        with it; the engine drops it from its cache as it reads others (max_cpu_loras)."""
+        lora_request = self.loras.requests.get(req.lora_name)
+        if lora_request is None or req.lora_int_id not in (None, lora_request.lora_int_id):
+            raise ProtocolError(f"The lora adapter '{req.lora_name}' cannot be found.", 404, "lora_name")
+        self.loras.remove(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
+
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check(req)
+        lora_request = self.check(req)
         self.check_tools(req)
         prompt, prompt_token_ids = self.render_chat(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -577,14 +629,17 @@ class OpenAIServer:
                                 param="top_logprobs")
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
-        streams = self.add(request_id, [prompt_token_ids], params, req.priority)
+        streams = self.add(request_id, [prompt_token_ids], params, req.priority, lora_request)
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
-                                  Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, params))
+                                  Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, params),
+                                  self.response_model_name(lora_request))
 
 
-def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None) -> FastAPI:
-    """Starts the engine process (and waits for it) before it returns."""
-    server = OpenAIServer(config, model_name, parsers)
+def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None,
+              lora_modules: list[LoRAModulePath] = ()) -> FastAPI:
+    """Starts the engine process (and waits for it, and for it to read lora_modules' adapters)
+    before it returns."""
+    server = OpenAIServer(config, model_name, parsers, lora_modules)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -651,7 +706,16 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(model_name, config.max_model_len)]}
+        return server.models_route()
+
+    if runtime_updating_allowed():      # as vLLM, only where the environment asks for them
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+            return await server.load_lora_adapter(req)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+            return server.unload_lora_adapter(req)
 
     @app.get("/health")
     async def health():

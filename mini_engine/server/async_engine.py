@@ -6,6 +6,7 @@ queue and hands each step's deltas to the event loop, one call_soon_threadsafe p
 they go to each request's asyncio.Queue and into the metrics.
 """
 import asyncio
+import itertools
 import queue
 import threading
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from mini_engine.config import EngineConfig
 from mini_engine.layers.sampler import SampleLogprobs
+from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.engine_process import EngineStats, start_engine_process
@@ -70,11 +72,14 @@ def merge(first: RequestDelta, second: RequestDelta) -> RequestDelta:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, metrics: ServerMetrics):
-        """Starts the engine process and waits for its engine (model, KV pool, CUDA graphs)."""
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics, lora_requests: tuple[LoRARequest, ...] = ()):
+        """Starts the engine process and waits for its engine (model, KV pool, CUDA graphs) and
+        for it to read lora_requests' adapters (RuntimeError, naming the adapter, if one is bad)."""
         self.metrics = metrics
-        self.process, self.commands, self.outputs, self.limits = start_engine_process(config)
+        self.process, self.commands, self.outputs, self.limits = start_engine_process(config, lora_requests)
         self.streams: dict[str, RequestStream] = {}         # event loop thread only
+        self.lora_checks: dict[int, asyncio.Future] = {}    # event loop thread only
+        self.lora_check_ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.reader: threading.Thread | None = None
         self.stopping = False
@@ -105,9 +110,11 @@ class AsyncEngine:
         return self.process.is_alive() and self.reader is not None and self.reader.is_alive()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
-                    validated: bool = False, priority: int = 0) -> RequestStream:
+                    validated: bool = False, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
         """Raises ValueError for a request the engine could never run, before it is sent
-        (validated: the caller has checked these ids and params already)."""
+        (validated: the caller has checked these ids and params already). lora_request: an
+        adapter the engine has read already (the server's, checked by check_lora)."""
         if not validated:
             self.limits.validate(prompt_token_ids, params)
         if not self.is_alive:
@@ -115,8 +122,23 @@ class AsyncEngine:
         stream = RequestStream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self.commands.put(("add", request_id, list(prompt_token_ids), params, priority))
+        self.commands.put(("add", request_id, list(prompt_token_ids), params, priority, lora_request))
         return stream
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """Has the engine read and check an adapter (one loaded while the server runs): raises
+        ValueError with the engine's reason if it cannot run it."""
+        if not self.is_alive:
+            raise RuntimeError("the engine process is not running")
+        token = next(self.lora_check_ids)
+        future = self.lora_checks[token] = self.loop.create_future()
+        self.commands.put(("check_lora", token, lora_request))
+        try:
+            error = await future
+        finally:
+            self.lora_checks.pop(token, None)
+        if error is not None:
+            raise ValueError(error)
 
     def abort(self, request_id: str) -> None:
         """Idempotent; the engine frees the request's blocks before its next step."""
@@ -137,6 +159,8 @@ class AsyncEngine:
                 break
             if message[0] == "step":
                 self.loop.call_soon_threadsafe(self.deliver, message[1], message[2])
+            elif message[0] == "lora_checked":
+                self.loop.call_soon_threadsafe(self.lora_checked, message[1], message[2])
         reason = "the server is shutting down" if self.stopping else "the engine process exited"
         try:
             self.loop.call_soon_threadsafe(self.fail_all, reason)
@@ -168,8 +192,16 @@ class AsyncEngine:
                                                  num_output_tokens, error, prompt_logprobs, embedding))
         m.update_engine_state(stats)
 
+    def lora_checked(self, token: int, error: str | None) -> None:
+        future = self.lora_checks.get(token)
+        if future is not None and not future.done():      # not cancelled by a client gone
+            future.set_result(error)
+
     def fail_all(self, message: str) -> None:
         for stream in self.streams.values():
             stream.queue.put_nowait(RequestDelta("", [], None, "error", stream.num_prompt_tokens,
                                                  stream.num_output_tokens, message))
         self.streams.clear()
+        for future in self.lora_checks.values():
+            if not future.done():
+                future.set_exception(RuntimeError(message))

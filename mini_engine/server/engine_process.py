@@ -8,10 +8,12 @@ sends it commands and reads, once a step, what every request gained. If the HTTP
 behind, its deltas pile up and are sent merged; the engine never waits for it.
 
 Messages (tuples, cheap to pickle), the API process to the engine:
-    ("add", request_id, prompt_token_ids, params, priority), ("abort", request_id), ("shutdown",)
+    ("add", request_id, prompt_token_ids, params, priority, lora_request), ("abort", request_id),
+    ("check_lora", token, lora_request), ("shutdown",)
 and the engine to the API process:
-    ("ready", RequestLimits) or ("failed", traceback text), once, at start-up;
-    ("step", deltas, EngineStats) after every step, and after every batch of commands it applies,
+    ("ready", RequestLimits) or ("failed", traceback text or message), once, at start-up;
+    ("step", deltas, EngineStats) after every step, and after every batch of commands it applies;
+    ("lora_checked", token, error message or None) for each check_lora (an adapter loaded at run time),
 where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error,
 prompt_logprobs, embedding): prompt_logprobs only on a request's first delta, where it asked for
 them; embedding on an embedding request's one delta.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
+from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 
 logger = logging.getLogger("mini_engine.server")
@@ -105,10 +108,11 @@ class EngineLoop:
 
     def apply(self, command: tuple) -> list[tuple]:
         if command[0] == "add":
-            _, request_id, prompt_token_ids, params, priority = command
+            _, request_id, prompt_token_ids, params, priority, lora_request = command
             try:
                 # The API process validated it with the same RequestLimits.
-                self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority)
+                self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority,
+                                        lora_request=lora_request)
             except (ValueError, TypeError) as e:
                 return [(request_id, "", [], None, "error", 0, str(e), None, None)]
             self.states[request_id] = RequestState(None if isinstance(params, PoolingParams) else IncrementalDetokenizer(
@@ -120,6 +124,14 @@ class EngineLoop:
             if state is not None:
                 self.engine.abort_request(request_id)
                 return [(request_id, "", [], None, "abort", state.num_output_tokens, None, None, None)]
+        if command[0] == "check_lora":
+            _, token, lora_request = command
+            try:
+                self.engine.check_lora(lora_request)
+                error = None
+            except ValueError as e:
+                error = str(e)
+            self.outputs.put(("lora_checked", token, error))
         return []
 
     def process(self, outputs: list[StepOutput]) -> list[tuple]:
@@ -163,10 +175,11 @@ class EngineLoop:
 
 
 def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: multiprocessing.Queue,
-                log_level: int = logging.WARNING) -> None:
-    """The engine process: builds the engine (model, KV pool, CUDA graphs), reports ready or the
-    error that stopped it, then steps until told to shut down or the server is gone. It logs at
-    the server's level (a spawned process starts with logging unconfigured)."""
+                log_level: int = logging.WARNING, lora_requests: tuple[LoRARequest, ...] = ()) -> None:
+    """The engine process: builds the engine (model, KV pool, CUDA graphs) and reads the server's
+    LoRA adapters, reports ready or the error that stopped it, then steps until told to shut down
+    or the server is gone. It logs at the server's level (a spawned process starts with logging
+    unconfigured)."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level)
     try:
@@ -174,6 +187,15 @@ def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: 
     except BaseException:
         outputs.put(("failed", traceback.format_exc()))
         return
+    # Every adapter read now: a bad one (a wrong path, a rank above max_lora_rank, a module the
+    # model lacks) stops the server at start-up, as vLLM's, rather than failing its requests later.
+    for lora_request in lora_requests:
+        try:
+            engine.check_lora(lora_request)
+        except ValueError as e:
+            outputs.put(("failed", f"cannot serve the LoRA adapter {lora_request.lora_name!r}: {e}"))
+            engine.shutdown()
+            return
     outputs.put(("ready", engine.limits))
     try:
         EngineLoop(engine, outputs).run(commands)
@@ -181,16 +203,18 @@ def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: 
         engine.shutdown()
 
 
-def start_engine_process(config: EngineConfig, timeout: float = 900.0):
-    """Starts the engine process and waits until its engine is built. Returns the process, its
-    command and output queues, and the engine's RequestLimits; raises RuntimeError if it failed."""
+def start_engine_process(config: EngineConfig, lora_requests: tuple[LoRARequest, ...] = (), timeout: float = 900.0):
+    """Starts the engine process and waits until its engine is built and has read the LoRA
+    adapters. Returns the process, its command and output queues, and the engine's RequestLimits;
+    raises RuntimeError if it failed."""
     # spawn, not fork: the child initialises CUDA, and a forked copy of a parent that touched
     # torch's state is not safe to.
     ctx = multiprocessing.get_context("spawn")
     commands, outputs = ctx.Queue(), ctx.Queue()
     # A daemonic process may not start processes of its own, as tensor parallelism's ranks are: then
     # the engine process stops by itself when the server is gone (EngineLoop.run), and they with it.
-    process = ctx.Process(target=engine_main, args=(config, commands, outputs, logging.getLogger().getEffectiveLevel()),
+    process = ctx.Process(target=engine_main, args=(config, commands, outputs, logging.getLogger().getEffectiveLevel(),
+                                                    tuple(lora_requests)),
                           name="mini_engine-engine", daemon=config.tensor_parallel_size == 1)
     process.start()
     if not process.daemon:

@@ -212,6 +212,20 @@ class RerankRequest(BaseModel):
     priority: int = 0
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter (with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter; lora_int_id, where given, must be the adapter's."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -233,7 +247,8 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
     return body
 
 
-def model_card(name: str, max_model_len: int) -> dict:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mini_engine",
-            "max_model_len": max_model_len}
+def model_card(name: str, max_model_len: int, root: str | None = None, parent: str | None = None) -> dict:
+    """vLLM's ModelCard: root the checkpoint's (or a LoRA adapter's) path, parent an adapter's base model."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mini_engine", "root": root,
+            "parent": parent, "max_model_len": max_model_len}
 

@@ -291,3 +291,26 @@ def test_online_quantization_is_the_folded_weights_in_blocks(source, tmp_path):
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
     prompts = mixed_prompts()[:4]
     assert_oracle_agrees(oracle, prompts, greedy(source, prompts, num_kv_blocks=64, quantization="fp8"))
+
+
+def test_lora_adapter_over_fp8_weights_matches_peft(fp8_checkpoint, source, tmp_path):
+    """An FP8 checkpoint with a LoRA adapter: PEFT's PeftModel wraps the oracle's projections, so
+    that their fp8 base product reads the quantized input (the oracle's hook) and the pair the
+    unquantized one, as the engine's do; its q/k/v keep the norm outside the weight, so the pair
+    reads the normed input (layers/linear.py)."""
+    peft = pytest.importorskip("peft")
+    from mini_engine.lora import LoRARequest
+    from tests.lora_reference import write_adapter
+    adapter = write_adapter(source, str(tmp_path / "adapter"), 4, r=4, alpha=8)
+    oracle = peft.PeftModel.from_pretrained(fp8_oracle(fp8_checkpoint, torch.float32, "cpu"), adapter).eval()
+    runner = ModelRunner(EngineConfig(fp8_checkpoint, device="cpu", num_kv_blocks=64, block_size=4, enable_lora=True,
+                                      max_lora_rank=4))
+    prompt = [random.Random(2).randrange(256) for _ in range(19)]
+    rows = [BatchRow(prompt, 0, list(range(5)), True, GREEDY, lora_request=LoRARequest("a", 1, adapter))]
+    with torch.inference_mode():
+        t, meta = runner.prepare_inputs(rows)
+        logits = runner.model.compute_logits(runner.model(t.input_ids, t.positions, meta, t.lora_slots)).float()
+        expected = oracle(input_ids=torch.tensor([prompt])).logits[0]
+        base = hf_fp8_model(fp8_checkpoint)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=2e-2)
+    assert (expected - base).abs().max() > 0.5       # the adapter moves the logits far past the tolerance

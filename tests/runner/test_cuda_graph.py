@@ -230,3 +230,28 @@ def test_consecutive_launches_take_turns(tiny_checkpoint):
     assert _greedy_launches(runner, 4) == expected
     assert turns == [0, 1, 0, 1]
     assert _greedy_launches(ModelRunner(config), 4, fail_at=2) == expected
+
+
+def test_lora_slots_stage_where_the_graph_reads(tiny_checkpoint, tmp_path):
+    """With enable_lora each token's adapter slot is a staged input like the others: a decode step
+    laid out for a graph puts its rows' slots where the capture's padding-only step had its -1s
+    (the graph's LoRA products mask by them), and padding rows take no adapter."""
+    from mini_engine.lora import LoRARequest, write_random_adapter
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
+                                      max_num_seqs=24, block_size=4, enable_lora=True, max_loras=2, max_lora_rank=4))
+    loras = [LoRARequest(f"a{i}", i + 1, write_random_adapter(str(tmp_path / f"a{i}"), runner.model_config, 4, i))
+             for i in range(2)]
+    captured, _ = runner.prepare_inputs([], graph_size=8, turn=0)
+    assert captured.lora_slots.tolist() == [-1] * 8
+    rows = _decode_rows(5, 4, SamplingParams(temperature=0, max_tokens=4))
+    for row, lora in zip(rows, [loras[1], None, loras[0], loras[1], None]):
+        row.lora_request = lora
+    staged, _ = runner.prepare_inputs(rows, graph_size=8, turn=0)
+    assert staged.lora_slots.data_ptr() == captured.lora_slots.data_ptr()
+    slot = runner.lora.slot_of
+    assert staged.lora_slots.tolist() == [slot[2], -1, slot[1], slot[2], -1, -1, -1, -1]
+    assert sorted(slot.values()) == [0, 1]
+    # A prefill chunk's tokens all take its row's slot.
+    chunk = BatchRow(list(range(3, 9)), 0, [40, 41], True, rows[0].params, lora_request=loras[0])
+    t, _ = runner.prepare_inputs(rows[:2] + [chunk])
+    assert t.lora_slots.tolist()[:8] == [slot[2], -1] + [slot[1]] * 6

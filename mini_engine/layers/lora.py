@@ -1,0 +1,78 @@
+"""LoRA in the projections: each projection layer holds max_loras adapter slots, and each token
+of a step adds the low-rank product of its own request's slot (or none).
+
+A slot's pair is A [R, in] and B [out, R] (R = max_lora_rank; an adapter of lower rank is padded
+with zeros, and its scale is in B). A packed layer (q/k/v, gate/up) stacks its projections'
+pairs: A's rows projection by projection, B block-diagonal, so that one product serves them all.
+The slots lie side by side, A_all [L * R', in] and B_all [out, L * R'], and a step of T tokens
+computes
+
+    delta = ((x A_all^T) * mask) B_all^T,   mask[t, l * R' : (l + 1) * R'] = (slot of t == l)
+
+two GEMMs whatever the mix of adapters: no per-adapter loop and nothing that depends on the
+step's data, so a CUDA graph captures it as it is. The price is L times the low-rank work (vLLM's
+punica kernels gather each token's own slot instead); at vLLM's default max_loras=1 it is none."""
+import torch
+
+
+class LoRAStep:
+    """The step's token-to-slot mask, shared by every LoRA layer of the model: computed once a
+    forward (Qwen3ForCausalLM.forward) from the step's lora_slots, [T] int32, -1 for no adapter."""
+
+    def __init__(self, max_loras: int, dtype: torch.dtype, device: torch.device):
+        self.max_loras = max_loras
+        self.slot_ids = torch.arange(max_loras, dtype=torch.int32, device=device)
+        self.dtype = dtype
+        self.mask: torch.Tensor | None = None          # [T, L] in the model's dtype
+
+    def begin(self, token_slots: torch.Tensor) -> None:
+        self.mask = (token_slots[:, None] == self.slot_ids).to(self.dtype)
+
+
+class LoRASlots:
+    """One projection layer's slots: A_all and B_all, and the step whose mask picks among them."""
+
+    def __init__(self, step: LoRAStep, in_features: int, output_sizes: list[int], max_rank: int):
+        self.step, self.output_sizes, self.max_rank = step, output_sizes, max_rank
+        self.width = len(output_sizes) * max_rank          # R': one slot's columns
+        device, dtype = step.slot_ids.device, step.dtype
+        self.a = torch.zeros(step.max_loras * self.width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(sum(output_sizes), step.max_loras * self.width, dtype=dtype, device=device)
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += each token's delta (x: the rows the projection read, out: its product); returns out."""
+        num_tokens = x.shape[0]
+        mask = self.step.mask[:num_tokens]
+        shrunk = (x @ self.a.t()).view(num_tokens, self.step.max_loras, self.width).mul_(mask[:, :, None])
+        return out.addmm_(shrunk.view(num_tokens, -1), self.b.t())
+
+    @torch.no_grad()
+    def load(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot `slot` takes one pair a projection (None: the adapter leaves that projection alone),
+        each already this rank's share; the rest of the slot is zeroed."""
+        columns = slice(slot * self.width, (slot + 1) * self.width)
+        a, b = self.a[columns], self.b[:, columns]
+        a.zero_()
+        b.zero_()
+        row = 0
+        for i, (size, pair) in enumerate(zip(self.output_sizes, pairs)):
+            if pair is not None:
+                pa, pb = pair
+                rank = pa.shape[0]
+                a[i * self.max_rank:i * self.max_rank + rank].copy_(pa)
+                b[row:row + size, i * self.max_rank:i * self.max_rank + rank].copy_(pb)
+            row += size
+
+    def clear(self, slot: int) -> None:
+        self.load(slot, [None] * len(self.output_sizes))
+
+
+def lora_delta_ref(x: torch.Tensor, token_slots: list[int], pairs_by_slot: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> torch.Tensor:
+    """The definition, token by token: x_t A^T B^T for the pair of t's slot, zero for slot -1."""
+    out = torch.zeros(x.shape[0], next(iter(pairs_by_slot.values()))[1].shape[0], dtype=torch.float64)
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            a, b = pairs_by_slot[slot]
+            out[t] = (x[t].double() @ a.double().t()) @ b.double().t()
+    return out
