@@ -226,11 +226,12 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: a conversation (OpenAI's messages), or a list of them, rendered by the
         checkpoint's chat template (as the server's chat endpoint renders it: tools, earlier tool
         calls and reasoning included; chat_template_kwargs such as Qwen3's enable_thinking), then
-        generated; each RequestOutput's prompt is the rendered text."""
+        generated (lora_request as generate's); each RequestOutput's prompt is the rendered text."""
         try:
             from mini_engine.chat_template import ChatTemplate, template_message
         except ModuleNotFoundError as e:        # jinja2 comes with the server's extra
@@ -244,7 +245,7 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
         prompts = [self.chat_template.render([template_message(m) for m in conversation], add_generation_prompt,
                                              **kwargs) for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def add_requests(self, requests: Iterator[tuple[int, int, int, object, SamplingParams]], seqs: list[Sequence],
                      completion_of: dict[str, tuple[int, int]], stoppers: dict[str, IncrementalDetokenizer],

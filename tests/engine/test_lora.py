@@ -288,3 +288,16 @@ def test_random_adapter_is_what_peft_reads(adapters, tmp_path):
     got, _ = run(base, prompts, [lora] * 3, num_kv_blocks=64)
     assert got == expected(base, prompts, [lora] * 3)
     assert got != expected(base, prompts, [None] * 3)
+
+
+def test_chat_with_an_adapter(tokenized_model, tmp_path):
+    """LLM.chat takes lora_request as generate does (vLLM's): the rendered prompt's tokens, with the adapter."""
+    from mini_engine.lora import write_random_adapter
+    folder = write_random_adapter(str(tmp_path / "a"), EngineConfig(tokenized_model, device="cpu").model_config,
+                                  rank=4, seed=0, dtype=torch.float32, std=0.3)
+    lora = LoRARequest("a", 1, folder)
+    llm = LLM(tokenized_model, device="cpu", enable_lora=True, num_kv_blocks=64)
+    chat = llm.chat([{"role": "user", "content": "Hi there"}], GREEDY, use_tqdm=False, lora_request=lora)[0]
+    plain = llm.generate(chat.prompt_token_ids, GREEDY, use_tqdm=False, lora_request=lora)[0]
+    base = llm.chat([{"role": "user", "content": "Hi there"}], GREEDY, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids != base.outputs[0].token_ids
