@@ -77,7 +77,10 @@ class Scheduler:
         # grammar still compiles, or whose LoRA adapter would be one too many, stays where it
         # waits, and those behind it go first (as vLLM's).
         skipped = []
-        adapters = {s.lora_int_id for s in self.running if s.lora_request is not None}
+        # The running requests' adapters (not gathered without LoRA: this runs every step).
+        adapters = set()
+        if self.max_loras:
+            adapters = {s.lora_int_id for s in self.running if s.lora_request is not None}
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.grammar_compiling is not None or not self.admits_lora(seq, adapters):

@@ -533,24 +533,19 @@ class ModelRunner:
             self.inputs[turn].release()
         # Token-level inputs: single-token rows (they come first) append to the lists, each prefill
         # chunk adds numpy arrays (a 16k-token step spends ~3 ms less than with Python ints a token).
-        input_ids, positions, slot_mapping, prev_index, lora_slots = [], [], [], [], []
-        chunk_ids, chunk_positions, chunk_slots, chunk_prev, chunk_lora_slots = [], [], [], [], []
-        row_lora_slots = self.lora.slots(rows) if self.lora is not None else None
+        input_ids, positions, slot_mapping, prev_index = [], [], [], []
+        chunk_ids, chunk_positions, chunk_slots, chunk_prev = [], [], [], []
         query_start_loc, seq_lens, logits_indices, temperatures, seeds, top_k, top_p = [0], [], [], [], [], [], []
         bs = self.block_size
         num_tokens = 0
-        for i, row in enumerate(rows):
+        for row in rows:
             n, start, table = len(row.token_ids), row.start_position, row.block_table
             if n == 1 and not chunk_ids:
                 input_ids.append(row.token_ids[0])
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
                 prev_index.append(row.prev_token_index)
-                if row_lora_slots is not None:
-                    lora_slots.append(row_lora_slots[i])
             else:
-                if row_lora_slots is not None:
-                    chunk_lora_slots.append(np.full(n, row_lora_slots[i], dtype=np.int64))
                 chunk = np.arange(start, start + n)
                 table_array = row.block_table_array if row.block_table_array is not None else np.asarray(table)
                 chunk_ids.append(row.token_ids)
@@ -593,9 +588,11 @@ class ModelRunner:
                    for values, chunks, fill in ((input_ids, [np.asarray(ids) for ids in chunk_ids], 0),
                                                 (positions, chunk_positions, 0), (slot_mapping, chunk_slots, -1),
                                                 (prev_index, chunk_prev, -1))]
+        # Each token's adapter slot: its row's (rows lie in order, each len(token_ids) tokens).
+        lora_column = np.full(num_tokens + pad, -1)
+        if self.lora is not None:
+            lora_column[:num_tokens] = np.repeat(self.lora.slots(rows), [len(r.token_ids) for r in rows])
         num_tokens += pad
-        lora_column = (token_column(lora_slots, chunk_lora_slots, pad, -1) if row_lora_slots is not None
-                       else np.full(num_tokens, -1))
         block_tables = np.zeros((num_rows, width), dtype=np.int32)       # padding rows read block 0
         for i, row in enumerate(rows):
             block_tables[i] = self.padded_block_table(row, width)
@@ -603,8 +600,8 @@ class ModelRunner:
         if max_query_len > 1 and self.triton_attention:
             work = prefill_work(np.diff(query_start_loc), seq_lens, self.prefill_block_q)
         t = self.inputs[turn].stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
-                                     top_k, top_p, lora_column, logits_indices], num_tokens, num_rows, width, len(temperatures),
-                                    len(logits_indices), len(work))
+                                     top_k, top_p, lora_column, logits_indices], num_tokens, num_rows, width,
+                                    len(temperatures), len(logits_indices), len(work))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
                                  max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None)
