@@ -38,7 +38,7 @@ def test_64_concurrent_streams_complete_with_their_token_counts(served):
 def test_disconnected_streams_are_aborted_and_free_their_blocks(served):
     before = served.metrics()
     num_clients = 6
-    with openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with served.openai_client() as client:
         streams = [client.completions.create(model=MODEL_NAME, prompt=f"Client {i} says hello", max_tokens=480,
                                              stream=True, extra_body={"ignore_eos": True})
                    for i in range(num_clients)]
@@ -78,7 +78,7 @@ def test_requests_arriving_while_others_run(served):
     results = {}
 
     def run(i, max_tokens):
-        with openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        with served.openai_client() as c:
             r = c.completions.create(model=MODEL_NAME, prompt=f"Request {i}", max_tokens=max_tokens,
                                      extra_body={"ignore_eos": True})
             results[i] = (max_tokens, r.usage.completion_tokens, r.choices[0].finish_reason)

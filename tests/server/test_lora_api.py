@@ -6,7 +6,6 @@ import concurrent.futures
 import json
 
 import httpx
-import openai
 import pytest
 
 from mini_engine import LLM, SamplingParams
@@ -50,7 +49,7 @@ def lora_server(tiny_model, adapters, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(lora_server):
-    with openai.OpenAI(base_url=lora_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with lora_server.openai_client() as c:
         yield c
 
 

@@ -5,7 +5,6 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 
 from mini_engine import LLM, SamplingParams
@@ -18,7 +17,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with server.openai_client() as c:
         yield c
 
 

@@ -8,7 +8,6 @@ the engine generates it, the detokenizer decodes it and the server parses it, as
 """
 import json
 
-import openai
 import pytest
 
 from mini_engine import LLM, SamplingParams
@@ -70,7 +69,7 @@ def server(model, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with server.openai_client() as c:
         yield c
     server.wait_idle()
     assert server.process.poll() is None, "the server died"

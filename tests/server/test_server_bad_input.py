@@ -127,7 +127,7 @@ def test_malformed_json_and_unknown_routes(served):
 
 
 def test_openai_client_raises_the_right_errors(served):
-    with openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+    with served.openai_client(timeout=30) as client:
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.completions.create(model="gpt-4", prompt="x")
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -140,7 +140,7 @@ def test_bad_requests_do_not_disturb_running_ones(served):
     results = []
 
     def good():
-        with openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        with served.openai_client() as c:
             chunks = list(c.completions.create(model=MODEL_NAME, prompt="Steady", max_tokens=150, stream=True,
                                                stream_options={"include_usage": True},
                                                extra_body={"ignore_eos": True}))
