@@ -21,24 +21,31 @@ from mini_engine.runner.batch import BatchRow
 
 
 def check_slots(device: torch.device, failures: list[str]) -> None:
-    torch.manual_seed(0)
-    step = LoRAStep(4, torch.bfloat16, device)
-    slots = LoRASlots(step, 1024, [2048, 1024, 1024], 16)
-    by_slot = {}
-    for slot in range(4):
-        pairs = [(torch.randn(16, 1024) * 0.05, torch.randn(size, 16) * 0.05) for size in (2048, 1024, 1024)]
-        slots.load(slot, pairs)
-        rounded = [(a.bfloat16().float(), b.bfloat16().float()) for a, b in pairs]
-        by_slot[slot] = (torch.cat([a for a, _ in rounded]), torch.block_diag(*[b for _, b in rounded]))
-    token_slots = [random.Random(1).choice([-1, 0, 1, 2, 3]) for _ in range(300)]
-    step.begin(torch.tensor(token_slots, dtype=torch.int32, device=device))
-    x = torch.randn(300, 1024, device=device).bfloat16()
-    got = slots.add(x, torch.zeros(300, 4096, dtype=torch.bfloat16, device=device)).double().cpu()
-    want = lora_delta_ref(x.float().cpu(), token_slots, by_slot)
-    error = ((got - want).abs().max() / want.abs().max()).item()
-    print(f"slots' masked product vs the definition (bf16, 300 tokens, 4 slots): {error:.2e} of the largest")
-    if error > 2e-2:
-        failures.append(f"LoRA slots' product {error:.2e} from the definition")
+    """Both paths (the fused kernel on CUDA, the PyTorch one everywhere) at a decode's and a
+    prefill's row counts."""
+    for use_triton in ([False, True] if device.type == "cuda" else [False]):
+        for num_tokens in (7, 300, 5000):
+            torch.manual_seed(0)
+            step = LoRAStep(4, torch.bfloat16, device, use_triton)
+            slots = LoRASlots(step, 1024, [2048, 1024, 1024], 16)
+            by_slot = {}
+            for slot in range(4):
+                pairs = [(torch.randn(16, 1024) * 0.05, torch.randn(size, 16) * 0.05) for size in (2048, 1024, 1024)]
+                slots.load(slot, pairs)
+                rounded = [(a.bfloat16().float(), b.bfloat16().float()) for a, b in pairs]
+                by_slot[slot] = (torch.cat([a for a, _ in rounded]), torch.block_diag(*[b for _, b in rounded]))
+            rng = random.Random(num_tokens)
+            token_slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(num_tokens)]
+            step.begin(torch.tensor(token_slots, dtype=torch.int32, device=device))
+            x = torch.randn(num_tokens, 1024, device=device).bfloat16()
+            got = slots.add(x, torch.zeros(num_tokens, 4096, dtype=torch.bfloat16, device=device)).double().cpu()
+            want = lora_delta_ref(x.float().cpu(), token_slots, by_slot)
+            error = ((got - want).abs().max() / want.abs().max()).item()
+            path = "fused kernel" if use_triton else "PyTorch"
+            print(f"slots' masked product vs the definition ({path}, bf16, {num_tokens} tokens, 4 slots): "
+                  f"{error:.2e} of the largest")
+            if error > 2e-2:
+                failures.append(f"LoRA slots' product ({path}, {num_tokens} tokens) {error:.2e} from the definition")
 
 
 def check_graph_replay(path: str, loras: list[LoRARequest], failures: list[str]) -> None:

@@ -11,22 +11,35 @@ computes
 
 two GEMMs whatever the mix of adapters: no per-adapter loop and nothing that depends on the
 step's data, so a CUDA graph captures it as it is. The price is L times the low-rank work (vLLM's
-punica kernels gather each token's own slot instead); at vLLM's default max_loras=1 it is none."""
+punica kernels gather each token's own slot instead); at vLLM's default max_loras=1 it is none.
+With the "lora" kernel (kernels/lora.py) the two GEMMs, the mask and the add are one launch."""
 import torch
+
+from mini_engine.kernels.lora import lora_add_ref, lora_mask
 
 
 class LoRAStep:
-    """The step's token-to-slot mask, shared by every LoRA layer of the model: computed once a
-    forward (Qwen3ForCausalLM.forward) from the step's lora_slots, [T] int32, -1 for no adapter."""
+    """The step's token slots, shared by every LoRA layer of the model: set once a forward
+    (Qwen3ForCausalLM.forward) from the step's lora_slots, [T] int32, -1 for no adapter. The
+    PyTorch path's token-to-slot mask is made from them once, by the first layer that asks."""
 
-    def __init__(self, max_loras: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, max_loras: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False):
         self.max_loras = max_loras
-        self.slot_ids = torch.arange(max_loras, dtype=torch.int32, device=device)
         self.dtype = dtype
-        self.mask: torch.Tensor | None = None          # [T, L] in the model's dtype
+        self.device = device
+        self.use_triton = use_triton
+        self.token_slots: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
 
     def begin(self, token_slots: torch.Tensor) -> None:
-        self.mask = (token_slots[:, None] == self.slot_ids).to(self.dtype)
+        self.token_slots, self._mask = token_slots, None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[T, L] in the model's dtype."""
+        if self._mask is None:
+            self._mask = lora_mask(self.token_slots, self.max_loras, self.dtype)
+        return self._mask
 
 
 class LoRASlots:
@@ -35,16 +48,17 @@ class LoRASlots:
     def __init__(self, step: LoRAStep, in_features: int, output_sizes: list[int], max_rank: int):
         self.step, self.output_sizes, self.max_rank = step, output_sizes, max_rank
         self.width = len(output_sizes) * max_rank          # R': one slot's columns
-        device, dtype = step.slot_ids.device, step.dtype
+        device, dtype = step.device, step.dtype
         self.a = torch.zeros(step.max_loras * self.width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(sum(output_sizes), step.max_loras * self.width, dtype=dtype, device=device)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += each token's delta (x: the rows the projection read, out: its product); returns out."""
         num_tokens = x.shape[0]
-        mask = self.step.mask[:num_tokens]
-        shrunk = (x @ self.a.t()).view(num_tokens, self.step.max_loras, self.width).mul_(mask[:, :, None])
-        return out.addmm_(shrunk.view(num_tokens, -1), self.b.t())
+        if self.step.use_triton:
+            from mini_engine.kernels.lora import lora_add
+            return lora_add(x, self.a, self.b, self.step.token_slots[:num_tokens], out, self.width)
+        return lora_add_ref(x, self.a, self.b, self.step.mask[:num_tokens], out)
 
     @torch.no_grad()
     def load(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:

@@ -93,6 +93,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
+        self.kernels = kernels
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         # fp32 whatever the model's dtype: positions up to 40k need the precision before the cast.
         cos_sin_cache = rope_cos_sin_cache(config.head_dim, config.max_positions, config.rope_theta,
@@ -148,7 +149,7 @@ class Qwen3ForCausalLM(nn.Module):
     def enable_lora(self, max_loras: int, max_rank: int) -> dict[str, Linear]:
         """Gives every LoRA-able projection max_loras empty slots; returns them by name."""
         weight = self.embed_tokens.weight
-        self.lora_step = LoRAStep(max_loras, weight.dtype, weight.device)
+        self.lora_step = LoRAStep(max_loras, weight.dtype, weight.device, use_triton="lora" in self.kernels)
         modules = self.lora_modules()
         for module in modules.values():
             module.enable_lora(self.lora_step, max_rank)

@@ -9,6 +9,7 @@ import torch
 from mini_engine.distributed import TensorParallel
 from mini_engine.kernels.fp8_linear import fp8_linear_ref, quantize_fp8_weight_ref
 from mini_engine.kernels.rms_norm import rms_norm_ref
+from mini_engine.kernels.triton_utils import HAS_TRITON
 from mini_engine.layers.linear import Linear, NormedPackedLinear, RowParallelLinear
 from mini_engine.layers.lora import LoRASlots, LoRAStep, lora_delta_ref
 
@@ -24,12 +25,17 @@ def packed_pair(pairs: list, output_sizes: list[int], in_features: int) -> tuple
     return a, b
 
 
+TRITON = pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"))
+
+
+@pytest.mark.parametrize("use_triton", [False, TRITON], ids=["pytorch", "triton"])
 @pytest.mark.parametrize("seed", range(3))
-def test_masked_product_is_the_definition(seed):
+def test_masked_product_is_the_definition(seed, use_triton):
+    """The PyTorch path, and the fused kernel (kernels/lora.py, through Triton's interpreter)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     max_loras, max_rank, in_features, output_sizes = 3, 8, 24, [16, 8, 8]
-    step = LoRAStep(max_loras, torch.float32, torch.device("cpu"))
+    step = LoRAStep(max_loras, torch.float32, torch.device("cpu"), use_triton)
     slots = LoRASlots(step, in_features, output_sizes, max_rank)
     by_slot = {}
     for slot in range(max_loras):

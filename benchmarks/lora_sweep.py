@@ -1,0 +1,90 @@
+"""LoRA's delta on the H200: the fused kernel (kernels/lora.py) against the PyTorch path (shrink,
+mask, expand: three launches), on Qwen3-0.6B's four LoRA projections at decode and prefill row
+counts, each timed as CUDA-graph replays (as a decode step runs it); then the kernel's tiles swept
+at a few row counts. Rows' slots are drawn from every slot and -1.
+
+    PYTHONPATH=. python3 benchmarks/lora_sweep.py [--max-loras 1 4] [--rank 16] [--no-sweep]"""
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.testing
+
+from mini_engine.kernels.lora import LoRAKernelConfig, lora_add, lora_add_ref, lora_kernel_config, lora_mask
+
+# (name, in_features, output_sizes) of Qwen3-0.6B's LoRA projections
+PROJECTIONS = [("qkv_proj", 1024, [2048, 1024, 1024]), ("o_proj", 2048, [1024]),
+               ("gate_up_proj", 1024, [3072, 3072]), ("down_proj", 3072, [1024])]
+ROWS = [1, 8, 32, 64, 128, 256, 2048, 16384]
+
+
+def operands(rows: int, in_features: int, output_sizes: list[int], num_loras: int, rank: int):
+    width = len(output_sizes) * rank
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, in_features, device="cuda", generator=gen).bfloat16()
+    a = (torch.randn(num_loras * width, in_features, device="cuda", generator=gen) * 0.02).bfloat16()
+    b = (torch.randn(sum(output_sizes), num_loras * width, device="cuda", generator=gen) * 0.02).bfloat16()
+    out = torch.randn(rows, sum(output_sizes), device="cuda", generator=gen).bfloat16()
+    slots = torch.randint(-1, num_loras, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    return x, a, b, slots, out, width
+
+
+def time_us(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=30) * 1000
+
+
+def compare(num_loras: int, rank: int) -> None:
+    print(f"\nmax_loras {num_loras}, rank {rank}: us a call (CUDA-graph replay); base = the projection itself")
+    print(f"{'projection':>13} {'rows':>6} {'base':>7} {'pytorch':>8} {'fused':>7} {'fused/pt':>8} {'max |diff|':>10}")
+    for (name, k, sizes), rows in itertools.product(PROJECTIONS, ROWS):
+        x, a, b, slots, out, width = operands(rows, k, sizes, num_loras, rank)
+        weight = torch.randn(sum(sizes), k, device="cuda").bfloat16()
+        mask = lora_mask(slots, num_loras, torch.bfloat16)
+        ref = lora_add_ref(x, a, b, mask, out.clone())
+        got = lora_add(x, a, b, slots, out.clone(), width)
+        diff = (got.float() - ref.float()).abs().max().item()
+        base = time_us(lambda: torch.mm(x, weight.t()))
+        pytorch = time_us(lambda: lora_add_ref(x, a, b, mask, out))
+        fused = time_us(lambda: lora_add(x, a, b, slots, out, width))
+        print(f"{name:>13} {rows:>6} {base:7.2f} {pytorch:8.2f} {fused:7.2f} {fused / pytorch:8.2f} {diff:10.2e}",
+              flush=True)
+
+
+def sweep(num_loras: int, rank: int) -> None:
+    print(f"\ntile sweep, max_loras {num_loras}, rank {rank}: us a call; * = lora_kernel_config's choice")
+    for (name, k, sizes), rows in itertools.product(PROJECTIONS, [1, 64, 256, 16384]):
+        x, a, b, slots, out, width = operands(rows, k, sizes, num_loras, rank)
+        chosen = lora_kernel_config(rows, sum(sizes), x.device)
+        results = []
+        for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128, 256), (2, 3)):
+            # the same share of the columns a program as the chosen config's
+            col_programs = max(1, round(chosen.col_programs * chosen.block_n / block_n))
+            cfg = LoRAKernelConfig(chosen.block_m, block_n, block_k, col_programs, num_stages=stages)
+            try:
+                results.append((time_us(lambda: lora_add(x, a, b, slots, out, width, cfg)), cfg))
+            except Exception as e:       # out of shared memory or registers: not a candidate
+                print(f"  {cfg}: {type(e).__name__}")
+        results.sort(key=lambda r: r[0])
+        default = time_us(lambda: lora_add(x, a, b, slots, out, width, chosen))
+        best = ", ".join(f"{t:.2f} n{c.block_n} k{c.block_k} s{c.num_stages} p{c.col_programs}"
+                         for t, c in results[:3])
+        print(f"{name:>13} {rows:>6}: *{default:.2f} (n{chosen.block_n} k{chosen.block_k} p{chosen.col_programs}); "
+              f"best {best}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-loras", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--no-sweep", action="store_true")
+    opts = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    for num_loras in opts.max_loras:
+        compare(num_loras, opts.rank)
+    if not opts.no_sweep:
+        sweep(opts.max_loras[0], opts.rank)
+
+
+if __name__ == "__main__":
+    main()
