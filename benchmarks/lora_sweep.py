@@ -1,7 +1,8 @@
-"""LoRA's delta on the H200: the fused kernel (kernels/lora.py) against the PyTorch path (shrink,
-mask, expand: three launches), on Qwen3-0.6B's four LoRA projections at decode and prefill row
-counts, each timed as CUDA-graph replays (as a decode step runs it); then the kernel's tiles swept
-at a few row counts. Rows' slots are drawn from every slot and -1.
+"""LoRA's delta on the H200: kernels/lora.py's path (the shrink on cuBLAS, then one launch for the
+mask, expand and add) against the PyTorch path (three launches), on Qwen3-0.6B's four LoRA
+projections at decode and prefill row counts, each timed as CUDA-graph replays (as a decode step
+runs it); then the expand kernel's tiles swept at a few row counts. Each row's slot is drawn from
+every slot, and one row in eight has none (-1).
 
     PYTHONPATH=. python3 benchmarks/lora_sweep.py [--max-loras 1 4] [--rank 16] [--no-sweep]"""
 import argparse
@@ -26,7 +27,8 @@ def operands(rows: int, in_features: int, output_sizes: list[int], num_loras: in
     a = (torch.randn(num_loras * width, in_features, device="cuda", generator=gen) * 0.02).bfloat16()
     b = (torch.randn(sum(output_sizes), num_loras * width, device="cuda", generator=gen) * 0.02).bfloat16()
     out = torch.randn(rows, sum(output_sizes), device="cuda", generator=gen).bfloat16()
-    slots = torch.randint(-1, num_loras, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    slots = torch.randint(0, num_loras, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    slots[7::8] = -1
     return x, a, b, slots, out, width
 
 
@@ -53,24 +55,19 @@ def compare(num_loras: int, rank: int) -> None:
 
 def sweep(num_loras: int, rank: int) -> None:
     print(f"\ntile sweep, max_loras {num_loras}, rank {rank}: us a call; * = lora_kernel_config's choice")
-    for (name, k, sizes), rows in itertools.product(PROJECTIONS, [1, 64, 256, 16384]):
+    for (name, k, sizes), rows in itertools.product(PROJECTIONS, [8, 64, 256, 16384]):
         x, a, b, slots, out, width = operands(rows, k, sizes, num_loras, rank)
-        chosen = lora_kernel_config(rows, sum(sizes), x.device)
+        chosen = lora_kernel_config(rows, a.shape[0])
         results = []
-        for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128, 256), (2, 3)):
-            # the same share of the columns a program as the chosen config's
-            col_programs = max(1, round(chosen.col_programs * chosen.block_n / block_n))
-            cfg = LoRAKernelConfig(chosen.block_m, block_n, block_k, col_programs, num_stages=stages)
-            try:
-                results.append((time_us(lambda: lora_add(x, a, b, slots, out, width, cfg)), cfg))
-            except Exception as e:       # out of shared memory or registers: not a candidate
-                print(f"  {cfg}: {type(e).__name__}")
+        for block_n, block_r, stages, warps in itertools.product((32, 64, 128), (16, 32, 64), (1, 2, 3), (2, 4)):
+            if block_r > max(16, triton.next_power_of_2(a.shape[0])):
+                continue
+            cfg = LoRAKernelConfig(chosen.block_m, block_n, block_r, warps, stages)
+            results.append((time_us(lambda: lora_add(x, a, b, slots, out, width, cfg)), cfg))
         results.sort(key=lambda r: r[0])
         default = time_us(lambda: lora_add(x, a, b, slots, out, width, chosen))
-        best = ", ".join(f"{t:.2f} n{c.block_n} k{c.block_k} s{c.num_stages} p{c.col_programs}"
-                         for t, c in results[:3])
-        print(f"{name:>13} {rows:>6}: *{default:.2f} (n{chosen.block_n} k{chosen.block_k} p{chosen.col_programs}); "
-              f"best {best}", flush=True)
+        best = ", ".join(f"{t:.2f} n{c.block_n} r{c.block_r} s{c.num_stages} w{c.num_warps}" for t, c in results[:3])
+        print(f"{name:>13} {rows:>6}: *{default:.2f} (n{chosen.block_n} r{chosen.block_r}); best {best}", flush=True)
 
 
 def main() -> None:

@@ -102,19 +102,18 @@ def compile_fp8_linear() -> None:
 
 
 def compile_lora() -> None:
-    """LoRA's fused kernel (kernels/lora.py) at a decode's and a prefill's tiles, one slot of a
-    packed q/k/v (48 columns) and four (192): its branch on the block's slots and its two dots."""
+    """LoRA's expand kernel (kernels/lora.py) at a decode's and a prefill's tiles, one slot of a
+    packed q/k/v (48 columns) and four (192): its branch on the block's slots and its masked loads."""
     from mini_engine.kernels import lora
     for rows, num_cols in ((1, 48), (256, 192), (16384, 48)):
-        cfg = lora.lora_kernel_config(rows, 4096, torch.device("cpu"))
-        constexprs = dict(BLOCK_R=max(16, triton.next_power_of_2(num_cols)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          BLOCK_K=cfg.block_k, EVEN_K=True, DOT_IN_FP32=False, INPUT_PRECISION="tf32",
-                          USE_PDL=True)
-        signature = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "slots_ptr": "*i32", "out_ptr": "*bf16",
-                     } | {name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_om", "cols_per_program", "WIDTH",
-                                                   "NUM_COLS")} | dict.fromkeys(constexprs, "constexpr")
-        compiled = triton.compile(ASTSource(lora._lora_add_kernel, signature, constexprs=constexprs), target=HOPPER,
-                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        cfg = lora.lora_kernel_config(rows, num_cols)
+        constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, DOT_IN_FP32=False,
+                          INPUT_PRECISION="tf32", USE_PDL=True)
+        signature = {"shrunk_ptr": "*bf16", "b_ptr": "*bf16", "slots_ptr": "*i32", "out_ptr": "*bf16",
+                     } | {name: "i32" for name in ("M", "N", "NUM_COLS", "WIDTH", "stride_sm", "stride_om")
+                          } | dict.fromkeys(constexprs, "constexpr")
+        compiled = triton.compile(ASTSource(lora._lora_expand_kernel, signature, constexprs=constexprs),
+                                  target=HOPPER, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         assert "cubin" in compiled.asm, (rows, num_cols)
 
 

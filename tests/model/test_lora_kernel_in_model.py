@@ -29,7 +29,7 @@ def base_and_loras(checkpoint_factory, tmp_path_factory):
 
 def mixed_batch_logits(base: str, loras: list[LoRARequest], kernels: str) -> torch.Tensor:
     runner = ModelRunner(EngineConfig(base, device=DEVICE, num_kv_blocks=64, block_size=4, enable_lora=True,
-                                      max_loras=2, max_lora_rank=8, kernels=kernels))
+                                      max_loras=2, max_lora_rank=8, kernels=kernels, dtype="float32"))
     rng = random.Random(0)
     rows, next_block = [], 0
     for n, lora in zip((1, 6, 17, 9), (loras[0], None, loras[1], loras[0])):
@@ -62,7 +62,7 @@ def test_greedy_tokens_equal_the_pytorch_path(base_and_loras):
     tokens = {}
     for kernels in ("lora", "none"):
         llm = LLM(base, device=DEVICE, enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
-                  kernels=kernels)
+                  kernels=kernels, dtype="float32")
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=choices)
         tokens[kernels] = [o.outputs[0].token_ids for o in outputs]
         assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
