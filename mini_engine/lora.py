@@ -73,8 +73,10 @@ def read_adapter_config(folder: str) -> dict:
     try:
         with open(path) as f:
             config = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    except OSError as e:        # gone or unreadable since isfile(): the request's error, not the engine's
+        raise ValueError(f"{path}: cannot be read ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not a JSON object")
     return config
@@ -182,28 +184,50 @@ def load_adapter(request: LoRARequest, mc: ModelConfig, max_lora_rank: int) -> L
 
 class AdapterCache:
     """The adapters read so far, the max_cpu_loras most recently used (vLLM's max_cpu_loras): a
-    request checks its adapter here when it is added, and a slot loads from here."""
+    request checks its adapter here when it is added, and LoRAAdapters.prepare reads it again here
+    before a step needs it, if it was evicted in between. capacity None: no eviction but drop()'s.
+    reads_files False: a tensor-parallel worker's, which holds what rank 0 sends it (put, drop)
+    and never reads a file, so that a file gone or damaged cannot fail on one rank alone."""
 
-    def __init__(self, mc: ModelConfig, max_lora_rank: int, capacity: int):
+    def __init__(self, mc: ModelConfig, max_lora_rank: int, capacity: int | None, reads_files: bool = True):
         self.mc, self.max_lora_rank, self.capacity = mc, max_lora_rank, capacity
+        self.reads_files = reads_files
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
         # Every id seen, evicted or not: an id's slot and prefix-cache blocks stay its adapter's.
         self.requests: dict[int, LoRARequest] = {}
 
     def get(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, read from request.lora_path if it is not in host memory: a ValueError that
+        says what is wrong with the files."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and known != request:
             raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}) "
                              f"in this engine: give {request.lora_name!r} an id of its own")
         adapter = self.adapters.get(request.lora_int_id)
         if adapter is None:
-            adapter = load_adapter(request, self.mc, self.max_lora_rank)
-            self.requests[request.lora_int_id] = request
-            self.adapters[request.lora_int_id] = adapter
-            while len(self.adapters) > self.capacity:
-                self.adapters.popitem(last=False)
+            if not self.reads_files:
+                raise LookupError(f"LoRA adapter {request.lora_name!r} (id {request.lora_int_id}) is not in this "
+                                  "tensor-parallel worker's memory: rank 0 sends each adapter before the step that "
+                                  "loads it")
+            self.put(load_adapter(request, self.mc, self.max_lora_rank))
         self.adapters.move_to_end(request.lora_int_id)
-        return adapter
+        return self.adapters[request.lora_int_id]
+
+    def put(self, adapter: LoRAAdapter) -> None:
+        """Holds adapter (replacing its id's copy, if any) as the most recently used."""
+        lora_id = adapter.request.lora_int_id
+        self.requests[lora_id] = adapter.request
+        self.adapters[lora_id] = adapter
+        self.adapters.move_to_end(lora_id)
+        while self.capacity is not None and len(self.adapters) > self.capacity:
+            self.adapters.popitem(last=False)
+
+    def drop(self, lora_id: int) -> None:
+        self.adapters.pop(lora_id, None)
+
+    def resident(self, lora_id: int) -> LoRAAdapter | None:
+        """The adapter if it is in host memory, None if not; reads nothing, and leaves the LRU order."""
+        return self.adapters.get(lora_id)
 
 
 def write_random_adapter(folder: str, mc: ModelConfig, rank: int, seed: int, alpha: float | None = None,

@@ -206,6 +206,18 @@ class BlockManager:
                 block.hash, block.key = h, key
                 self.cached_blocks[h] = block.block_id
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """Uncaches seq's blocks past its computed tokens: hashed when a step was scheduled
+        (cache_full_blocks), for a request that ends before that step launches, so their K and V
+        will never be written. (Blocks another sequence took as a cached prefix in the same step
+        share seq's cache root, its adapter's, and end with it.)"""
+        for i in range(seq.num_computed_tokens // self.block_size, len(seq.block_hashes)):
+            block = self.blocks[seq.block_table[i]]
+            h = seq.block_hashes[i]
+            if block.hash == h and self.cached_blocks.get(h) == block.block_id:
+                del self.cached_blocks[h]
+                block.hash = block.key = None
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block. After a step that failed, the blocks it hashed when it was
         scheduled may never have received their K and V, and a later prefix hit would read them."""

@@ -262,6 +262,8 @@ class LLMEngine:
                 early += self.wait_in_flight()
                 self.propose_drafts()
             batch = self.scheduler.schedule(with_drafts=speculating)
+            if self.config.enable_lora:
+                early += self.read_adapters(batch)
             if batch.is_empty and self.in_flight is None and self.compiling and not early:
                 self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None
@@ -345,6 +347,33 @@ class LLMEngine:
                 logger.warning("request %s: its grammar did not compile: %s", request_id, e)
                 self.end(seq, "abort")
                 outputs.append(StepOutput(seq, [], True))
+        return outputs
+
+    def read_adapters(self, batch: SchedulerOutput) -> list[StepOutput]:
+        """Every LoRA adapter the batch runs, in a slot or in host memory before the step launches
+        (LoRAAdapters.prepare: one that max_cpu_loras evicted since its requests were added is read
+        again here), so that the runner's step reads no file. One that can no longer be read (its
+        folder deleted or damaged) ends every request that runs it "abort", with a warning, and
+        leaves the batch: the step, and every other request, go on as if they had never been sent."""
+        failed = set()
+        for request in {s.lora_int_id: s.lora_request for s in batch.seqs if s.lora_request is not None}.values():
+            try:
+                self.runner.lora.prepare(request)
+            except Exception as e:      # whatever it was, it ends this adapter's requests only
+                logger.warning("LoRA adapter %r (id %d, %s) can no longer be read, its requests end: %s",
+                               request.lora_name, request.lora_int_id, request.lora_path, e)
+                failed.add(request.lora_int_id)
+        if not failed:
+            return []
+        kept = [i for i, seq in enumerate(batch.seqs) if seq.lora_int_id not in failed]
+        batch.seqs = [batch.seqs[i] for i in kept]
+        batch.num_new_tokens = [batch.num_new_tokens[i] for i in kept]
+        outputs = []
+        for seq in [seq for seq in self.requests.values() if seq.lora_int_id in failed]:
+            # The blocks this schedule hashed for tokens that will now never be computed.
+            self.block_manager.forget_uncomputed(seq)
+            self.abort_request(seq.request_id)
+            outputs.append(StepOutput(seq, [], True))
         return outputs
 
     def wait_for_a_grammar(self) -> None:

@@ -144,6 +144,9 @@ class ModelRunner:
         self.workers = workers
         if workers is not None:
             atexit.register(self.shutdown)      # the other ranks leave the group with this one
+            if self.lora is not None:
+                # The workers read no adapter file: they take rank 0's copies (WorkerAdapters).
+                workers.share_adapters(self.lora.cache, config.max_cpu_loras)
 
     def start(self, config: EngineConfig, port: int | None) -> None:
         self.config = config

@@ -186,7 +186,7 @@ class OpenAIServer:
         self.config = config
         self.model_name = model_name
         self.parsers = parsers or ParserOptions()
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, config.max_loras if config.enable_lora else None)
         self.loras = LoRAModules(model_name, lora_modules)
         self.async_engine = AsyncEngine(config, self.metrics, tuple(self.loras.requests.values()))
         self.tokenizer = load_tokenizer(config.model)

@@ -50,13 +50,21 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # With enable_lora: the names of the adapters the running and the waiting requests run, each
+    # once, in queue order (vLLM's lora_requests_info labels); empty without LoRA.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineStats":
-        bm, spec = engine.block_manager, engine.spec_decode_stats
-        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
+        bm, spec, scheduler = engine.block_manager, engine.spec_decode_stats, engine.scheduler
+        running = waiting = ()
+        if engine.config.enable_lora:
+            running, waiting = (tuple(dict.fromkeys(s.lora_request.lora_name for s in queue if s.lora_request))
+                                for queue in (scheduler.running, scheduler.waiting))
+        return cls(len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
                    bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions,
-                   spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+                   spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, running, waiting)
 
 
 @dataclass(slots=True)

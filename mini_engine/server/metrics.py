@@ -10,7 +10,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_loras: int | None = None):
+        """max_loras: with enable_lora, the engine's (the lora_requests_info gauge's max_lora)."""
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -47,6 +48,15 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Per request: (last token - first token) "
                               "/ (output tokens - 1).")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        # vLLM's lora_requests_info, with its labels and no others (routers such as the Gateway API
+        # Inference Extension read them): the adapters running and waiting, by name, comma-separated,
+        # and max_lora; the value, when the engine last reported them. One series, the current one:
+        # vLLM keeps every combination it has seen, each at its last time (readers take the latest).
+        self.max_loras = max_loras
+        self.lora_info = self.lora_labels = None
+        if max_loras is not None:
+            self.lora_info = Gauge("mini_engine:lora_requests_info", "Running stats on lora requests.",
+                                   ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
 
     def update_engine_state(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -64,6 +74,15 @@ class ServerMetrics:
             total = getattr(stats, name)
             counter.inc(total - self.counted.get(name, 0))
             self.counted[name] = total
+        if self.lora_info is not None:
+            self.update_lora_info(stats)
+
+    def update_lora_info(self, stats: EngineStats) -> None:
+        labels = (str(self.max_loras), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
+        if self.lora_labels is not None and labels != self.lora_labels:
+            self.lora_info.remove(*self.lora_labels)
+        self.lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

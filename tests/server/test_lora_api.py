@@ -4,6 +4,8 @@ gives with its LoRARequest (and not the base model's). One server for the file: 
 two adapters and the runtime routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
 import concurrent.futures
 import json
+import re
+import time
 
 import httpx
 import pytest
@@ -12,7 +14,9 @@ from mini_engine import LLM, SamplingParams
 from mini_engine.chat_template import ChatTemplate
 from mini_engine.lora import LoRARequest
 from mini_engine.serve import parse_args
+from mini_engine.server.engine_process import EngineStats
 from mini_engine.server.lora_modules import LoRAModulePath, parse_lora_module
+from mini_engine.server.metrics import ServerMetrics
 from tests.lora_reference import write_adapter
 from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, launched_server
 
@@ -165,3 +169,56 @@ def test_a_bad_adapter_stops_the_server_at_start_up(tiny_model, adapters, tmp_pa
     with pytest.raises(RuntimeError, match="cannot serve the LoRA adapter 'broken'.*is not a folder"):
         with launched_server(tiny_model, tmp_path, options=options):
             pass
+
+
+# ---- vLLM's lora_requests_info gauge ----
+
+def lora_info(metrics_text: str) -> list[tuple[dict[str, str], float]]:
+    """Each lora_requests_info series of a /metrics text: its labels, and its value."""
+    return [(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))), float(m.group(2)))
+            for m in re.finditer(r"^mini_engine:lora_requests_info\{([^}]*)\} (\S+)$", metrics_text, re.M)]
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters(tiny_model, adapters):
+    """The engine's side (EngineStats.of) and the gauge's: with max_loras 2, a third adapter's
+    request waits; the labels name the adapters as vLLM's do, the value is the update's time, and
+    only the current series is shown. A server without LoRA has no such gauge."""
+    assert lora_info(ServerMetrics("m").render().decode()) == []
+    llm = LLM(tiny_model, device="cpu", num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.engine
+    third = LoRARequest("third", 3, adapters["first"].lora_path)
+    for i, lora in enumerate([adapters["first"], None, adapters["second"], adapters["first"], third]):
+        engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4), request_id=str(i),
+                           lora_request=lora)
+    engine.step()
+    stats = EngineStats.of(engine)
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (("first", "second"), ("third",))
+    metrics = ServerMetrics("m", max_loras=2)
+    metrics.update_engine_state(stats)
+    (labels, value), = lora_info(metrics.render().decode())
+    assert labels == {"max_lora": "2", "waiting_lora_adapters": "third", "running_lora_adapters": "first,second"}
+    assert abs(value - time.time()) < 60
+    while engine.has_unfinished_requests():
+        engine.step()
+    metrics.update_engine_state(EngineStats.of(engine))
+    (labels, _), = lora_info(metrics.render().decode())
+    assert labels == {"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": ""}
+
+
+def test_lora_requests_info_on_the_server(lora_server):
+    """Fed from the engine process: the streams' adapters while they run, none once idle."""
+    with lora_server.openai_client() as client:
+        streams = [client.completions.create(model=model, prompt=PROMPT, max_tokens=480, stream=True,
+                                             extra_body={"ignore_eos": True}) for model in ("first", "second")]
+        for stream in streams:
+            for _, chunk in zip(range(3), stream):          # read a little: both are running
+                assert chunk.choices[0].finish_reason is None
+        (labels, value), = lora_info(httpx.get(lora_server.base_url + "/metrics", timeout=10).text)
+        for stream in streams:
+            stream.close()
+    assert labels["max_lora"] == "2" and labels["waiting_lora_adapters"] == ""
+    assert sorted(labels["running_lora_adapters"].split(",")) == ["first", "second"]
+    assert abs(value - time.time()) < 60
+    lora_server.wait_idle()
+    (labels, _), = lora_info(httpx.get(lora_server.base_url + "/metrics", timeout=10).text)
+    assert labels == {"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": ""}
