@@ -1,4 +1,5 @@
 """mini_engine: a small vLLM-style inference engine for Qwen3."""
+from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from mini_engine.llm import LLM
 from mini_engine.lora import LoRARequest
 from mini_engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
@@ -7,4 +8,5 @@ from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
-           "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput"]
+           "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence"]

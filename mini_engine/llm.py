@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm.auto import tqdm
 
+from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
@@ -108,6 +109,53 @@ class LLM:
             i, k = completion_of[seq.request_id]
             groups[i].append((k, seq))
         return [self.to_output(prompt, group, stoppers) for prompt, group in zip(prompts, groups)]
+
+    def beam_search(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
+                    params: BeamSearchParams, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's best params.beam_width sequences, best first, each
+        one-token step a generate() of every live beam (mini_engine/beam_search.py). Prompts and
+        lora_request as generate's. Each step asks 2 x beam_width logprobs, which max_logprobs bounds
+        (as in vLLM, a wider beam is refused: start the LLM with a larger max_logprobs).
+        concurrency_limit (vLLM's): search that many prompts at a time, None all at once."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if self.engine.config.runner == "pooling":
+            raise ValueError("this LLM runs an embedding model (runner='pooling'): beam search needs runner='generate'")
+        max_logprobs = self.engine.config.max_logprobs
+        if params.num_candidates > max_logprobs:
+            raise ValueError(f"beam_width={params.beam_width} asks for {params.num_candidates} candidate tokens a step "
+                             f"(2 x beam_width), more than max_logprobs={max_logprobs}: start the LLM with "
+                             f"max_logprobs={params.num_candidates} or more")
+        prompts = self.prompt_list(prompts)
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lora in dict.fromkeys(loras):
+            self.engine.check_lora(lora)
+        step_params = params.step_params()
+        # Every beam grows from its prompt to max_tokens more tokens: checked whole now, as generate's
+        # requests are, so that no step fails half-way through the search.
+        whole = dataclasses.replace(step_params, max_tokens=params.max_tokens)
+        prompt_token_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = [int(t) for t in self.engine.tokenize(unwrap_prompt(prompt))]
+                self.engine.validate(ids, whole)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+            prompt_token_ids.append(ids)
+
+        def run_step(token_ids: list[list[int]], step_loras: list[LoRARequest | None]) -> list[RequestOutput]:
+            return self.generate(token_ids, step_params, use_tqdm=False, lora_request=step_loras)
+
+        return run_beam_search(prompt_token_ids, loras, params, self.engine.eos_token_ids, run_step,
+                               self.decode_with_special_tokens, use_tqdm, concurrency_limit)
+
+    def decode_with_special_tokens(self, token_ids: list[int]) -> str:
+        """A beam's text, as vLLM's tokenizer.decode gives it: special tokens (a chat template's) kept."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(token_ids, skip_special_tokens=False) if tokenizer is not None else ""
 
     def embed(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
               pooling_params: PoolingParams | list[PoolingParams] | None = None, use_tqdm: bool = True,

@@ -73,6 +73,10 @@ class SamplingRequest(BaseModel):
     # Accepted only at their neutral values (checked in unsupported()).
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # vLLM's beam search (n beams): offline only here (LLM.beam_search), so a request that asks for it
+    # gets a 400, not n sampled completions.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # OpenAI's {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
     # {"name": ..., "schema": {...}}}: the last two held to by structured outputs.
     response_format: dict[str, Any] | None = None
@@ -83,6 +87,10 @@ class SamplingRequest(BaseModel):
             return "response_format"
         if self.best_of not in (None, 1):
             return "best_of"
+        if self.use_beam_search:
+            return "use_beam_search"
+        if self.length_penalty != 1.0:
+            return "length_penalty"
         return None
 
     @property

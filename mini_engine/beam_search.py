@@ -1,0 +1,166 @@
+"""Beam search, as vLLM's LLM.beam_search does it: on top of generation, one engine step a token.
+
+Each step every live beam is a request of one token that asks for its 2 x beam_width most likely
+next tokens (the candidates HF's beam search keeps, so that beam_width of them survive even when
+some end on EOS); the prefix cache holds the beam's tokens from its previous step, so a step
+recomputes at most the beam's last block. Every candidate extends its beam by one token; those
+that end on EOS (unless ignore_eos) are kept aside as completed, the others are ranked by
+beam_search_score and the best beam_width go on. After max_tokens steps, the completed and the
+live beams together are ranked once more and the best beam_width returned.
+
+The candidates' log-probabilities are those of the raw logits (as vLLM reports logprobs):
+temperature changes only which token the engine samples, and a sampled token outside the top
+2 x beam_width joins the candidates, as it does in vLLM's logprobs dict.
+"""
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from mini_engine.layers.sampler import SampleLogprobs
+from mini_engine.lora import LoRARequest
+from mini_engine.outputs import CompletionOutput, RequestOutput
+from mini_engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams (vllm.sampling_params), validated when made."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0        # the engine's sampled token, one more candidate where it is not a top one
+    # The score divides the cumulative log-probability by the sequence's length (prompt included,
+    # a final EOS not) to this power: above 1 favours longer sequences, below 1 shorter ones.
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False    # the text keeps the EOS that ended the sequence
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def num_candidates(self) -> int:
+        """The top tokens each beam asks for a step."""
+        return 2 * self.beam_width
+
+    def step_params(self) -> SamplingParams:
+        """A beam's request for one step: its next token and the candidates' log-probabilities."""
+        return SamplingParams(temperature=self.temperature, max_tokens=1, logprobs=self.num_candidates)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam (vLLM's BeamSearchSequence)."""
+    tokens: list[int]               # the prompt's, then the generated ones (an EOS that ended it included)
+    # One per generated token: its log-probability, and the step's top candidates it was chosen among.
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    lora_request: LoRARequest | None = None
+    cum_logprob: float = 0.0        # the generated tokens' log-probabilities, summed
+    text: str | None = None         # the tokens' text (the prompt's too), filled once it is returned
+    finish_reason: str | None = None    # "stop" (EOS) or "length" (max_tokens), once returned
+    stop_reason: int | None = None      # the EOS token id that ended it
+
+
+@dataclass
+class BeamSearchOutput:
+    """One prompt's result: its best beam_width sequences, best first."""
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class PromptBeams:
+    """One prompt's search: its live beams, and those that EOS has ended."""
+    beams: list[BeamSearchSequence]
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def beam_search_score(beam: BeamSearchSequence, length_penalty: float) -> float:
+    """vLLM's get_beam_search_score (HF's length-normalised score): the length counts the prompt,
+    and not the EOS that ended the beam. (vLLM's leaves out any final EOS, so that under ignore_eos
+    a child ending on EOS ranks below its siblings: one beam was then not greedy decoding.)"""
+    seq_len = len(beam.tokens) - (beam.finish_reason == "stop")
+    return beam.cum_logprob / seq_len ** length_penalty
+
+
+def step_candidates(completion: CompletionOutput) -> list[tuple[int, float]]:
+    """A beam's next tokens, from its one-token request: the top ones and, where the engine sampled
+    another (temperature > 0), that one too."""
+    step, sampled = completion.logprobs[0], completion.token_ids[0]
+    if any(token == sampled for token, _ in step.top):
+        return step.top
+    return step.top + [(sampled, step.logprob)]
+
+
+# Runs one step: each beam's token ids (and LoRA adapter) as a one-token request, in that order.
+StepRunner = Callable[[list[list[int]], list[LoRARequest | None]], list[RequestOutput]]
+
+
+def run_beam_search(prompt_token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
+                    eos_token_ids: frozenset[int], run_step: StepRunner, decode: Callable[[list[int]], str],
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """Each prompt's best params.beam_width sequences, best first. eos_token_ids: the tokens that
+    end a beam (unless params.ignore_eos); decode: token ids to text; concurrency_limit (vLLM's):
+    the prompts searched at a time (their beams are one step's requests), None for all."""
+    if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or
+                                          isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+        raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
+    batch = concurrency_limit or max(len(prompt_token_ids), 1)
+    return [output for start in range(0, len(prompt_token_ids), batch)
+            for output in search_prompts(prompt_token_ids[start:start + batch], loras[start:start + batch], params,
+                                         eos_token_ids, run_step, decode, use_tqdm)]
+
+
+def search_prompts(prompt_token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
+                   eos_token_ids: frozenset[int], run_step: StepRunner, decode: Callable[[list[int]], str],
+                   use_tqdm: bool) -> list[BeamSearchOutput]:
+    """run_beam_search's prompts, all at once."""
+    def score(beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam, params.length_penalty)
+
+    searches = [PromptBeams([BeamSearchSequence(list(ids), lora_request=lora)])
+                for ids, lora in zip(prompt_token_ids, loras)]
+    for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True):
+        live = [beam for prompt in searches for beam in prompt.beams]
+        if not live:
+            break
+        outputs = iter(run_step([beam.tokens for beam in live], [beam.lora_request for beam in live]))
+        for prompt in searches:
+            extended = []
+            for beam in prompt.beams:
+                completion = next(outputs).outputs[0]
+                top = completion.logprobs[0].top
+                for token, logprob in step_candidates(completion):
+                    child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [SampleLogprobs(logprob, top)],
+                                               beam.lora_request, beam.cum_logprob + logprob)
+                    if token in eos_token_ids and not params.ignore_eos:
+                        child.finish_reason, child.stop_reason = "stop", token
+                        prompt.completed.append(child)
+                    else:
+                        extended.append(child)
+            prompt.beams = sorted(extended, key=score, reverse=True)[:params.beam_width]
+
+    results = []
+    for prompt in searches:
+        for beam in prompt.beams:
+            beam.finish_reason = "length"
+        best = sorted(prompt.completed + prompt.beams, key=score, reverse=True)[:params.beam_width]
+        for beam in best:
+            ends_on_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
+            beam.text = decode(beam.tokens[:-1] if ends_on_eos else beam.tokens)
+        results.append(BeamSearchOutput(best))
+    return results
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
