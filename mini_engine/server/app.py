@@ -37,6 +37,8 @@ from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Co
                                          RerankRequest, SamplingRequest, ScoreRequest, TokenizeRequest,
                                          UnloadLoRAAdapterRequest, completion_body, error_body, model_card,
                                          random_id, usage)
+from mini_engine.server.responses import ResponsesEndpoint
+from mini_engine.server.responses_protocol import ResponsesRequest
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -486,10 +488,14 @@ class OpenAIServer:
 
         created = int(time.time())
         if streaming:
-            return AbortOnCloseResponse(self.stream_events(streams, request_id, created, chat, include_usage,
-                                                           prompts, parsers, model), lambda: self.abort(streams))
+            return self.streamed(self.stream_events(streams, request_id, created, chat, include_usage, prompts,
+                                                    parsers, model), streams)
         return await self.unless_disconnected(
             raw, self.collect(streams, request_id, created, chat, prompts, parsers, model), streams)
+
+    def streamed(self, events: AsyncIterator[str], streams: list[RequestStream]) -> AbortOnCloseResponse:
+        """Server-sent events, whose requests are aborted however the stream ends."""
+        return AbortOnCloseResponse(events, lambda: self.abort(streams))
 
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:
@@ -678,6 +684,16 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await server.chat_completions(req, raw)
+
+    responses = ResponsesEndpoint(server)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
 
     pooling = PoolingEndpoints(server)
 
