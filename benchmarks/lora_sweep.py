@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.testing
 
-from mini_engine.kernels.lora import LoRAKernelConfig, lora_add, lora_add_ref, lora_kernel_config, lora_mask
+from mini_engine.kernels.lora import (LoRAKernelConfig, lora_add, lora_add_ref, lora_expand, lora_kernel_config,
+                                      lora_mask)
 
 # (name, in_features, output_sizes) of Qwen3-0.6B's LoRA projections
 PROJECTIONS = [("qkv_proj", 1024, [2048, 1024, 1024]), ("o_proj", 2048, [1024]),
@@ -70,13 +71,41 @@ def sweep(num_loras: int, rank: int) -> None:
         print(f"{name:>13} {rows:>6}: *{default:.2f} (n{chosen.block_n} r{chosen.block_r}); best {best}", flush=True)
 
 
+def joined(num_loras: int, rank: int) -> None:
+    """The packed layers' product over [W; A_all] (layers/lora.py, join_weight): cuBLAS at W's
+    rows, at W's rows plus A_all's, and those rounded up to 64 and 128; then a projection's whole
+    LoRA product both ways (base GEMM + shrink GEMM + expand, against joined GEMM + expand)."""
+    print(f"\njoined weight, max_loras {num_loras}, rank {rank}: us a call (CUDA-graph replay)")
+    for name, k, sizes in PROJECTIONS[0::2]:             # q/k/v and gate/up: the packed layers
+        n, num_cols = sum(sizes), num_loras * len(sizes) * rank
+        candidates = {"W": n, "W+A": n + num_cols, "pad64": -(-(n + num_cols) // 64) * 64,
+                      "pad128": -(-(n + num_cols) // 128) * 128}
+        for rows in ROWS:
+            x, a, b, slots, out, width = operands(rows, k, sizes, num_loras, rank)
+            times = {}
+            for label, total in candidates.items():
+                weight = torch.randn(total, k, device="cuda").bfloat16()
+                times[label] = time_us(lambda: torch.mm(x, weight.t()))
+            weight = torch.randn(candidates["pad64"], k, device="cuda").bfloat16()
+            separate = time_us(lambda: lora_add(x, a, b, slots, torch.mm(x, weight[:n].t()), width))
+            both = time_us(lambda: (lambda p: lora_expand(p[:, n:n + num_cols], b, slots, p[:, :n], width))(
+                torch.mm(x, weight.t())))
+            print(f"{name:>13} {rows:>6}: " + " ".join(f"{k_} {v:.2f}" for k_, v in times.items())
+                  + f" | separate {separate:.2f} joined {both:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-loras", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only-joined", action="store_true", help="the joined weight's timings alone")
     opts = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    for num_loras in opts.max_loras:
+        joined(num_loras, opts.rank)
+    if opts.only_joined:
+        return
     for num_loras in opts.max_loras:
         compare(num_loras, opts.rank)
     if not opts.no_sweep:

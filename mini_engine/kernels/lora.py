@@ -20,9 +20,15 @@ def lora_add_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.
     """out += ((x a^T) * mask) b^T, in place; returns out. x [T, in], a [L * W, in], b [out, L * W],
     mask [T, L] in x's dtype (1 where a token reads slot l). The shrink is rounded to x's dtype,
     the expand accumulates in fp32 and adds to out before its one rounding (cuBLAS's beta = 1)."""
+    return lora_expand_ref(x @ a.t(), b, mask, out)
+
+
+def lora_expand_ref(shrunk: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out += (shrunk * mask) b^T, in place; returns out. shrunk [T, L * W] (its rows may be
+    strided: the last columns of a product that computed it with the base one, layers/lora.py)."""
     num_tokens, num_loras = mask.shape
-    shrunk = (x @ a.t()).view(num_tokens, num_loras, -1).mul_(mask[:, :, None])
-    return out.addmm_(shrunk.view(num_tokens, -1), b.t())
+    masked = shrunk.reshape(num_tokens, num_loras, -1) * mask[:, :, None]
+    return out.addmm_(masked.view(num_tokens, -1), b.t())
 
 
 def lora_mask(token_slots: torch.Tensor, num_loras: int, dtype: torch.dtype) -> torch.Tensor:

@@ -37,6 +37,13 @@ class Linear(nn.Linear):
 
     def enable_lora(self, step: LoRAStep, max_rank: int) -> None:
         self.lora = LoRASlots(step, self.in_features, getattr(self, "output_sizes", [self.out_features]), max_rank)
+        if self.joins_lora_weight():
+            self.weight = nn.Parameter(self.lora.join_weight(self.weight.data), requires_grad=False)
+
+    def joins_lora_weight(self) -> bool:
+        """Whether the product computes LoRA's shrink too, over [W; A_all] (layers/lora.py): a
+        packed layer (never called with a residual) with a plain weight, no bias."""
+        return isinstance(self, PackedLinear) and self.bias is None and self.weight_scale_inv is None
 
     def lora_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of a LoRA pair of one of its projections, A [r, in] and B [out, r] as
@@ -75,8 +82,11 @@ class Linear(nn.Linear):
         self.hold_fp8_weight(use_triton, *quantize_fp8_weight_ref(self.weight))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.product(x, residual)
-        return out if self.lora is None else self.lora.add(x, out)
+        if self.lora is None:
+            return self.product(x, residual)
+        if self.lora.joined is not None:
+            return self.lora.expand(self.dense_product(x, self.lora.joined))
+        return self.lora.add(x, self.product(x, residual))
 
     def product(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight_scale_inv is not None:
@@ -84,14 +94,20 @@ class Linear(nn.Linear):
         if self.bias is not None:
             out = F.linear(x, self.weight, self.bias)
             return out if residual is None else residual.add_(out)
+        return self.dense_product(x, self.weight, residual)
+
+    def dense_product(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """x weight^T (added into residual), weight a plain [N, in] matrix: the layer's own, or
+        [W; A_all] with LoRA (layers/lora.py)."""
         if self.use_triton:
-            config = skinny_config(x.shape[0], self.out_features, self.in_features)
+            config = skinny_config(x.shape[0], weight.shape[0], self.in_features)
             if config is not None:
                 from mini_engine.kernels.linear import skinny_linear
-                return skinny_linear(x, self.weight, config, residual)
+                return skinny_linear(x, weight, config, residual)
         if residual is None:
-            return F.linear(x, self.weight)
-        return residual.addmm_(x, self.weight.t())      # linear_ref's add, in cuBLAS's epilogue
+            return F.linear(x, weight)
+        return residual.addmm_(x, weight.t())      # linear_ref's add, in cuBLAS's epilogue
 
 
 class RowParallelLinear(Linear):

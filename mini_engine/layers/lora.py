@@ -12,10 +12,19 @@ computes
 two GEMMs whatever the mix of adapters: no per-adapter loop and nothing that depends on the
 step's data, so a CUDA graph captures it as it is. The price is L times the low-rank work (vLLM's
 punica kernels gather each token's own slot instead); at vLLM's default max_loras=1 it is none.
-With the "lora" kernel (kernels/lora.py) the two GEMMs, the mask and the add are one launch."""
+With the "lora" kernel (kernels/lora.py) the mask, the expand and the add are one launch.
+
+A packed layer's product (q/k/v, gate/up: no residual to add into) computes the shrink itself:
+its weight and A_all lie in one buffer, [W; A_all], so one GEMM gives [x W^T | x A_all^T] and
+the shrink costs no launch of its own (LoRASlots.join_weight). Its rows are padded to a multiple
+of JOINED_ROWS_MULTIPLE, which keeps the product on the cuBLAS kernels of W's own shape."""
 import torch
 
-from mini_engine.kernels.lora import lora_add_ref, lora_mask
+from mini_engine.kernels.lora import lora_add_ref, lora_expand_ref, lora_mask
+
+# The joined weight's rows are rounded up to this: on the H200 cuBLAS ran [W; A] with 4,096 + 48
+# rows slower than with 4,096 + 64 (benchmarks/lora_sweep.py; NOTES entry 59).
+JOINED_ROWS_MULTIPLE = 64
 
 
 class LoRAStep:
@@ -51,6 +60,19 @@ class LoRASlots:
         device, dtype = step.device, step.dtype
         self.a = torch.zeros(step.max_loras * self.width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(sum(output_sizes), step.max_loras * self.width, dtype=dtype, device=device)
+        self.joined: torch.Tensor | None = None       # [W; A_all; padding], once join_weight made it
+
+    def join_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """Puts W [out, in] and A_all in one buffer, W's rows first (then zero rows up to a multiple
+        of JOINED_ROWS_MULTIPLE); returns W's rows of it, a view the layer keeps as its weight, so
+        that loading or changing W writes into the buffer. A_all is a view of it from now on."""
+        out_features, num_cols = weight.shape[0], self.a.shape[0]
+        rows = -(-(out_features + num_cols) // JOINED_ROWS_MULTIPLE) * JOINED_ROWS_MULTIPLE
+        self.joined = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        self.joined[:out_features].copy_(weight)
+        self.joined[out_features:out_features + num_cols].copy_(self.a)
+        self.a = self.joined[out_features:out_features + num_cols]
+        return self.joined[:out_features]
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += each token's delta (x: the rows the projection read, out: its product); returns out."""
@@ -59,6 +81,17 @@ class LoRASlots:
             from mini_engine.kernels.lora import lora_add
             return lora_add(x, self.a, self.b, self.step.token_slots[:num_tokens], out, self.width)
         return lora_add_ref(x, self.a, self.b, self.step.mask[:num_tokens], out)
+
+    def expand(self, joined_product: torch.Tensor) -> torch.Tensor:
+        """With a joined weight: the product x [W; A_all; 0]^T -> x W^T plus each token's delta
+        (a view of joined_product's first out columns, which take the delta in place)."""
+        out_features, num_cols = self.b.shape
+        out, shrunk = joined_product[:, :out_features], joined_product[:, out_features:out_features + num_cols]
+        num_tokens = out.shape[0]
+        if self.step.use_triton:
+            from mini_engine.kernels.lora import lora_expand
+            return lora_expand(shrunk, self.b, self.step.token_slots[:num_tokens], out, self.width)
+        return lora_expand_ref(shrunk, self.b, self.step.mask[:num_tokens], out)
 
     @torch.no_grad()
     def load(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:

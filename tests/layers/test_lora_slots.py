@@ -11,8 +11,8 @@ from mini_engine.distributed import TensorParallel
 from mini_engine.kernels.fp8_linear import fp8_linear_ref, quantize_fp8_weight_ref
 from mini_engine.kernels.rms_norm import rms_norm_ref
 from mini_engine.kernels.triton_utils import HAS_TRITON
-from mini_engine.layers.linear import Linear, NormedPackedLinear, RowParallelLinear
-from mini_engine.layers.lora import LoRASlots, LoRAStep, lora_delta_ref
+from mini_engine.layers.linear import Linear, NormedPackedLinear, PackedLinear, RowParallelLinear
+from mini_engine.layers.lora import JOINED_ROWS_MULTIPLE, LoRASlots, LoRAStep, lora_delta_ref
 
 
 def random_pair(rank: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +58,37 @@ def test_masked_product_is_the_definition(seed, use_triton):
     slots.clear(2)
     assert slots.a[2 * slots.width:].abs().sum() == 0 and slots.b[:, 2 * slots.width:].abs().sum() == 0
     assert slots.b[:16, slots.width:2 * slots.width].abs().sum() == 0
+
+
+@pytest.mark.parametrize("use_triton", [False, TRITON], ids=["pytorch", "triton"])
+def test_packed_layer_shrinks_in_its_own_product(use_triton):
+    """q/k/v's product over [W; A_all] (padded to JOINED_ROWS_MULTIPLE rows): its output is
+    x W^T plus each token's delta, W stays the layer's weight (a view into the joined buffer,
+    which loading writes through), and a slot loaded afterwards lands in the buffer."""
+    torch.manual_seed(3)
+    rng = random.Random(3)
+    output_sizes, in_features = [16, 8, 8], 24
+    layer = PackedLinear(in_features, output_sizes, bias=False)
+    weight = layer.weight.detach().clone()
+    step = LoRAStep(2, torch.float32, torch.device("cpu"), use_triton)
+    layer.enable_lora(step, 4)
+    assert layer.lora.joined is not None and layer.lora.joined.shape[0] % JOINED_ROWS_MULTIPLE == 0
+    assert layer.weight.data_ptr() == layer.lora.joined.data_ptr() and torch.equal(layer.weight, weight)
+    by_slot = {}
+    for slot in range(2):
+        pairs = [random_pair(rng.randint(1, 4), size, in_features) for size in output_sizes]
+        layer.lora.load(slot, pairs)
+        by_slot[slot] = packed_pair(pairs, output_sizes, in_features)
+    token_slots = [rng.choice([-1, 0, 1]) for _ in range(19)]
+    step.begin(torch.tensor(token_slots, dtype=torch.int32))
+    x = torch.randn(19, in_features)
+    with torch.no_grad():
+        got = layer(x)
+    want = x.double() @ weight.double().t() + lora_delta_ref(x, token_slots, by_slot)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():       # a weight written after the join (a load) is the product's
+        layer.weight.mul_(2)
+        torch.testing.assert_close(layer(x).double(), want + x.double() @ weight.double().t(), rtol=1e-5, atol=1e-4)
 
 
 def with_lora(layer: Linear, max_loras: int = 2, max_rank: int = 4) -> LoRAStep:
