@@ -16,15 +16,12 @@ With the "lora" kernel (kernels/lora.py) the mask, the expand and the add are on
 
 A packed layer's product (q/k/v, gate/up: no residual to add into) computes the shrink itself:
 its weight and A_all lie in one buffer, [W; A_all], so one GEMM gives [x W^T | x A_all^T] and
-the shrink costs no launch of its own (LoRASlots.join_weight). Its rows are padded to a multiple
-of JOINED_ROWS_MULTIPLE, which keeps the product on the cuBLAS kernels of W's own shape."""
+the shrink costs no launch of its own (LoRASlots.join_weight). On the H200 the extra rows cost
+the product 0-1 us at decode (7-13% at 16k tokens), where a shrink of its own took ~3.5 us, and
+padding them to 64 or 128 rows changed nothing measurable (benchmarks/lora_sweep.py, NOTES entry 59)."""
 import torch
 
 from mini_engine.kernels.lora import lora_add_ref, lora_expand_ref, lora_mask
-
-# The joined weight's rows are rounded up to this: on the H200 cuBLAS ran [W; A] with 4,096 + 48
-# rows slower than with 4,096 + 64 (benchmarks/lora_sweep.py; NOTES entry 59).
-JOINED_ROWS_MULTIPLE = 64
 
 
 class LoRAStep:
@@ -63,15 +60,12 @@ class LoRASlots:
         self.joined: torch.Tensor | None = None       # [W; A_all; padding], once join_weight made it
 
     def join_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """Puts W [out, in] and A_all in one buffer, W's rows first (then zero rows up to a multiple
-        of JOINED_ROWS_MULTIPLE); returns W's rows of it, a view the layer keeps as its weight, so
-        that loading or changing W writes into the buffer. A_all is a view of it from now on."""
-        out_features, num_cols = weight.shape[0], self.a.shape[0]
-        rows = -(-(out_features + num_cols) // JOINED_ROWS_MULTIPLE) * JOINED_ROWS_MULTIPLE
-        self.joined = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        self.joined[:out_features].copy_(weight)
-        self.joined[out_features:out_features + num_cols].copy_(self.a)
-        self.a = self.joined[out_features:out_features + num_cols]
+        """Puts W [out, in] and A_all in one buffer, W's rows first; returns W's rows of it, a view
+        the layer keeps as its weight, so that loading or changing W writes into the buffer. A_all
+        is a view of it from now on."""
+        out_features = weight.shape[0]
+        self.joined = torch.cat([weight, self.a])
+        self.a = self.joined[out_features:]
         return self.joined[:out_features]
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -83,10 +77,10 @@ class LoRASlots:
         return lora_add_ref(x, self.a, self.b, self.step.mask[:num_tokens], out)
 
     def expand(self, joined_product: torch.Tensor) -> torch.Tensor:
-        """With a joined weight: the product x [W; A_all; 0]^T -> x W^T plus each token's delta
+        """With a joined weight: the product x [W; A_all]^T -> x W^T plus each token's delta
         (a view of joined_product's first out columns, which take the delta in place)."""
-        out_features, num_cols = self.b.shape
-        out, shrunk = joined_product[:, :out_features], joined_product[:, out_features:out_features + num_cols]
+        out_features = self.b.shape[0]
+        out, shrunk = joined_product[:, :out_features], joined_product[:, out_features:]
         num_tokens = out.shape[0]
         if self.step.use_triton:
             from mini_engine.kernels.lora import lora_expand
