@@ -11,16 +11,21 @@ live beams together are ranked once more and the best beam_width returned.
 The candidates' log-probabilities are those of the raw logits (as vLLM reports logprobs):
 temperature changes only which token the engine samples, and a sampled token outside the top
 2 x beam_width joins the candidates, as it does in vLLM's logprobs dict.
+
+BeamSearch is the search's state, apart from how a step's requests run: LLM.beam_search runs them
+through generate() (run_beam_search), the server through its engine process, concurrently, as
+vLLM's OpenAIServing.beam_search does (server/beam_search_endpoint.py).
 """
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tqdm.auto import tqdm
 
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.lora import LoRARequest
-from mini_engine.outputs import CompletionOutput, RequestOutput
+from mini_engine.outputs import RequestOutput
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -93,13 +98,92 @@ def beam_search_score(beam: BeamSearchSequence, length_penalty: float) -> float:
     return beam.cum_logprob / seq_len ** length_penalty
 
 
-def step_candidates(completion: CompletionOutput) -> list[tuple[int, float]]:
+class StepOutput(Protocol):
+    """A beam's one-token request, run: generate()'s CompletionOutput, or the server's RequestDelta."""
+    token_ids: list[int]                        # the token the engine sampled
+    logprobs: list[SampleLogprobs] | None       # its log-probability, and the step's top tokens
+
+
+def step_candidates(completion: StepOutput) -> list[tuple[int, float]]:
     """A beam's next tokens, from its one-token request: the top ones and, where the engine sampled
     another (temperature > 0), that one too."""
     step, sampled = completion.logprobs[0], completion.token_ids[0]
     if any(token == sampled for token, _ in step.top):
         return step.top
     return step.top + [(sampled, step.logprob)]
+
+
+def text_token_ids(beam: BeamSearchSequence, params: BeamSearchParams) -> list[int]:
+    """The tokens a returned beam's text shows (the prompt's included): all but the EOS that ended
+    it, unless include_stop_str_in_output."""
+    ends_on_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
+    return beam.tokens[:-1] if ends_on_eos else beam.tokens
+
+
+class BeamSearch:
+    """One search's bookkeeping, over any number of prompts, apart from how its steps run: the
+    offline LLM runs each step's requests through generate() (run_beam_search), the server through
+    its engine process, concurrently (server/beam_search_endpoint.py).
+
+        search = BeamSearch(prompt_token_ids, loras, params, eos_token_ids)
+        while beams := search.step_requests():
+            ...run each beam's tokens (under its LoRA) as a one-token request of params.step_params()...
+            search.advance(their outputs, in order: each one's sampled token and logprobs)
+        best = search.result()
+    """
+
+    def __init__(self, prompt_token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
+                 eos_token_ids: frozenset[int]):
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.prompts = [PromptBeams([BeamSearchSequence(list(ids), lora_request=lora)])
+                        for ids, lora in zip(prompt_token_ids, loras)]
+        self.num_steps = 0
+
+    def score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam, self.params.length_penalty)
+
+    def step_requests(self) -> list[BeamSearchSequence]:
+        """The beams the next step runs, each prompt's in turn; none once max_tokens steps have run
+        or EOS has ended every beam."""
+        if self.num_steps >= self.params.max_tokens:
+            return []
+        return [beam for prompt in self.prompts for beam in prompt.beams]
+
+    def advance(self, outputs: list[StepOutput]) -> None:
+        """The step's results, one for each of step_requests()' beams in its order. Every
+        candidate extends its beam; EOS (unless ignore_eos) sets the child aside as completed, and
+        each prompt keeps its best beam_width of the rest."""
+        num_beams = sum(len(prompt.beams) for prompt in self.prompts)
+        if len(outputs) != num_beams:
+            raise ValueError(f"the step ran {num_beams} beams but {len(outputs)} results came")
+        params, results = self.params, iter(outputs)
+        for prompt in self.prompts:
+            extended = []
+            for beam in prompt.beams:
+                output = next(results)
+                top = output.logprobs[0].top
+                for token, logprob in step_candidates(output):
+                    child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [SampleLogprobs(logprob, top)],
+                                               beam.lora_request, beam.cum_logprob + logprob)
+                    if token in self.eos_token_ids and not params.ignore_eos:
+                        child.finish_reason, child.stop_reason = "stop", token
+                        prompt.completed.append(child)
+                    else:
+                        extended.append(child)
+            prompt.beams = sorted(extended, key=self.score, reverse=True)[:params.beam_width]
+        self.num_steps += 1
+
+    def result(self) -> list[list[BeamSearchSequence]]:
+        """Each prompt's best beam_width sequences, best first: the completed and the live beams
+        (finish_reason "length") ranked together. Their text is left to the caller
+        (text_token_ids)."""
+        best = []
+        for prompt in self.prompts:
+            for beam in prompt.beams:
+                beam.finish_reason = "length"
+            best.append(sorted(prompt.completed + prompt.beams, key=self.score, reverse=True)[:self.params.beam_width])
+        return best
 
 
 # Runs one step: each beam's token ids (and LoRA adapter) as a one-token request, in that order.
@@ -124,40 +208,17 @@ def run_beam_search(prompt_token_ids: list[list[int]], loras: list[LoRARequest |
 def search_prompts(prompt_token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
                    eos_token_ids: frozenset[int], run_step: StepRunner, decode: Callable[[list[int]], str],
                    use_tqdm: bool) -> list[BeamSearchOutput]:
-    """run_beam_search's prompts, all at once."""
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam, params.length_penalty)
-
-    searches = [PromptBeams([BeamSearchSequence(list(ids), lora_request=lora)])
-                for ids, lora in zip(prompt_token_ids, loras)]
-    for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True):
-        live = [beam for prompt in searches for beam in prompt.beams]
-        if not live:
-            break
-        outputs = iter(run_step([beam.tokens for beam in live], [beam.lora_request for beam in live]))
-        for prompt in searches:
-            extended = []
-            for beam in prompt.beams:
-                completion = next(outputs).outputs[0]
-                top = completion.logprobs[0].top
-                for token, logprob in step_candidates(completion):
-                    child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [SampleLogprobs(logprob, top)],
-                                               beam.lora_request, beam.cum_logprob + logprob)
-                    if token in eos_token_ids and not params.ignore_eos:
-                        child.finish_reason, child.stop_reason = "stop", token
-                        prompt.completed.append(child)
-                    else:
-                        extended.append(child)
-            prompt.beams = sorted(extended, key=score, reverse=True)[:params.beam_width]
-
+    """run_beam_search's prompts, all at once, each step one run_step of every live beam."""
+    search = BeamSearch(prompt_token_ids, loras, params, eos_token_ids)
+    with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        while beams := search.step_requests():
+            outputs = run_step([beam.tokens for beam in beams], [beam.lora_request for beam in beams])
+            search.advance([output.outputs[0] for output in outputs])
+            bar.update()
     results = []
-    for prompt in searches:
-        for beam in prompt.beams:
-            beam.finish_reason = "length"
-        best = sorted(prompt.completed + prompt.beams, key=score, reverse=True)[:params.beam_width]
+    for best in search.result():
         for beam in best:
-            ends_on_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
-            beam.text = decode(beam.tokens[:-1] if ends_on_eos else beam.tokens)
+            beam.text = decode(text_token_ids(beam, params))
         results.append(BeamSearchOutput(best))
     return results
 

@@ -26,6 +26,7 @@ from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
+from mini_engine.server.beam_search_endpoint import BeamSearchEndpoint
 from mini_engine.server.constraints import forced_tool, structured_outputs
 from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
@@ -194,6 +195,7 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config.model)
         self.logprobs_json = LogprobsJSON(self.tokenizer)
         self.chat_template = ChatTemplate.from_pretrained(config.model)
+        self.beam_search = BeamSearchEndpoint(self)
 
     # ---- from an OpenAI request to the engine's ----
 
@@ -210,6 +212,9 @@ class OpenAIServer:
         param = req.unsupported()
         if param is not None:
             raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)
+        if req.length_penalty != 1.0 and not req.use_beam_search:
+            raise ProtocolError(f"length_penalty={req.length_penalty!r} applies only to beam search "
+                                "(use_beam_search=true)", param="length_penalty")
         if req.stream_options is not None and not req.stream:
             raise ProtocolError("stream_options is only allowed with stream=true", param="stream_options")
         if req.prompt_logprobs is not None and req.stream:
@@ -556,6 +561,9 @@ class OpenAIServer:
         several = len(inputs) > 1
         prompts = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        if req.use_beam_search:         # n is the beam width, its n best beams the choices
+            return await self.beam_search.respond(raw, req, Prompts(prompts, 1 if req.n is None else req.n),
+                                                  max_tokens, "max_tokens", lora_request)
         echoes = None
         if req.echo:
             echoes = [self.echo(prompt, ids, max_tokens) for prompt, ids in zip(inputs, prompts)]
@@ -633,6 +641,10 @@ class OpenAIServer:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                                 param="top_logprobs")
+        if req.use_beam_search:         # n is the beam width, its n best beams the choices
+            param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+            return await self.beam_search.respond(raw, req, Prompts([prompt_token_ids], 1 if req.n is None else req.n),
+                                                  max_tokens, param, lora_request, prompt)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, [prompt_token_ids], params, req.priority, lora_request)

@@ -38,6 +38,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# The sampling fields that beam search leaves alone, and their neutral values (what a client that
+# sends every field sends): one of them set otherwise is refused with use_beam_search.
+BEAM_SEARCH_NEUTRAL = {
+    "top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "min_tokens": (0,), "seed": (None,),
+    "stop": (None, []), "stop_token_ids": ([],), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "structured_outputs": (None,), "logit_bias": (None, {}),
+}
+
+
 class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
     model_config = ConfigDict(extra="forbid")
@@ -73,8 +83,8 @@ class SamplingRequest(BaseModel):
     # Accepted only at their neutral values (checked in unsupported()).
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    # vLLM's beam search (n beams): offline only here (LLM.beam_search), so a request that asks for it
-    # gets a 400, not n sampled completions.
+    # vLLM's beam search: n is the beam width and the n best beams are the choices, ranked by
+    # cum_logprob / seq_len ** length_penalty (server/beam_search_endpoint.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
     # OpenAI's {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
@@ -87,10 +97,16 @@ class SamplingRequest(BaseModel):
             return "response_format"
         if self.best_of not in (None, 1):
             return "best_of"
-        if self.use_beam_search:
-            return "use_beam_search"
-        if self.length_penalty != 1.0:
-            return "length_penalty"
+        return None
+
+    def beam_search_ignores(self) -> str | None:
+        """The first field set (away from its neutral values) that beam search does not use: it
+        ranks beams by their tokens' log-probabilities alone, where vLLM's drops these silently."""
+        for name, neutral in BEAM_SEARCH_NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                return name
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
         return None
 
     @property
@@ -112,6 +128,9 @@ class CompletionRequest(SamplingRequest):
         if self.suffix:
             return "suffix"
         return super().unsupported()
+
+    def beam_search_ignores(self) -> str | None:
+        return "echo" if self.echo else super().beam_search_ignores()
 
 
 class ContentPart(BaseModel):
@@ -158,6 +177,12 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def beam_search_ignores(self) -> str | None:
+        # "required" or a named function: structured outputs would hold the output to a call.
+        if self.tools and self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice"
+        return super().beam_search_ignores()
 
 
 class TokenizeRequest(BaseModel):
