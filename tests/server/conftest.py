@@ -115,6 +115,11 @@ class ServerHandle:
                 raise AssertionError(f"KV blocks still in use after {timeout} s: {m}")
             time.sleep(0.05)
 
+    def check_idle_and_alive(self) -> None:
+        """After a test: every KV block free again, and the server still running."""
+        self.wait_idle()
+        assert self.process.poll() is None, "the server died"
+
 
 @contextlib.contextmanager
 def launched_server(model: str, log_dir, num_kv_blocks: int = NUM_KV_BLOCKS, options: tuple[str, ...] = ()):
@@ -155,5 +160,4 @@ def server(tiny_model, tmp_path_factory):
 def served(server):
     """The server, checked after the test: every KV block free, and still alive."""
     yield server
-    server.wait_idle()
-    assert server.process.poll() is None, "the server died"
+    server.check_idle_and_alive()

@@ -66,8 +66,7 @@ def beam_server(beam_model, eos, tmp_path_factory):
 def served(beam_server):
     """The server, checked after the test: every KV block free, and still alive."""
     yield beam_server
-    beam_server.wait_idle()
-    assert beam_server.process.poll() is None, "the server died"
+    beam_server.check_idle_and_alive()
 
 
 @pytest.fixture(scope="module")

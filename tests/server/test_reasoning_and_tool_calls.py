@@ -71,8 +71,7 @@ def server(model, tmp_path_factory):
 def client(server):
     with server.openai_client() as c:
         yield c
-    server.wait_idle()
-    assert server.process.poll() is None, "the server died"
+    server.check_idle_and_alive()
 
 
 def chat(client, stream: bool, **kwargs):

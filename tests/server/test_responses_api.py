@@ -296,8 +296,7 @@ def qwen3_server(qwen3_model, tmp_path_factory):
 def qwen3(qwen3_server):
     with qwen3_server.openai_client() as c:
         yield c
-    qwen3_server.wait_idle()
-    assert qwen3_server.process.poll() is None, "the server died"
+    qwen3_server.check_idle_and_alive()
 
 
 def thought(bias: dict) -> dict:
