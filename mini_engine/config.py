@@ -240,6 +240,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # As vLLM's: LLM.sleep(level) gives the device memory of the weights and of the KV pool back
+    # between generations (an RL trainer's turn on the GPU), and wake_up() takes it again
+    # (runner/sleep_mode.py).
+    enable_sleep_mode: bool = False
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
@@ -280,6 +284,8 @@ class EngineConfig:
         elif self.quantization == "fp8" and self.model_config.num_experts:
             raise ValueError("quantization='fp8' is not supported for Qwen3-MoE (the experts would need an fp8 "
                              "grouped GEMM)")
+        if not isinstance(self.enable_sleep_mode, bool):
+            raise ValueError(f"enable_sleep_mode must be True or False, got {self.enable_sleep_mode!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         mc = self.model_config

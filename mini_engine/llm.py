@@ -1,10 +1,11 @@
 """LLM: the offline entry point, shaped like vLLM's."""
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
@@ -65,6 +66,43 @@ class LLM:
         generation_config.json temperature, top_k, top_p, repetition_penalty and min_p where it
         sets them (EngineConfig's generation_config), SamplingParams' own defaults for the rest."""
         return self.engine.config.default_sampling_params()
+
+    # ---- between generations: what RL trainers ask of vLLM's LLM ----
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """New weights written into the running model in place, as RL trainers update vLLM's between
+        steps (TRL, verl and OpenRLHF call its model's load_weights): Hugging Face checkpoint names and
+        tensors, a whole state dict or any part of it (hf_model.named_parameters(),
+        state_dict().items(), one tensor a call), in any floating dtype, on any device. They are
+        packed, cut for tensor parallelism and cast as the loader does, then folded into the norms'
+        projections and quantized to fp8 as loading does (mini_engine/runner/weight_updates.py), into
+        the parameters' own memory, so the CUDA graphs stay valid; then the prefix cache is reset.
+        An unknown name, a wrong shape or dtype, or a value that is not finite raises ValueError
+        with nothing written; requests still unfinished, RuntimeError. Returns the tensors written."""
+        return self.engine.load_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: drops every cached prefix block, so that no later prompt reuses K and V computed
+        before (by older weights). False, with a warning and nothing dropped, while unfinished
+        requests hold blocks (never between two generate() calls). load_weights and sleep reset it
+        themselves."""
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (LLM(..., enable_sleep_mode=True)): gives back the device memory of the
+        weights and of the KV cache, whose contents (and the prefix cache) are dropped. Level 1 keeps
+        a host copy of the weights, which wake_up() restores; level 2 discards them, and
+        load_weights must give all of them again before the next generation."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: allocates the memory sleep() gave back, for tags "weights" and "kv_cache" (None:
+        both); e.g. the weights alone, to load new ones before the KV cache takes its memory."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: True from sleep() until every tag is awake again."""
+        return self.engine.is_sleeping()
 
     @staticmethod
     def prompt_list(prompts) -> list:

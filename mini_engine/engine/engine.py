@@ -21,6 +21,7 @@ from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.model_runner import ModelRunner
+from mini_engine.runner.sleep_mode import SLEEP_TAGS
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.speculative import NgramIndex, SpecDecodeStats, ngram_drafts, num_accepted
 from mini_engine.structured_outputs import GrammarCompiler
@@ -597,6 +598,68 @@ class LLMEngine:
         if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
+
+    # ---- between generations: weights, the prefix cache, sleep mode ----
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets every cached prefix block, so that no later request reads K and V computed
+        before (by older weights). False, with a warning and nothing changed, while requests hold KV
+        blocks, as vLLM's block pool refuses then."""
+        held = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        if held or self.in_flight is not None:
+            logger.warning("the prefix cache was not reset: unfinished requests hold %d KV blocks", held)
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def check_no_requests(self, what: str) -> None:
+        """Weights change, and memory goes, only between generations: a request running across an
+        update would mix the two models' KV, and its blocks would keep the prefix cache from resetting."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{what} while {len(self.requests)} requests are unfinished: let them finish or "
+                               "abort them first (LLM.generate returns with none left)")
+
+    def load_weights(self, weights) -> int:
+        """Checkpoint-named tensors written into the model in place (runner/weight_updates.py); then
+        the prefix cache is reset. Returns how many tensors were written."""
+        self.check_no_requests("load_weights")
+        num_written = self.runner.load_weights(weights)
+        self.block_manager.reset_prefix_cache()     # no request holds a block: it always resets
+        return num_written
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (runner/sleep_mode.py): level 1 offloads the weights to the host, level 2
+        discards them; both discard the KV cache (and so the prefix cache)."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights offloaded to the host) or 2 (weights discarded), "
+                             f"got {level!r}")
+        if self.is_sleeping():
+            logger.warning("the engine is already asleep")
+            return
+        self.check_no_requests("sleep")
+        self.block_manager.reset_prefix_cache()
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wakes the tags given ("weights", "kv_cache"; None: both), as vLLM's; a tag not asleep is
+        left alone, with a warning."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True")
+        tags = list(SLEEP_TAGS if tags is None else tags)
+        if unknown := [tag for tag in tags if tag not in SLEEP_TAGS]:
+            raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {unknown}")
+        sleeping = self.runner.sleep_state.sleeping_tags
+        if awake := [tag for tag in tags if tag not in sleeping]:
+            logger.warning("wake_up: %s not asleep", ", ".join(awake))
+        woken = [tag for tag in SLEEP_TAGS if tag in tags and tag in sleeping]
+        if woken:
+            self.runner.wake_up(woken)
+
+    def is_sleeping(self) -> bool:
+        """True from sleep() until every tag is awake again."""
+        return bool(self.runner.sleep_state.sleeping_tags)
 
     # ---- what it can report ----
 

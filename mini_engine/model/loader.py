@@ -57,23 +57,17 @@ def load_model(model: nn.Module, path: str) -> None:
                 if tied and ckpt_name == "lm_head.weight":
                     tied_copy = f.get_tensor(ckpt_name)    # some exporters write the tied copy too
                     continue
-                name, shard = translate(model, ckpt_name)
-                param = params.get(name)
-                if param is None or (shard or 0) >= num_shards(model, name):
-                    raise ValueError(f"{file}: unexpected tensor {ckpt_name!r} (no parameter {name!r} in Qwen3"
-                                     + (f", or no shard {shard} of it)" if shard else ")"))
+                try:
+                    name, shard = checkpoint_target(model, params, ckpt_name)
+                except ValueError as e:
+                    raise ValueError(f"{file}: {e}") from None
+                param = params[name]
                 tensor = f.get_tensor(ckpt_name)
                 module = module_of(model, name)
-                if shard is None:
-                    expected = list(param.shape)
-                else:
-                    expected = module.shard_shape(name.rpartition(".")[2], shard)
-                dim = split_dim(module, name)
-                if dim is not None:           # the parameter is this rank's slice of the tensor
-                    expected[dim] = getattr(module, "vocab_size", expected[dim] * module.tp.size)
-                if tuple(tensor.shape) != tuple(expected):
+                expected = checkpoint_shape(model, name, shard)
+                if tuple(tensor.shape) != expected:
                     raise ValueError(f"{file}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(expected)}")
+                                     f"expected {expected}")
                 if (param.dtype == FP8) != (tensor.dtype == FP8):   # a cast would drop (or skip) the scales
                     raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
                                      + ("float8_e4m3fn (config.json's quantization_config says fp8)"
@@ -95,6 +89,30 @@ def load_model(model: nn.Module, path: str) -> None:
         raise ValueError(f"{path}: config.json ties lm_head to the embedding (tie_word_embeddings), but the "
                          "checkpoint's lm_head.weight differs from model.embed_tokens.weight")
     model.fold_norm_weights()
+
+
+def checkpoint_target(model: nn.Module, params: dict[str, nn.Parameter], ckpt_name: str) -> tuple[str, int | None]:
+    """(our parameter's name, its shard or None) that checkpoint tensor ckpt_name fills; a
+    ValueError where the model has no such parameter (params: model.named_parameters())."""
+    name, shard = translate(model, ckpt_name)
+    if name not in params or (shard or 0) >= num_shards(model, name):
+        raise ValueError(f"unexpected tensor {ckpt_name!r} (no parameter {name!r} in Qwen3"
+                         + (f", or no shard {shard} of it)" if shard else ")"))
+    return name, shard
+
+
+def checkpoint_shape(model: nn.Module, name: str, shard: int | None) -> tuple[int, ...]:
+    """The shape of the checkpoint tensor that fills shard `shard` of our parameter `name`: whole,
+    as the checkpoint stores it, where tensor parallelism gives this rank a slice of it."""
+    module = module_of(model, name)
+    if shard is None:
+        expected = list(model.get_parameter(name).shape)
+    else:
+        expected = module.shard_shape(name.rpartition(".")[2], shard)
+    dim = split_dim(module, name)
+    if dim is not None:           # the parameter is this rank's slice of the tensor
+        expected[dim] = getattr(module, "vocab_size", expected[dim] * module.tp.size)
+    return tuple(expected)
 
 
 def split_dim(module: nn.Module, param_name: str) -> int | None:

@@ -30,7 +30,9 @@ from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.lora_adapters import LoRAAdapters
+from mini_engine.runner.sleep_mode import SleepState, distinct_storages, release, restore
 from mini_engine.runner.tensor_parallel_workers import TensorParallelWorkers
+from mini_engine.runner.weight_updates import WeightUpdater, broadcast_tensor
 from mini_engine.sampling_params import SamplingParams
 
 
@@ -185,6 +187,10 @@ class ModelRunner:
         self.model.eval()
         # With enable_lora: every projection's adapter slots, allocated before the KV pool is sized.
         self.lora = LoRAAdapters(self.model, config) if config.enable_lora else None
+        # load_weights' side (runner/weight_updates.py), and sleep mode's (runner/sleep_mode.py).
+        self.weights = WeightUpdater(self.model, config.model, self.dtype)
+        self.sleep_state = SleepState()
+        self.not_ready: str | None = None       # why the model cannot run a step now (asleep, weights missing)
         # Unseeded rows' noise on the PyTorch path from the runner's own generator, not the process's:
         # every tensor-parallel rank then draws the same, whatever else rank 0's process draws.
         self.sampler = Sampler(use_triton="sampler" in self.kernels,
@@ -245,12 +251,7 @@ class ModelRunner:
         self.num_kv_blocks = min_over_ranks(config.num_kv_blocks or self.profile_num_kv_blocks(), tp, self.device)
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         if self.use_cuda_graphs:
-            self.graph_runner = CUDAGraphRunner(self.model, config.max_num_seqs, self.device, self.sampled_tokens,
-                                                self.take_prev_tokens, sample if "sampler" in self.kernels else None)
-            start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.graph_runner.capture(lambda bs, turn: self.prepare_inputs([], graph_size=bs, turn=turn))
-            self.cuda_graph_capture_s = time.perf_counter() - start
-            self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+            self.capture_cuda_graphs()
             # (A pool of num_kv_blocks given by the caller was not sized here: nothing to compare.)
             if config.num_kv_blocks is None and self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
                 warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
@@ -258,6 +259,16 @@ class ModelRunner:
         self.gemm_warmup_s = None
         if self.device.type == "cuda":
             self.load_gemm_kernels()
+
+    def capture_cuda_graphs(self) -> None:
+        """The decode graphs, over the weights and the KV pool where they lie now (at start-up, and
+        again when sleep mode has given their memory back and allocated it anew)."""
+        self.graph_runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, self.device, self.sampled_tokens,
+                                            self.take_prev_tokens, sample if "sampler" in self.kernels else None)
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        self.graph_runner.capture(lambda bs, turn: self.prepare_inputs([], graph_size=bs, turn=turn))
+        self.cuda_graph_capture_s = time.perf_counter() - start
+        self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
     @torch.inference_mode()
     def load_gemm_kernels(self) -> None:
@@ -323,6 +334,119 @@ class ModelRunner:
             self.workers.join()
             self.workers = None
             atexit.unregister(self.shutdown)
+
+    # ---- weight updates and sleep mode (runner/weight_updates.py, runner/sleep_mode.py) ----
+
+    def load_weights(self, weights) -> int:
+        """Writes checkpoint-named tensors into the model's parameters in place (WeightUpdater), on
+        every rank: checked whole on this one first (a ValueError changes nothing anywhere), then sent
+        to the other ranks, each tensor broadcast whole from this rank's device over the process
+        group (NCCL's NVLink on GPUs), each rank cutting its own share. Returns how many were written."""
+        self.check_not_broken()
+        if "weights" in self.sleep_state.sleeping_tags:
+            raise RuntimeError("the weights sleep: wake_up(tags=['weights']) before load_weights")
+        updates = self.weights.check(weights)
+        plan = self.weights.plan(updates)
+        if self.workers is None:
+            self.apply_weights(plan)
+            return len(updates)
+        try:
+            self.workers.call("receive_weights", [(u.checkpoint_name, tuple(u.source.shape), u.source.dtype)
+                                                  for u in updates])
+            for u in updates:
+                broadcast_tensor(u.source.to(self.device).contiguous())
+                u.source = None
+            self.apply_weights(plan)
+            written_everywhere = min_over_ranks(1, self.tp, self.device) == 1
+        except BaseException as e:
+            self.broken = f"{type(e).__name__} while loading weights: {e}"
+            raise
+        if not written_everywhere:
+            self.broken = "a tensor-parallel rank failed to load the weights"
+            raise RuntimeError(f"{self.broken} (see its log); the ranks' weights differ: restart the engine")
+        return len(updates)
+
+    def receive_weights(self, header: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """A worker's side of load_weights: each tensor received whole, cut to this rank's share at
+        once (a whole update is never held), then written as rank 0 writes its own."""
+        updates, failed = [], None
+        for name, shape, dtype in header:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            broadcast_tensor(tensor)
+            if failed is None:
+                try:
+                    update = self.weights.check_one(name, tensor)
+                    update.tensor, update.source = update.tensor.clone(), None
+                    updates.append(update)
+                except Exception as e:      # every broadcast still pairs up with rank 0's
+                    failed = e
+        try:
+            if failed is not None:
+                raise failed
+            self.apply_weights(self.weights.plan(updates))
+        except Exception:
+            min_over_ranks(0, self.tp, self.device)
+            raise
+        min_over_ranks(1, self.tp, self.device)
+
+    def apply_weights(self, plan) -> None:
+        self.weights.apply(plan)
+        self.forget_lora_slots()
+        self.update_readiness()
+
+    def forget_lora_slots(self) -> None:
+        """With LoRA: the slots hold each adapter's A with the old norms folded in
+        (NormedPackedLinear.lora_pair), so each is loaded again at its next step."""
+        if self.lora is not None:
+            self.lora.held = [None] * self.lora.max_loras
+            self.lora.slot_of.clear()
+
+    def sleep(self, level: int) -> None:
+        """Gives back the device memory of the weights (level 1: copied to the host first; level 2:
+        discarded) and of the KV pool (its contents discarded), and drops the CUDA graphs, which
+        hold their addresses. The engine has no request running (LLMEngine.sleep)."""
+        self.check_not_broken()
+        if self.workers is not None:
+            self.workers.call("sleep", level)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graph_runner = None
+        self.sleep_state.released["weights"] = release(distinct_storages(self.model.parameters()),
+                                                       keep_contents=level == 1)
+        self.sleep_state.released["kv_cache"] = release([self.kv_cache.untyped_storage()], keep_contents=False)
+        if level == 2:
+            self.weights.discard_all()
+            self.forget_lora_slots()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.update_readiness()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Allocates the sleeping tags' memory again (the weights' contents from the host copy, if
+        level 1 made one; a KV pool of zeros), and, once both are awake, captures the CUDA graphs."""
+        self.check_not_broken()
+        if self.workers is not None:
+            self.workers.call("wake_up", tags)
+        for tag in tags:
+            restore(self.sleep_state.released.pop(tag))
+        if not self.sleep_state.released and self.use_cuda_graphs and self.graph_runner is None:
+            self.capture_cuda_graphs()
+        self.update_readiness()
+
+    def update_readiness(self) -> None:
+        if self.sleep_state.released:
+            self.not_ready = (f"the engine is asleep ({', '.join(sorted(self.sleep_state.released))} released): "
+                              "wake_up() first")
+        elif self.weights.discarded:
+            missing = self.weights.missing_names()
+            self.not_ready = (f"sleep(level=2) discarded the weights: load_weights must give every one again before "
+                              f"the model runs ({len(missing)} not given yet, e.g. {missing[:3]})")
+        else:
+            self.not_ready = None
+
+    def check_not_broken(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"tensor parallelism: the ranks are out of step ({self.broken}): restart the engine")
 
     # ---- the KV pool ----
 
@@ -416,6 +540,8 @@ class ModelRunner:
         if self.broken is not None:
             raise RuntimeError(f"tensor parallelism: a step failed on rank 0 ({self.broken}) after the other "
                                "ranks had started it; their collectives no longer pair up: restart the engine")
+        if self.not_ready is not None:
+            raise RuntimeError(self.not_ready)
         turn = self.turn
         try:
             if self.workers is not None:

@@ -14,7 +14,11 @@ folder deleted or damaged between rank 0's read and a worker's would fail the st
 alone, and the ranks' collectives would no longer pair up. Rank 0 reads (and re-reads, under
 max_cpu_loras) where a failure ends only the adapter's requests (LLMEngine.read_adapters), and
 sends each worker the host copy its slots load (WorkerAdapters); every rank then loads the same
-copy, even of an adapter whose files changed in between."""
+copy, even of an adapter whose files changed in between.
+
+Between steps, rank 0 may also ask every worker's runner to do what its own does (RunnerCall):
+load_weights' receive_weights, whose tensors then come by broadcast over the process group, and
+sleep mode's sleep and wake_up."""
 import dataclasses
 import logging
 import multiprocessing
@@ -67,6 +71,14 @@ class WorkerAdapters:
         while len(self.held) > self.capacity:
             dropped.append(self.held.popitem(last=False)[0])
         return (dropped, sent) if dropped or sent else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunnerCall:
+    """A message that is no step: the worker's runner runs method(*args), as rank 0's runner does
+    (vLLM's collective_rpc, between steps)."""
+    method: str
+    args: tuple = ()
 
 
 def take_adapters(message: tuple, cache: AdapterCache | None) -> None:
@@ -159,12 +171,15 @@ def worker_main(config: EngineConfig, tp: TensorParallel, port: int, conn: Conne
             runner.shutdown()
             return
         try:
+            if isinstance(message, RunnerCall):
+                getattr(runner, message.method)(*message.args)
+                continue
             take_adapters(message, None if runner.lora is None else runner.lora.cache)
             runner.launch(decode_rows(message, params))
         except Exception:
             # Where the step failed, rank 0 may have gone on, or stopped elsewhere: out of step, this
             # rank ends (rank 0 refuses every later step).
-            logger.exception("tensor-parallel rank %d: a step failed", tp.rank)
+            logger.exception("tensor-parallel rank %d: a step (or a call of rank 0's) failed", tp.rank)
             os._exit(1)
 
 
@@ -196,6 +211,12 @@ class TensorParallelWorkers:
 
     def send(self, rows: list[BatchRow]) -> None:
         message = pickle.dumps(self.encoder.encode(rows), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(message)
+
+    def call(self, method: str, *args) -> None:
+        """Has every worker's runner run method(*args) (a RunnerCall) once it has run the steps sent before."""
+        message = pickle.dumps(RunnerCall(method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             conn.send_bytes(message)
 
