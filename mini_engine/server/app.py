@@ -28,6 +28,7 @@ from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.beam_search_endpoint import BeamSearchEndpoint
 from mini_engine.server.constraints import forced_tool, structured_outputs
+from mini_engine.server.dev_endpoints import add_dev_routes, dev_mode
 from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.lora_modules import LoRAModulePath, LoRAModules, runtime_updating_allowed
@@ -744,6 +745,9 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
             return server.unload_lora_adapter(req)
+
+    if dev_mode():       # as vLLM's, only where the environment asks for them
+        add_dev_routes(app, server.async_engine)
 
     @app.get("/health")
     async def health():

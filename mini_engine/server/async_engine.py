@@ -78,8 +78,9 @@ class AsyncEngine:
         self.metrics = metrics
         self.process, self.commands, self.outputs, self.limits = start_engine_process(config, lora_requests)
         self.streams: dict[str, RequestStream] = {}         # event loop thread only
-        self.lora_checks: dict[int, asyncio.Future] = {}    # event loop thread only
-        self.lora_check_ids = itertools.count()
+        self.calls: dict[int, asyncio.Future] = {}      # event loop thread only
+        self.call_ids = itertools.count()
+        self.asleep = False         # since sleep() returned, until wake_up() woke every tag
         self.loop: asyncio.AbstractEventLoop | None = None
         self.reader: threading.Thread | None = None
         self.stopping = False
@@ -119,26 +120,44 @@ class AsyncEngine:
             self.limits.validate(prompt_token_ids, params)
         if not self.is_alive:
             raise RuntimeError("the engine process is not running")
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (sleep mode): POST /wake_up first")
         stream = RequestStream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.commands.put(("add", request_id, list(prompt_token_ids), params, priority, lora_request))
         return stream
 
+    async def call(self, name: str, *args):
+        """Runs engine_process.ENGINE_CALLS[name](engine, *args) between two steps; returns its
+        result, or raises its ValueError or RuntimeError (RuntimeError too if the engine is gone)."""
+        if not self.is_alive:
+            raise RuntimeError("the engine process is not running")
+        token = next(self.call_ids)
+        future = self.calls[token] = self.loop.create_future()
+        self.commands.put(("call", token, name, args))
+        try:
+            result, error = await future
+        finally:
+            self.calls.pop(token, None)
+        if error is not None:
+            kind, message = error
+            raise (ValueError if kind == "ValueError" else RuntimeError)(message)
+        return result
+
     async def check_lora(self, lora_request: LoRARequest) -> None:
         """Has the engine read and check an adapter (one loaded while the server runs): raises
         ValueError with the engine's reason if it cannot run it."""
-        if not self.is_alive:
-            raise RuntimeError("the engine process is not running")
-        token = next(self.lora_check_ids)
-        future = self.lora_checks[token] = self.loop.create_future()
-        self.commands.put(("check_lora", token, lora_request))
-        try:
-            error = await future
-        finally:
-            self.lora_checks.pop(token, None)
-        if error is not None:
-            raise ValueError(error)
+        await self.call("check_lora", lora_request)
+
+    async def sleep(self, level: int) -> None:
+        """Sleep mode (LLM.sleep's): from its return, new requests are refused until wake_up."""
+        await self.call("sleep", level)
+        self.asleep = True
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        await self.call("wake_up", tags)
+        self.asleep = await self.call("is_sleeping")
 
     def abort(self, request_id: str) -> None:
         """Idempotent; the engine frees the request's blocks before its next step."""
@@ -159,8 +178,8 @@ class AsyncEngine:
                 break
             if message[0] == "step":
                 self.loop.call_soon_threadsafe(self.deliver, message[1], message[2])
-            elif message[0] == "lora_checked":
-                self.loop.call_soon_threadsafe(self.lora_checked, message[1], message[2])
+            elif message[0] == "called":
+                self.loop.call_soon_threadsafe(self.called, message[1], message[2], message[3])
         reason = "the server is shutting down" if self.stopping else "the engine process exited"
         try:
             self.loop.call_soon_threadsafe(self.fail_all, reason)
@@ -192,16 +211,16 @@ class AsyncEngine:
                                                  num_output_tokens, error, prompt_logprobs, embedding))
         m.update_engine_state(stats)
 
-    def lora_checked(self, token: int, error: str | None) -> None:
-        future = self.lora_checks.get(token)
+    def called(self, token: int, result, error: tuple[str, str] | None) -> None:
+        future = self.calls.get(token)
         if future is not None and not future.done():      # not cancelled by a client gone
-            future.set_result(error)
+            future.set_result((result, error))
 
     def fail_all(self, message: str) -> None:
         for stream in self.streams.values():
             stream.queue.put_nowait(RequestDelta("", [], None, "error", stream.num_prompt_tokens,
                                                  stream.num_output_tokens, message))
         self.streams.clear()
-        for future in self.lora_checks.values():
+        for future in self.calls.values():
             if not future.done():
                 future.set_exception(RuntimeError(message))

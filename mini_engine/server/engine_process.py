@@ -9,11 +9,13 @@ behind, its deltas pile up and are sent merged; the engine never waits for it.
 
 Messages (tuples, cheap to pickle), the API process to the engine:
     ("add", request_id, prompt_token_ids, params, priority, lora_request), ("abort", request_id),
-    ("check_lora", token, lora_request), ("shutdown",)
+    ("call", token, name, args), ("shutdown",)
 and the engine to the API process:
     ("ready", RequestLimits) or ("failed", traceback text or message), once, at start-up;
     ("step", deltas, EngineStats) after every step, and after every batch of commands it applies;
-    ("lora_checked", token, error message or None) for each check_lora (an adapter loaded at run time),
+    ("called", token, result, error) for each call: one of ENGINE_CALLS, run between two steps
+    (an adapter loaded at run time checked; sleep mode; the prefix cache reset), error None or
+    (exception type name, message),
 where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error,
 prompt_logprobs, embedding): prompt_logprobs only on a request's first delta, where it asked for
 them; embedding on an embedding request's one delta.
@@ -34,6 +36,16 @@ from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 
 logger = logging.getLogger("mini_engine.server")
+
+# What the API process may ask of the engine between two steps (AsyncEngine.call), by name. Each
+# raises ValueError (a bad argument) or RuntimeError (not now: e.g. sleep with requests running).
+ENGINE_CALLS = {
+    "check_lora": LLMEngine.check_lora,
+    "reset_prefix_cache": LLMEngine.reset_prefix_cache,
+    "sleep": LLMEngine.sleep,
+    "wake_up": LLMEngine.wake_up,
+    "is_sleeping": LLMEngine.is_sleeping,
+}
 
 
 @dataclass(slots=True)
@@ -117,6 +129,8 @@ class EngineLoop:
     def apply(self, command: tuple) -> list[tuple]:
         if command[0] == "add":
             _, request_id, prompt_token_ids, params, priority, lora_request = command
+            if self.engine.is_sleeping():       # one sent as sleep() was: the API refuses the next ones
+                return [(request_id, "", [], None, "error", 0, "the engine is asleep: wake_up first", None, None)]
             try:
                 # The API process validated it with the same RequestLimits.
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority,
@@ -132,14 +146,13 @@ class EngineLoop:
             if state is not None:
                 self.engine.abort_request(request_id)
                 return [(request_id, "", [], None, "abort", state.num_output_tokens, None, None, None)]
-        if command[0] == "check_lora":
-            _, token, lora_request = command
+        if command[0] == "call":
+            _, token, name, args = command
             try:
-                self.engine.check_lora(lora_request)
-                error = None
-            except ValueError as e:
-                error = str(e)
-            self.outputs.put(("lora_checked", token, error))
+                result, error = ENGINE_CALLS[name](self.engine, *args), None
+            except (ValueError, RuntimeError) as e:
+                result, error = None, (type(e).__name__, str(e))
+            self.outputs.put(("called", token, result, error))
         return []
 
     def process(self, outputs: list[StepOutput]) -> list[tuple]:

@@ -122,16 +122,20 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def launched_server(model: str, log_dir, num_kv_blocks: int = NUM_KV_BLOCKS, options: tuple[str, ...] = ()):
+def launched_server(model: str, log_dir, num_kv_blocks: int = NUM_KV_BLOCKS, options: tuple[str, ...] = (),
+                    env: dict[str, str] | None = None):
     """`python -m mini_engine.serve` on a free loopback port, healthy, stopped on exit. Blocks of 16
-    slots on any device, so that the pool holds what the tests reckon. options: more flags."""
+    slots on any device, so that the pool holds what the tests reckon. options: more flags; env:
+    environment variables for the server process alone (set in the tests' own environment, they
+    would reach every server started after it too)."""
     port = free_port()
     cmd = [sys.executable, "-m", "mini_engine.serve", "--model", model, "--served-model-name", MODEL_NAME,
            "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(num_kv_blocks), "--block-size", "16",
            "--max-num-seqs", "128", "--log-level", "warning", *options]
     log_path = log_dir / "server.log"
     log = open(log_path, "w")      # a file, not a pipe: nobody reads a pipe while tests run
-    process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env=None if env is None else os.environ | env)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base_url, process, str(log_path), timeout=90)

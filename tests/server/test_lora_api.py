@@ -44,11 +44,10 @@ def lora_server(tiny_model, adapters, tmp_path_factory):
     second = json.dumps({"name": "second", "path": adapters["second"].lora_path, "base_model_name": "tiny-base"})
     options = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                "--lora-modules", f"first={adapters['first'].lora_path}", second)
-    with pytest.MonkeyPatch.context() as env:       # the server process inherits it
-        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        with launched_server(tiny_model, tmp_path_factory.mktemp("lora-server-log"), options=options) as handle:
-            yield handle
-            handle.wait_idle()      # every request's KV blocks freed
+    with launched_server(tiny_model, tmp_path_factory.mktemp("lora-server-log"), options=options,
+                         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as handle:
+        yield handle
+        handle.wait_idle()      # every request's KV blocks freed
 
 
 @pytest.fixture(scope="module")

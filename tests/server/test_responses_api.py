@@ -286,10 +286,9 @@ def bias(qwen3_model) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen3_server(qwen3_model, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env:       # the server process inherits it
-        env.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
-        with launched_server(qwen3_model, tmp_path_factory.mktemp("responses-server-log"), options=PARSERS) as handle:
-            yield handle
+    with launched_server(qwen3_model, tmp_path_factory.mktemp("responses-server-log"), options=PARSERS,
+                         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as handle:
+        yield handle
 
 
 @pytest.fixture

@@ -1,0 +1,61 @@
+"""vLLM's development routes, which RL trainers that serve their rollouts call between training
+steps: POST /reset_prefix_cache, POST /sleep?level=1|2, POST /wake_up[?tags=weights&tags=kv_cache],
+GET /is_sleeping (level 2, which discards the weights, is refused: no route here loads new
+ones). As in vLLM they exist only where the environment asks for them
+(VLLM_SERVER_DEV_MODE=1): they change what every client's next request finds. Each runs in the
+engine process between two steps (engine_process.ENGINE_CALLS): sleep and a reset are refused
+(409) while requests run, as LLM.sleep and LLM.reset_prefix_cache refuse them offline; sleep needs
+the server started with --enable-sleep-mode (400). While the engine sleeps, generation requests
+get a 503 until /wake_up."""
+import os
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse
+
+from mini_engine.server.protocol import error_body
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode() -> bool:
+    return os.environ.get(DEV_MODE_ENV, "0").strip().lower() in ("1", "true")
+
+
+async def engine_call(call, *args) -> tuple[object, JSONResponse | None]:
+    """(result, None), or (None, the error response): a bad argument 400, "not now" 409."""
+    try:
+        return await call(*args), None
+    except ValueError as e:
+        return None, JSONResponse(error_body(str(e), 400), status_code=400)
+    except RuntimeError as e:
+        return None, JSONResponse(error_body(str(e), 409), status_code=409)
+
+
+def add_dev_routes(app: FastAPI, async_engine) -> None:
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        reset, error = await engine_call(async_engine.call, "reset_prefix_cache")
+        if error is not None:
+            return error
+        if not reset:
+            return JSONResponse(error_body("the prefix cache was not reset: requests are running", 409),
+                                status_code=409)
+        return JSONResponse({"reset": True})
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1):
+        if level == 2:      # its weights would be gone for good: nothing here loads new ones
+            return JSONResponse(error_body("sleep level 2 discards the weights, and this server has no route that "
+                                           "loads new ones: use level 1", 400), status_code=400)
+        _, error = await engine_call(async_engine.sleep, level)
+        return error or JSONResponse({"is_sleeping": True})
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)):
+        _, error = await engine_call(async_engine.wake_up, tags)
+        return error or JSONResponse({"is_sleeping": async_engine.asleep})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        sleeping, error = await engine_call(async_engine.call, "is_sleeping")
+        return error or JSONResponse({"is_sleeping": sleeping})

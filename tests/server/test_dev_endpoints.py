@@ -1,0 +1,93 @@
+"""vLLM's development routes (VLLM_SERVER_DEV_MODE=1): /sleep, /wake_up, /is_sleeping and
+/reset_prefix_cache on a server started with --enable-sleep-mode: a sleep and a wake leave greedy
+outputs as they were, requests while asleep get a 503, and what cannot be done now (a sleep or a
+reset while a request runs) a 409 that loses nothing."""
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, launched_server
+
+PROMPT = "The quick brown fox"
+GREEDY = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def dev_server(tiny_model, tmp_path_factory):
+    with launched_server(tiny_model, tmp_path_factory.mktemp("dev-server-log"), options=("--enable-sleep-mode",),
+                         env={"VLLM_SERVER_DEV_MODE": "1"}) as handle:
+        yield handle
+
+
+@pytest.fixture
+def dev(dev_server):
+    with httpx.Client(base_url=dev_server.base_url, timeout=60) as client:
+        yield client
+    dev_server.check_idle_and_alive()
+
+
+def completion_text(client: httpx.Client) -> str:
+    response = client.post("/v1/completions", json=GREEDY)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_sleep_and_wake_keep_the_outputs(dev):
+    before = completion_text(dev)
+    assert dev.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert dev.post("/sleep", params={"level": 1}).json() == {"is_sleeping": True}
+    assert dev.get("/is_sleeping").json() == {"is_sleeping": True}
+    asleep = dev.post("/v1/completions", json=GREEDY)
+    assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
+    # The weights first, then the KV cache, as an RL trainer wakes them.
+    assert dev.post("/wake_up", params={"tags": "weights"}).json() == {"is_sleeping": True}
+    assert dev.post("/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False}
+    assert completion_text(dev) == before
+    assert dev.post("/sleep").status_code == 200 and dev.post("/wake_up").json() == {"is_sleeping": False}
+    assert completion_text(dev) == before
+
+
+def test_reset_prefix_cache(dev, dev_server):
+    """The cache's hit rate (hit over queried prompt tokens, since start): a prompt's second run
+    hits its full blocks; after a reset its third finds none, so the rate falls (a hit would raise it)."""
+    long_prompt = GREEDY | {"prompt": " ".join(["the quick brown fox jumps over the lazy dog"] * 8)}
+    for _ in range(2):
+        assert dev.post("/v1/completions", json=long_prompt).status_code == 200
+    rate = dev_server.metrics()["mini_engine:prefix_cache_hit_rate"]
+    assert rate > 0
+    assert dev.post("/reset_prefix_cache").json() == {"reset": True}
+    assert dev.post("/v1/completions", json=long_prompt).status_code == 200
+    assert dev_server.metrics()["mini_engine:prefix_cache_hit_rate"] < rate
+
+
+def test_not_now_is_a_conflict_that_loses_nothing(dev):
+    """A sleep or a reset while a request streams: 409, and the request ends as it would have. The
+    request is long (480 tokens, hundreds of steps) so that it still runs when the calls arrive."""
+    long_request = GREEDY | {"max_tokens": MAX_MODEL_LEN - 32}
+    expected = dev.post("/v1/completions", json=long_request).json()["choices"][0]["text"]
+    with dev.stream("POST", "/v1/completions", json=long_request | {"stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        for route in ("/sleep", "/reset_prefix_cache"):
+            refused = dev.post(route)
+            assert refused.status_code == 409, (route, refused.text)
+        rest = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(json.loads(line[len("data: "):])["choices"][0]["text"] for line in [first, *rest])
+    assert text == expected
+    assert dev.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_bad_requests(dev):
+    assert dev.post("/sleep", params={"level": 2}).status_code == 400      # nothing here would load weights again
+    assert dev.post("/sleep", params={"level": 7}).status_code == 400
+    bad_tag = dev.post("/wake_up", params={"tags": "everything"})
+    assert bad_tag.status_code == 400 and "tags" in bad_tag.json()["error"]["message"]
+    assert dev.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_routes_exist_only_in_dev_mode(served):
+    with httpx.Client(base_url=served.base_url, timeout=10) as client:
+        for route in ("/sleep", "/wake_up", "/reset_prefix_cache"):
+            assert client.post(route).status_code == 404
+        assert client.get("/is_sleeping").status_code == 404
