@@ -7,7 +7,7 @@ import torch
 from mini_engine.distributed import check_divisible
 from mini_engine.json_files import read_json_file
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
-from mini_engine.pooling_params import PoolerConfig
+from mini_engine.pooling_params import PROBLEM_TYPES, PoolerConfig, classifier_activation
 from mini_engine.quantization import QUANTIZATION_METHODS, Fp8Config, parse_quantization_config
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
@@ -53,6 +53,13 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # An FP8 checkpoint's quantization_config (Qwen3-*-FP8: mini_engine/quantization.py), or None.
     quantization: Fp8Config | None = None
+    # A sequence classifier (architectures Qwen3ForSequenceClassification or its MoE twin: fine-tuned
+    # classifiers, reward models such as Skywork-Reward-V2-Qwen3): the decoder and a `score` head of
+    # num_labels rows, read at the last token; 0 for a generative model. labels: config.json's id2label
+    # in index order; problem_type: transformers', which sets the logits' activation.
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()
+    problem_type: str | None = None
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer`'s MLP is a mixture of experts (transformers' rule)."""
@@ -69,11 +76,13 @@ class ModelConfig:
     def from_dict(cls, raw: dict) -> "ModelConfig":
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
-        moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
-        if not moe and model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+        classifier = any(arch in SEQUENCE_CLASSIFIERS for arch in archs)
+        moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs or "Qwen3MoeForSequenceClassification" in archs
+        if not moe and model_type != "qwen3" and "Qwen3ForCausalLM" not in archs and not classifier:
             raise ValueError(
                 f"config.json: unsupported architecture (model_type={model_type!r}, "
-                f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM and Qwen3MoeForCausalLM")
+                f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM and Qwen3MoeForCausalLM, "
+                f"and {' and '.join(SEQUENCE_CLASSIFIERS)}")
         rope_scaling = parse_rope_scaling(raw)
         _, params = rope_parameters(raw)
         quantization = parse_quantization_config(raw.get("quantization_config"))
@@ -121,6 +130,7 @@ class ModelConfig:
             classifier_from_token=tuple(raw["classifier_from_token"]) if raw.get("classifier_from_token") else None,
             quantization=quantization,
             **(moe_fields(raw) if moe else {}),
+            **(classifier_fields(raw) if classifier else {}),
         )
 
     @classmethod
@@ -134,6 +144,36 @@ class ModelConfig:
         if eos is not None:
             config.eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
         return config
+
+
+# transformers' sequence classifiers over the Qwen3 decoders: the decoder, then `score` at the last token.
+SEQUENCE_CLASSIFIERS = ("Qwen3ForSequenceClassification", "Qwen3MoeForSequenceClassification")
+
+
+def classifier_fields(raw: dict) -> dict:
+    """A sequence classifier's labels, as transformers reads config.json: id2label's names (in index
+    order), or num_labels' LABEL_i; neither: transformers' default of two. Both, disagreeing: refused
+    (transformers 4 then takes id2label's count, 5 num_labels)."""
+    id2label, num_labels = raw.get("id2label"), raw.get("num_labels")
+    if num_labels is not None and (not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1):
+        raise ValueError(f"config.json: num_labels must be an integer >= 1, got {num_labels!r}")
+    labels = None
+    if id2label is not None:
+        if not isinstance(id2label, dict) or not id2label:
+            raise ValueError(f"config.json: id2label must map each label's index to its name, got {id2label!r}")
+        by_index = {str(index): str(name) for index, name in id2label.items()}
+        if set(by_index) != {str(i) for i in range(len(by_index))}:
+            raise ValueError(f"config.json: id2label's indices must be 0 to {len(by_index) - 1}, "
+                             f"got {sorted(by_index)}")
+        labels = tuple(by_index[str(i)] for i in range(len(by_index)))
+        if num_labels is not None and num_labels != len(labels):
+            raise ValueError(f"config.json: num_labels={num_labels} but id2label names {len(labels)} labels")
+    if labels is None:
+        labels = tuple(f"LABEL_{i}" for i in range(2 if num_labels is None else num_labels))
+    problem_type = raw.get("problem_type")
+    if problem_type not in (None, *PROBLEM_TYPES):
+        raise ValueError(f"config.json: problem_type must be one of {PROBLEM_TYPES} or null, got {problem_type!r}")
+    return dict(num_labels=len(labels), labels=labels, problem_type=problem_type)
 
 
 def moe_fields(raw: dict) -> dict:
@@ -219,11 +259,14 @@ class EngineConfig:
     # one GPU each (cuda:0 .. cuda:N-1; gloo between CPU processes): mini_engine/distributed.py.
     tensor_parallel_size: int = 1
     # As vLLM's --runner: "generate", or "pooling", an embedding model (LLM.embed, the server's
-    # /v1/embeddings): each prompt's final hidden states pooled into one vector, no lm_head, no
-    # sampling (mini_engine/pooling_params.py). pooler_config (vLLM's): its pooling_type, "LAST"
-    # or "MEAN", and normalize, over what the checkpoint's Sentence Transformers files say (and a
-    # cross-encoder's classifier_token_ids, ids where config.json's classifier_from_token names them).
-    runner: str = "generate"
+    # /v1/embeddings) or a sequence classifier (LLM.classify, /classify): each prompt's final hidden
+    # states pooled into one vector, no lm_head, no sampling (mini_engine/pooling_params.py); "auto"
+    # (vLLM's default), "pooling" for a checkpoint whose architecture is a sequence classifier, else
+    # "generate". pooler_config (vLLM's): its pooling_type, "LAST" or "MEAN", and normalize, over
+    # what the checkpoint's Sentence Transformers files say (and a cross-encoder's
+    # classifier_token_ids, ids where config.json's classifier_from_token names them); a
+    # classifier's use_activation (the default of its requests').
+    runner: str = "auto"
     pooler_config: dict | PoolerConfig | None = None
     # As vLLM's: speculative decoding, {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": ..., "prompt_lookup_min": ..., "disable_by_batch_size": ...}
@@ -302,10 +345,10 @@ class EngineConfig:
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
         self.sampling_defaults = self.read_sampling_defaults()
-        if self.runner not in ("generate", "pooling"):
-            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        self.resolve_runner()
         if self.runner == "pooling":
-            self.pooler = PoolerConfig.resolve(self.model, self.pooler_config, mc.classifier_from_token)
+            activation = classifier_activation(mc.num_labels, mc.problem_type) if mc.num_labels else None
+            self.pooler = PoolerConfig.resolve(self.model, self.pooler_config, mc.classifier_from_token, activation)
             if self.reasoning_parser is not None:
                 raise ValueError("reasoning_parser is for generation: a pooling runner samples nothing")
             ids = self.pooler.classifier_token_ids
@@ -320,6 +363,23 @@ class EngineConfig:
             if self.runner == "pooling":
                 raise ValueError("speculative_config is for generation: a pooling runner samples nothing")
             self.speculative_config = SpeculativeConfig.resolve(self.speculative_config)
+
+    def resolve_runner(self) -> None:
+        """runner "auto" as vLLM resolves it: a sequence classifier's checkpoint pools, any other generates. A
+        classifier has no lm_head to generate with, so "generate" is refused for it (as vLLM's
+        "This model does not support `--runner generate`")."""
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        mc = self.model_config
+        if self.runner == "auto":
+            self.runner = "pooling" if mc.num_labels else "generate"
+        elif self.runner == "generate" and mc.num_labels:
+            raise ValueError("this checkpoint is a sequence classifier (config.json's architectures: "
+                             f"{' or '.join(SEQUENCE_CLASSIFIERS)}): it has a score head and no lm_head, so it cannot "
+                             "generate; run it with runner='pooling' (or 'auto', which picks it): LLM.classify")
+        if mc.num_labels and mc.classifier_from_token:
+            raise ValueError("classifier_from_token reads a generative model's lm_head as a cross-encoder; this "
+                             "checkpoint is a sequence classifier, whose score head is its own")
 
     def check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

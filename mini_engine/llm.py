@@ -15,9 +15,10 @@ from mini_engine.engine.engine import LLMEngine, StepOutput
 from mini_engine.engine.sequence import Sequence
 from mini_engine.layers.pooler import cosine_similarity
 from mini_engine.lora import LoRARequest
-from mini_engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+from mini_engine.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                                 EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                  ScoringOutput, ScoringRequestOutput)
-from mini_engine.pooling_params import PoolingParams
+from mini_engine.pooling_params import PoolingParams, check_task_parameters
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.tokenizer import encode_pair
 
@@ -206,21 +207,27 @@ class LLM:
             raise ValueError("LLM.embed needs an embedding model: LLM(path, runner='pooling')")
         if self.engine.config.pooler.is_cross_encoder:
             raise ValueError("this model is a cross-encoder (classifier_from_token): it scores pairs, LLM.score")
-        return self.pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        if self.engine.config.pooler.is_classifier:
+            raise ValueError("this model is a sequence classifier (Qwen3ForSequenceClassification), not an embedding "
+                             "model: LLM.classify gives its labels' probabilities, LLM.reward its raw scores")
+        return self.pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "embed")
 
     def pool(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None, use_tqdm: bool,
-             truncate_prompt_tokens: int | None) -> list[EmbeddingRequestOutput]:
-        """Runs a pooling engine's prompts: each one's pooled output (an embedding, or a
-        cross-encoder's classifier probabilities)."""
+             truncate_prompt_tokens: int | None, task: str, desc: str = "Embedding") -> list[EmbeddingRequestOutput]:
+        """Runs a pooling engine's prompts: each one's pooled output (an embedding, a cross-encoder's
+        classifier probabilities, or a sequence classifier's outputs). task: "embed" or "classify",
+        whose parameters the requests may set (check_task_parameters)."""
         prompts = self.prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         if len(pooling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(pooling_params)} pooling params")
+        for params in pooling_params:
+            check_task_parameters(params, task)
         if truncate_prompt_tokens is not None:
             pooling_params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                               for p in pooling_params]
-        seqs, completion_of, _ = self.run_requests(prompts, pooling_params, [0] * len(prompts), use_tqdm, "Embedding")
+        seqs, completion_of, _ = self.run_requests(prompts, pooling_params, [0] * len(prompts), use_tqdm, desc)
         by_prompt = {completion_of[seq.request_id][0]: seq for seq in seqs}
         return [EmbeddingRequestOutput(seq.request_id, seq.prompt_token_ids, EmbeddingOutput(seq.embedding))
                 for seq in (by_prompt[i] for i in range(len(prompts)))]
@@ -232,24 +239,74 @@ class LLM:
         cosine similarity of the two embeddings (all the texts embedded in one call); a
         cross-encoder's (classifier_from_token: Qwen3-Reranker) is its second classifier token's
         probability, the two texts read as one prompt (in Qwen3-Reranker's template, which the
-        caller writes around them, as vLLM's example does)."""
+        caller writes around them, as vLLM's example does); a sequence classifier of one label's
+        (as vLLM's, only num_labels == 1) is its sigmoid, the two texts read as one prompt as the
+        tokenizer encodes a pair."""
+        pooler = self.engine.config.pooler
         if self.engine.config.runner != "pooling":
             raise ValueError("LLM.score needs a pooling model: LLM(path, runner='pooling')")
+        num_labels = self.engine.config.model_config.num_labels
+        if pooler.is_classifier and num_labels != 1:
+            raise ValueError(f"LLM.score needs a classifier of one label (vLLM's Score API: num_labels == 1); this one "
+                             f"has {num_labels}: LLM.classify")
         first, second = self.prompt_list(data_1), self.prompt_list(data_2)
         if len(first) != 1 and len(first) != len(second):
             raise ValueError(f"data_1 holds {len(first)} prompts and data_2 {len(second)}: give one data_1, or as "
                              "many as data_2")
-        if self.engine.config.pooler.is_cross_encoder:
+        if pooler.is_cross_encoder or pooler.is_classifier:
             pairs = [encode_pair(self.tokenizer, unwrap_prompt(first[0 if len(first) == 1 else i]), unwrap_prompt(b))
                      for i, b in enumerate(second)]
             return [ScoringRequestOutput(out.request_id, out.prompt_token_ids, ScoringOutput(out.outputs.embedding[-1]))
-                    for out in self.pool(pairs, None, use_tqdm, truncate_prompt_tokens)]
+                    for out in self.pool(pairs, None, use_tqdm, truncate_prompt_tokens, "classify", "Scoring")]
         outputs = self.embed(list(first) + list(second), use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
         left, right = outputs[:len(first)], outputs[len(first):]
         pairs = [(left[0 if len(left) == 1 else i], out) for i, out in enumerate(right)]
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
                                      ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)))
                 for a, b in pairs]
+
+    def classify(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
+                 pooling_params: PoolingParams | list[PoolingParams] | None = None, use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify, for a sequence classifier (config.json's architectures
+        Qwen3ForSequenceClassification, which runner "auto" runs as a pooling model): each prompt's
+        labels' probabilities, `outputs.probs`: the score head's logits at the prompt's last token
+        (as transformers reads them) through a softmax, or a sigmoid for one label (vLLM's rule,
+        pooling_params.classifier_activation); PoolingParams(use_activation=False): the raw logits.
+        The labels' names are config.json's id2label (llm.engine.config.model_config.labels)."""
+        self.check_classifier("LLM.classify")
+        outputs = self.pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "classify", "Classifying")
+        return [ClassificationRequestOutput(out.request_id, out.prompt_token_ids,
+                                            ClassificationOutput(out.outputs.embedding)) for out in outputs]
+
+    def reward(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
+               pooling_params: PoolingParams | list[PoolingParams] | None = None, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A reward model's scores (a sequence classifier such as Skywork-Reward-V2-Qwen3, one label):
+        each prompt's score-head logits at its last token, `outputs.data`, raw, as transformers'
+        `logits` (the reward such models' cards read), unless a request's PoolingParams set
+        use_activation. vLLM's LLM.reward (deprecated there) runs "token_classify", every token's
+        activated logits; for a sequence reward model its docs point to classify, whose default
+        is the activated score: LLM.classify here."""
+        self.check_classifier("LLM.reward")
+        prompts = self.prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        raw = [p if p.use_activation is not None else dataclasses.replace(p, use_activation=False)
+               for p in pooling_params]
+        return [PoolingRequestOutput(out.request_id, out.prompt_token_ids, PoolingOutput(out.outputs.embedding))
+                for out in self.pool(prompts, raw, use_tqdm, truncate_prompt_tokens, "classify", "Rewarding")]
+
+    def check_classifier(self, method: str) -> None:
+        """A ValueError where this LLM's model is not a sequence classifier, saying what it is."""
+        config = self.engine.config
+        if config.runner == "pooling" and config.pooler.is_classifier:
+            return
+        what = ("a generative model (runner='generate')" if config.runner != "pooling" else
+                "a cross-encoder (classifier_from_token): LLM.score" if config.pooler.is_cross_encoder else
+                "an embedding model: LLM.embed")
+        raise ValueError(f"{method} needs a sequence classifier (config.json's architectures "
+                         f"Qwen3ForSequenceClassification, run by runner='pooling' or 'auto'); this LLM runs {what}")
 
     def run_requests(self, prompts: list, params: list[SamplingParams | PoolingParams], priority: list[int],
                      use_tqdm: bool, desc: str, loras: list[LoRARequest | None] | None = None

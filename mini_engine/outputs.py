@@ -58,3 +58,35 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]              # the labels' probabilities (the raw logits where use_activation is False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """LLM.classify's result for one prompt, as vLLM's."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    data: list[float]               # LLM.reward's: the score head's logits at the prompt's last token
+
+
+@dataclass
+class PoolingRequestOutput:
+    """LLM.reward's result for one prompt, as vLLM's (whose data is a tensor; here a list)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True

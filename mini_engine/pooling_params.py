@@ -1,10 +1,12 @@
-"""Embeddings: what a request asks for (vLLM's PoolingParams), and how an engine started with
-runner="pooling" turns a prompt's final hidden states into one vector (vLLM's PoolerConfig, read from
-a Sentence Transformers checkpoint's modules.json as vLLM reads it).
+"""Embeddings and classifications: what a request asks for (vLLM's PoolingParams), and how an
+engine started with runner="pooling" turns a prompt's final hidden states into one vector (vLLM's
+PoolerConfig, read from a Sentence Transformers checkpoint's modules.json as vLLM reads it).
 
 Qwen3-Embedding is Qwen3 with no lm_head: its embedding is the final hidden state (after the
 last RMSNorm) of the prompt's last token, which its tokenizer makes <|endoftext|>, L2-normalised.
-MEAN averages every prompt token's hidden state instead."""
+MEAN averages every prompt token's hidden state instead. A sequence classifier
+(Qwen3ForSequenceClassification: fine-tuned classifiers, reward models) puts that state through its
+score head and gives the logits' activation (CLASSIFIER_ACTIVATIONS)."""
 import dataclasses
 import json
 import os
@@ -18,6 +20,24 @@ POOLING_TYPES = ("LAST", "MEAN")
 # Sentence Transformers' pooling modes (1_Pooling/config.json) that have a pooling type here.
 SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN"}
 
+# What a sequence classifier's logits go through (vLLM's PoolerClassify, PoolerMultiLabelClassify and
+# PoolerIdentity): softmax over the labels, a sigmoid of each, or nothing.
+CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
+
+# transformers' problem_type values (config.json), which set a classifier's loss and so its activation.
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def classifier_activation(num_labels: int, problem_type: str | None) -> str:
+    """vLLM's rule (get_classification_act_fn, after transformers' ForSequenceClassificationLoss):
+    a regression's logits as they are, a multi-label problem's each through a sigmoid; otherwise a
+    softmax over the labels, or a sigmoid where there is one label (a reward model, a cross-encoder)."""
+    if problem_type == "regression":
+        return "identity"
+    if problem_type == "multi_label_classification" or num_labels < 2:
+        return "sigmoid"
+    return "softmax"
+
 
 @dataclass(slots=True)
 class PoolingParams:
@@ -25,19 +45,39 @@ class PoolingParams:
     is normalised), as OpenAI's `dimensions`; only for a checkpoint trained for it (config.json's
     is_matryoshka or matryoshka_dimensions). normalize: L2-normalise the vector; None, as the
     engine's pooler config says. truncate_prompt_tokens: embed only the prompt's last k tokens
-    (-1: the last max_model_len), where a longer prompt is otherwise refused."""
+    (-1: the last max_model_len), where a longer prompt is otherwise refused. use_activation (vLLM's,
+    for a sequence classifier): its logits through the activation (softmax, or sigmoid for one
+    label); False: the raw logits; None, as the engine's pooler config says (True unless told)."""
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self):
         if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
             raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true, false or None, got {self.normalize!r}")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true, false or None, got {value!r}")
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), got {k!r}")
+
+
+# The parameters each kind of pooling model takes, besides truncate_prompt_tokens (vLLM's
+# PoolingParams.valid_parameters: an embedding's for "embed", a classifier's for "classify").
+TASK_PARAMETERS = {"embed": ("dimensions", "normalize"), "classify": ("use_activation",)}
+
+
+def check_task_parameters(params: PoolingParams, task: str) -> None:
+    """A ValueError for a parameter that `task` ignores (as vLLM refuses it): a classifier's
+    request that asks for normalize or dimensions, an embedding's that asks for use_activation."""
+    ignored = [name for names in TASK_PARAMETERS.values() for name in names
+               if name not in TASK_PARAMETERS[task] and getattr(params, name) is not None]
+    if ignored:
+        raise ValueError(f"{ignored[0]} does not apply to {task}: it takes {list(TASK_PARAMETERS[task])} "
+                         "and truncate_prompt_tokens")
 
 
 def truncate_prompt(prompt_token_ids: list[int], params: PoolingParams, max_model_len: int) -> list[int]:
@@ -58,10 +98,16 @@ class PoolerConfig:
     """How the engine pools: which hidden states (pooling_type, one of POOLING_TYPES) and whether a
     request that leaves `normalize` unset gets an L2-normalised vector. classifier_token_ids: a
     cross-encoder's (ModelConfig.classifier_from_token, as token ids): it scores its prompt, a query
-    and a document together, by the softmax of those tokens' logits at the last token (LAST)."""
+    and a document together, by the softmax of those tokens' logits at the last token (LAST).
+    activation: a sequence classifier's (ModelConfig.num_labels > 0), one of CLASSIFIER_ACTIVATIONS,
+    which config.json's num_labels and problem_type set; use_activation: whether a request that
+    leaves its own unset gets it (vLLM's pooler_config use_activation; False: raw logits, as a
+    reward server may want)."""
     pooling_type: str = "LAST"
     normalize: bool = True
     classifier_token_ids: tuple[int, ...] | None = None
+    activation: str | None = None
+    use_activation: bool = True
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
@@ -73,35 +119,60 @@ class PoolerConfig:
         if self.classifier_token_ids is not None and self.pooling_type != "LAST":
             raise ValueError(f"a cross-encoder (classifier_from_token) scores the last token: pooling_type "
                              f"{self.pooling_type!r} does not apply")
+        if self.activation not in (None, *CLASSIFIER_ACTIVATIONS):
+            raise ValueError(f"activation must be one of {CLASSIFIER_ACTIVATIONS} or None, got {self.activation!r}")
+        if not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be true or false, got {self.use_activation!r}")
+        if self.activation is not None and self.classifier_token_ids is not None:
+            raise ValueError("a sequence classifier (its own score head) takes no classifier_from_token")
 
     @property
     def is_cross_encoder(self) -> bool:
+        """A generative model read as a cross-encoder (classifier_from_token: Qwen3-Reranker)."""
         return self.classifier_token_ids is not None
+
+    @property
+    def is_classifier(self) -> bool:
+        """A sequence classifier (Qwen3ForSequenceClassification): its score head's logits."""
+        return self.activation is not None
 
     @classmethod
     def resolve(cls, folder: str, given: "PoolerConfig | dict | None",
-                classifier_from_token: tuple[str, ...] | None = None) -> "PoolerConfig":
+                classifier_from_token: tuple[str, ...] | None = None,
+                activation: str | None = None) -> "PoolerConfig":
         """The engine's pooler: the fields `given` sets (EngineConfig.pooler_config, vLLM's
         --pooler-config), then the checkpoint's Sentence Transformers modules, then embed's
         defaults, LAST and normalised (vLLM's for a causal LM run as an embedding model); a
-        cross-encoder's classifier tokens as the checkpoint's tokenizer numbers them."""
+        cross-encoder's classifier tokens as the checkpoint's tokenizer numbers them; a sequence
+        classifier's activation (classifier_activation), LAST by default as transformers pools it."""
         if classifier_from_token:
             given = (dataclasses.asdict(given) if isinstance(given, PoolerConfig) else dict(given or {})) | {
                 "classifier_token_ids": classifier_token_ids(folder, classifier_from_token)}
         if isinstance(given, PoolerConfig):
-            return given
+            return dataclasses.replace(given, activation=activation)     # whether it classifies is the checkpoint's
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"pooler_config must be a dict of pooling_type and normalize, got {given!r}")
-        unknown = set(given or {}) - {"pooling_type", "normalize", "classifier_token_ids"}
+        unknown = set(given or {}) - {"pooling_type", "normalize", "classifier_token_ids", "use_activation"}
         if unknown:
-            raise ValueError(f"pooler_config: unknown fields {sorted(unknown)} (it takes pooling_type and normalize)")
+            raise ValueError(f"pooler_config: unknown fields {sorted(unknown)} (it takes pooling_type, normalize and, "
+                             "for a sequence classifier, use_activation)")
         given = dict(given or {})
+        if activation is not None and "normalize" in given:
+            raise ValueError("pooler_config: normalize is for an embedding model; a sequence classifier's outputs "
+                             "take use_activation")
+        if activation is None and "use_activation" in given:
+            raise ValueError("pooler_config: use_activation is for a sequence classifier "
+                             "(Qwen3ForSequenceClassification)")
         if isinstance(given.get("pooling_type"), str):
             given["pooling_type"] = given["pooling_type"].upper()      # vLLM's names are upper case
+        if activation is not None:
+            given["activation"] = activation
         try:
-            cls(**given)                        # its own fields first, so that an error names the right source
+            config = cls(**given)               # its own fields first, so that an error names the right source
         except ValueError as e:
             raise ValueError(f"pooler_config: {e}") from None
+        if activation is not None:
+            return config       # a classifier pools as transformers does (its last token), whatever modules.json says
         try:
             return cls(**(sentence_transformers_pooling(folder) | given))
         except ValueError as e:

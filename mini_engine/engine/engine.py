@@ -14,7 +14,7 @@ from mini_engine.engine.block_manager import BlockManager
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from mini_engine.layers.pooler import chunk_chain, classifier_probabilities, finish_embedding
+from mini_engine.layers.pooler import chunk_chain, finish_pooled
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
@@ -495,10 +495,7 @@ class LLMEngine:
             if end < seq.num_prompt_tokens:
                 continue
             pooled = share if seq.pooling_type == "LAST" else chunk_chain(seq.pooled_shares, end) / end
-            if self.config.pooler.is_cross_encoder:
-                seq.embedding = classifier_probabilities(pooled)
-            else:
-                seq.embedding = finish_embedding(pooled, seq.pooling_params, self.config.pooler.normalize)
+            seq.embedding = finish_pooled(pooled, seq.pooling_params, self.config.pooler)
             seq.pooled_shares = {}
             self.end(seq, "stop")
             outputs.append(StepOutput(seq, [], True))

@@ -1,17 +1,37 @@
-"""An embedding model's pooling (runner "pooling"): a prompt's final hidden states into one vector.
+"""A pooling model's pooling (runner "pooling"): a prompt's final hidden states into one vector, an
+embedding or a sequence classifier's logits.
 
 A prompt may run in several chunks (chunked prefill), so pooling is done in two halves. On the
 device, each step gives every row that pools one fp32 vector, its chunk's share: under LAST the
 hidden state of the prompt's last token (only its last chunk pools), under MEAN the sum over the
 chunk's tokens. On the host the engine keeps each share by its chunk's start, and once the
 prompt's last chunk is in, combines them (chunk_chain), cuts a Matryoshka model's vector and
-normalises it (finish_embedding). A preempted prompt is computed again, possibly in other chunks:
-its new shares replace the old ones at the same starts, and the walk from position 0 follows the
-new chunks' ends, so an old share is never counted."""
+normalises it (finish_embedding). A sequence classifier's rows go through its score head on the
+device (ClassificationHead: linear and without a bias, so a MEAN's chunk shares of logits sum as
+their states would), and the host applies the activation (finish_classification). A preempted
+prompt is computed again, possibly in other chunks: its new shares replace the old ones at the
+same starts, and the walk from position 0 follows the new chunks' ends, so an old share is never
+counted."""
 import numpy as np
 import torch
+from torch import nn
 
-from mini_engine.pooling_params import PoolingParams
+from mini_engine.pooling_params import PoolerConfig, PoolingParams
+
+
+class ClassificationHead(nn.Module):
+    """transformers' `score` of a *ForSequenceClassification model: Linear(hidden, num_labels),
+    no bias, loaded from the checkpoint's score.weight. Every tensor-parallel rank holds all of it
+    (num_labels x hidden: a few kB), as the pooled states it reads are whole on every rank."""
+
+    def __init__(self, hidden_size: int, num_labels: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] fp32 pooled states -> [rows, num_labels] fp32 logits: in fp32 whatever the
+        model's dtype, as vLLM's pooler heads run by default (head_dtype)."""
+        return pooled.float() @ self.weight.float().t()
 
 
 def pooled_token_indices(chunks: list[tuple[int, int, str]]) -> tuple[np.ndarray, np.ndarray]:
@@ -57,6 +77,30 @@ def classifier_probabilities(logits: np.ndarray) -> list[float]:
     Qwen3-Reranker's ("no", "yes"), the second is the score."""
     shifted = np.exp(logits.astype(np.float64) - logits.max())
     return (shifted / shifted.sum()).tolist()
+
+
+def finish_classification(logits: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> list[float]:
+    """A sequence classifier's output from its logits: through the pooler's activation (softmax,
+    sigmoid or none) where the request asks for it (use_activation, else the pooler's default);
+    computed in float64."""
+    use_activation = pooler.use_activation if params.use_activation is None else params.use_activation
+    logits = logits.astype(np.float64)
+    if not use_activation or pooler.activation == "identity":
+        return logits.tolist()
+    if pooler.activation == "sigmoid":
+        return np.exp(-np.logaddexp(0.0, -logits)).tolist()        # 1 / (1 + e^-x), with no overflow
+    shifted = np.exp(logits - logits.max())
+    return (shifted / shifted.sum()).tolist()
+
+
+def finish_pooled(pooled: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> list[float]:
+    """A request's output from its pooled vector: a cross-encoder's classifier-token
+    probabilities, a sequence classifier's (activated) logits, or an embedding."""
+    if pooler.is_cross_encoder:
+        return classifier_probabilities(pooled)
+    if pooler.is_classifier:
+        return finish_classification(pooled, params, pooler)
+    return finish_embedding(pooled, params, pooler.normalize)
 
 
 def finish_embedding(pooled: np.ndarray, params: PoolingParams, default_normalize: bool) -> list[float]:

@@ -67,7 +67,9 @@ def load_model(model: nn.Module, path: str) -> None:
                 expected = checkpoint_shape(model, name, shard)
                 if tuple(tensor.shape) != expected:
                     raise ValueError(f"{file}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {expected}")
+                                     f"expected {expected}" + (f" (config.json's id2label or num_labels: "
+                                                               f"{model.config.num_labels} labels)"
+                                                               if name == "score.weight" else ""))
                 if (param.dtype == FP8) != (tensor.dtype == FP8):   # a cast would drop (or skip) the scales
                     raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
                                      + ("float8_e4m3fn (config.json's quantization_config says fp8)"
@@ -80,6 +82,9 @@ def load_model(model: nn.Module, path: str) -> None:
                         module.load_shard(param, tensor, shard)
                 loaded.add((name, shard or 0))
     missing = sorted(needed - loaded)
+    if ("score.weight", 0) in missing:
+        raise ValueError(f"{path}: config.json says this is a sequence classifier (Qwen3ForSequenceClassification), "
+                         "but the checkpoint has no score.weight, its classification head")
     if missing:
         names = [untranslate(model, name, shard) for name, shard in missing]
         raise ValueError(f"{path}: checkpoint is missing tensors {names[:8]}" + (" ..." if len(names) > 8 else ""))
@@ -187,7 +192,7 @@ def untranslate(model: nn.Module, name: str, shard: int) -> str:
             break
     for old, new in model.renames(name).items():
         name = name.replace(new, old)
-    return name if name.startswith("lm_head") else "model." + name
+    return name if name.startswith(("lm_head", "score")) else "model." + name
 
 
 def module_of(model: nn.Module, param_name: str) -> nn.Module:

@@ -13,6 +13,7 @@ from mini_engine.layers.layernorm import RMSNorm
 from mini_engine.layers.linear import Linear, NormedPackedLinear, RowParallelLinear
 from mini_engine.layers.lora import LoRAStep
 from mini_engine.layers.moe import Qwen3SparseMoeBlock
+from mini_engine.layers.pooler import ClassificationHead
 from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
 
@@ -89,7 +90,8 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, kernels: frozenset[str] = frozenset(), tp: TensorParallel = TensorParallel(),
                  lm_head: bool = True):
         """lm_head False: an embedding model's (runner "pooling"), whose output is the final hidden
-        states; a checkpoint's lm_head.weight is then not loaded (Qwen3-Embedding has none)."""
+        states; a checkpoint's lm_head.weight is then not loaded (Qwen3-Embedding has none). A
+        sequence classifier (config.num_labels) has a `score` head instead, which the pooler applies."""
         super().__init__()
         self.config = config
         self.tp = tp
@@ -104,6 +106,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp) if lm_head else None
         if lm_head and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.score = ClassificationHead(config.hidden_size, config.num_labels) if config.num_labels else None
         self.lora_step: LoRAStep | None = None             # with enable_lora (enable_lora())
 
     def renames(self, name: str) -> dict[str, str]:

@@ -629,14 +629,17 @@ class ModelRunner:
     def pool(self, rows: list[BatchRow], hidden: torch.Tensor) -> torch.Tensor:
         """The pooling rows' shares of their prompts' vectors, [pooling rows, hidden] fp32, in row
         order (layers/pooler.py): rows lie in order, each len(token_ids) tokens. A cross-encoder's
-        rows (LAST: each its prompt's last token) give the classifier tokens' logits instead."""
+        rows (LAST: each its prompt's last token) give the classifier tokens' logits instead, and a
+        sequence classifier's its score head's, [pooling rows, num_labels]."""
         starts = np.cumsum([0] + [len(r.token_ids) for r in rows])
         chunks = [(start, len(r.token_ids), r.pooling) for r, start in zip(rows, starts) if r.pooling is not None]
         ints = self.to_device(np.stack(pooled_token_indices(chunks)), torch.int64)
         if self.classifier_token_ids is not None:
             logits = self.model.compute_logits(hidden[ints[0]])
             return logits[:, list(self.classifier_token_ids)].float()
-        return pool_chunks(hidden, ints[0], ints[1], len(chunks))
+        pooled = pool_chunks(hidden, ints[0], ints[1], len(chunks))
+        # A sequence classifier's rows: their shares' logits (its head is linear, so MEAN's shares still sum).
+        return pooled if self.model.score is None else self.model.score(pooled)
 
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:

@@ -34,8 +34,9 @@ from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.lora_modules import LoRAModulePath, LoRAModules, runtime_updating_allowed
 from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
-from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
-                                         DetokenizeRequest, EmbeddingRequest, LoadLoRAAdapterRequest, ProtocolError,
+from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ClassificationRequest,
+                                         CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                         LoadLoRAAdapterRequest, ProtocolError,
                                          RerankRequest, SamplingRequest, ScoreRequest, TokenizeRequest,
                                          UnloadLoRAAdapterRequest, completion_body, error_body, model_card,
                                          random_id, usage)
@@ -713,6 +714,11 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request):
         return await pooling.embeddings(req, raw)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(req: ClassificationRequest, raw: Request):
+        return await pooling.classify(req, raw)
 
     @app.post("/score")
     @app.post("/v1/score")

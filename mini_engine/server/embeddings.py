@@ -1,7 +1,8 @@
 """The endpoints of a server whose engine is a pooling model (--runner pooling): OpenAI's
-/v1/embeddings, and vLLM's /score and /rerank, which score texts against texts: an embedding
-model by the cosine similarity of their embeddings (as vLLM's score API does for one), a
-cross-encoder (classifier_from_token: Qwen3-Reranker) by its score of each pair read as one
+/v1/embeddings, vLLM's /classify (a sequence classifier's labels' probabilities), and vLLM's /score
+and /rerank, which score texts against texts: an embedding model by the cosine similarity of their
+embeddings (as vLLM's score API does for one), a cross-encoder (classifier_from_token:
+Qwen3-Reranker, or a sequence classifier of one label) by its score of each pair read as one
 prompt. Each request's prompts run as one batch of engine requests; a client that leaves has them
 aborted."""
 import base64
@@ -14,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from mini_engine.layers.pooler import cosine_similarity
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.tokenizer import encode_pair
-from mini_engine.server.protocol import (EmbeddingRequest, ProtocolError, RerankRequest, ScoreRequest, error_body,
-                                         random_id)
+from mini_engine.server.protocol import (ClassificationRequest, EmbeddingRequest, ProtocolError, RerankRequest,
+                                         ScoreRequest, error_body, random_id)
 
 
 def encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
@@ -39,8 +40,11 @@ class PoolingEndpoints:
         server = self.server
         server.check_model(model)
         if server.config.runner != "pooling":
+            model = ("a sequence classifier's checkpoint, Qwen3ForSequenceClassification, for which the default "
+                     "--runner auto picks it" if runner_needed_by == "/classify" else
+                     "an embedding model, such as Qwen3-Embedding")
             raise ProtocolError(f"this server runs a generative model: {runner_needed_by} needs a server started "
-                                "with --runner pooling (an embedding model, such as Qwen3-Embedding)")
+                                f"with --runner pooling ({model})")
         server.check_priority(priority)
         try:
             return PoolingParams(**fields)
@@ -48,8 +52,22 @@ class PoolingEndpoints:
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 
     @property
+    def classifier(self) -> bool:
+        """A sequence classifier (Qwen3ForSequenceClassification): /classify, and /score and /rerank with one label."""
+        return self.server.config.pooler.is_classifier
+
+    @property
     def cross_encoder(self) -> bool:
-        return self.server.config.pooler.is_cross_encoder
+        """Whether /score and /rerank read each pair as one prompt (a cross-encoder's, or a
+        classifier's of one label) rather than compare two embeddings."""
+        return self.server.config.pooler.is_cross_encoder or self.classifier
+
+    def check_scores_pairs(self, endpoint: str) -> None:
+        """As vLLM's: a classifier scores pairs only where it has one label."""
+        num_labels = self.server.config.model_config.num_labels
+        if self.classifier and num_labels != 1:
+            raise ProtocolError(f"{endpoint} needs a classifier of one label (num_labels == 1, as vLLM's Score API); "
+                                f"this one has {num_labels}: /classify")
 
     def prompts(self, inputs: list[tuple[str, str | list[int]]], add_special_tokens: bool = True) -> list[list[int]]:
         """The inputs, (name for errors, text or token ids), as token ids."""
@@ -83,6 +101,9 @@ class PoolingEndpoints:
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
         params = self.params("/v1/embeddings", req.model, req.priority, dimensions=req.dimensions,
                              normalize=req.normalize, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        if self.classifier:
+            raise ProtocolError("this server runs a sequence classifier (Qwen3ForSequenceClassification), not an "
+                                "embedding model: /classify")
         if self.cross_encoder:
             raise ProtocolError("this server runs a cross-encoder (classifier_from_token): it scores pairs, "
                                 "/score and /rerank")
@@ -100,6 +121,7 @@ class PoolingEndpoints:
 
     async def score(self, req: ScoreRequest, raw: Request) -> Response:
         params = self.params("/score", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        self.check_scores_pairs("/score")
         first, second = self.server.prompt_list(req.text_1), self.server.prompt_list(req.text_2)
         if len(first) != 1 and len(first) != len(second):
             raise ProtocolError(f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or "
@@ -120,7 +142,8 @@ class PoolingEndpoints:
 
     def scores(self, outputs: list[list[float]], num_first: int) -> list[float]:
         """Each pair's score: a cross-encoder's outputs are its pairs' classifier probabilities (the
-        score the last); an embedding model's, the first texts' embeddings then the second's."""
+        score the last; a classifier's one label's sigmoid); an embedding model's, the first texts'
+        embeddings then the second's."""
         if self.cross_encoder:
             return [probabilities[-1] for probabilities in outputs]
         left, right = outputs[:num_first], outputs[num_first:]
@@ -128,6 +151,7 @@ class PoolingEndpoints:
 
     async def rerank(self, req: RerankRequest, raw: Request) -> Response:
         params = self.params("/rerank", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        self.check_scores_pairs("/rerank")
         if not req.documents:
             raise ProtocolError("documents is empty", param="documents")
         if req.top_n < 0:
@@ -147,3 +171,26 @@ class PoolingEndpoints:
             return {"id": request_id, "model": self.server.model_name, "usage": {"total_tokens": num_tokens},
                     "results": results}
         return await self.embed(raw, request_id, prompts, params, req.priority, respond)
+
+    async def classify(self, req: ClassificationRequest, raw: Request) -> Response:
+        """vLLM's /classify: each input's probabilities (its raw logits with use_activation false),
+        and the name (config.json's id2label) of the likeliest label, as vLLM labels it."""
+        params = self.params("/classify", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens,
+                             use_activation=req.use_activation)
+        if not self.classifier:
+            raise ProtocolError("/classify needs a sequence classifier (config.json's architectures "
+                                "Qwen3ForSequenceClassification); this server runs "
+                                + ("a cross-encoder (classifier_from_token): /score and /rerank"
+                                   if self.cross_encoder else "an embedding model: /v1/embeddings"))
+        texts = self.server.prompt_list(req.input)
+        names = [f"input {i}" if len(texts) > 1 else "input" for i in range(len(texts))]
+        labels = self.server.config.model_config.labels
+        request_id = random_id("classify")
+
+        def respond(outputs: list[list[float]], num_tokens: int) -> dict:
+            data = [{"index": i, "label": labels[int(np.argmax(probs))], "probs": probs, "num_classes": len(probs)}
+                    for i, probs in enumerate(outputs)]
+            return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
+                    "data": data, "usage": usage(num_tokens)}
+        return await self.embed(raw, request_id, self.prompts(list(zip(names, texts)), req.add_special_tokens),
+                                params, req.priority, respond)

@@ -221,6 +221,19 @@ class EmbeddingRequest(BaseModel):
     priority: int = 0                           # extension (vLLM's): with --scheduling-policy priority
 
 
+class ClassificationRequest(BaseModel):
+    """vLLM's /classify, for a server of a sequence classifier (Qwen3ForSequenceClassification):
+    each input's labels' probabilities, and its likeliest label's name."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None   # classify the last k tokens (-1: max_model_len)
+    use_activation: bool | None = None          # False: the raw logits; None, as the server's pooler says
+    add_special_tokens: bool = True             # vLLM's, as /v1/embeddings'
+    user: str | None = None                     # accepted and ignored
+    priority: int = 0                           # with --scheduling-policy priority
+
+
 class ScoreRequest(BaseModel):
     """vLLM's /score for an embedding model: the cosine similarity of text_1's embedding and each of
     text_2's (one text_1 against every text_2, or pairs of two lists of one length)."""
