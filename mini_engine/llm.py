@@ -122,7 +122,7 @@ class LLM:
         is scheduled first. lora_request (vLLM's, with enable_lora): the LoRA adapter every prompt
         runs with, or one for each prompt (None: the base model)."""
         if self.engine.config.runner == "pooling":
-            raise ValueError("this LLM runs an embedding model (runner='pooling'): use LLM.embed; generation needs "
+            raise ValueError(f"this LLM runs {self.pooling_model_kind()} (runner='pooling'); generation needs "
                              "runner='generate'")
         prompts = self.prompt_list(prompts)
         if sampling_params is None:
@@ -160,7 +160,8 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if self.engine.config.runner == "pooling":
-            raise ValueError("this LLM runs an embedding model (runner='pooling'): beam search needs runner='generate'")
+            raise ValueError(f"this LLM runs {self.pooling_model_kind()} (runner='pooling'); beam search needs "
+                             "runner='generate'")
         max_logprobs = self.engine.config.max_logprobs
         if params.num_candidates > max_logprobs:
             raise ValueError(f"beam_width={params.beam_width} asks for {params.num_candidates} candidate tokens a step "
@@ -296,6 +297,15 @@ class LLM:
                for p in pooling_params]
         return [PoolingRequestOutput(out.request_id, out.prompt_token_ids, PoolingOutput(out.outputs.embedding))
                 for out in self.pool(prompts, raw, use_tqdm, truncate_prompt_tokens, "classify", "Rewarding")]
+
+    def pooling_model_kind(self) -> str:
+        """What a pooling model is, and what it answers."""
+        pooler = self.engine.config.pooler
+        if pooler.is_classifier:
+            return "a sequence classifier: use LLM.classify (or LLM.reward)"
+        if pooler.is_cross_encoder:
+            return "a cross-encoder: use LLM.score"
+        return "an embedding model: use LLM.embed"
 
     def check_classifier(self, method: str) -> None:
         """A ValueError where this LLM's model is not a sequence classifier, saying what it is."""

@@ -244,6 +244,8 @@ def test_what_a_classifier_refuses(three_labels, one_label, tokenized_model):
         assert_blocks_free(llm)
     close(llm.classify(prompts[1], use_tqdm=False)[0].outputs.probs,
           hf_logits(three_labels, [prompts[1]])[0].softmax(-1))
+    with pytest.raises(ValueError, match="sequence classifier: use LLM.classify"):     # says what it can do
+        llm.generate(prompts, use_tqdm=False)
     generating = LLM(tokenized_model, device="cpu")
     embedding = LLM(tokenized_model, device="cpu", runner="pooling")
     for other, what in [(generating, "generative model"), (embedding, "embedding model")]:
