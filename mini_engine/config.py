@@ -78,11 +78,13 @@ class ModelConfig:
         model_type = raw.get("model_type")
         classifier = any(arch in SEQUENCE_CLASSIFIERS for arch in archs)
         moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs or "Qwen3MoeForSequenceClassification" in archs
-        if not moe and model_type != "qwen3" and "Qwen3ForCausalLM" not in archs and not classifier:
+        # A Qwen3 with another head (Qwen3ForTokenClassification, ...ForQuestionAnswering) is named
+        # here, not at its first unexpected tensor.
+        other_heads = [arch for arch in archs if arch not in IMPLEMENTED_ARCHITECTURES]
+        if other_heads or (not moe and model_type != "qwen3" and "Qwen3ForCausalLM" not in archs and not classifier):
             raise ValueError(
                 f"config.json: unsupported architecture (model_type={model_type!r}, "
-                f"architectures={archs!r}); mini_engine implements Qwen3ForCausalLM and Qwen3MoeForCausalLM, "
-                f"and {' and '.join(SEQUENCE_CLASSIFIERS)}")
+                f"architectures={archs!r}); mini_engine implements {', '.join(IMPLEMENTED_ARCHITECTURES)}")
         rope_scaling = parse_rope_scaling(raw)
         _, params = rope_parameters(raw)
         quantization = parse_quantization_config(raw.get("quantization_config"))
@@ -148,6 +150,10 @@ class ModelConfig:
 
 # transformers' sequence classifiers over the Qwen3 decoders: the decoder, then `score` at the last token.
 SEQUENCE_CLASSIFIERS = ("Qwen3ForSequenceClassification", "Qwen3MoeForSequenceClassification")
+# config.json's architectures this engine runs (Qwen3Model: the bare decoder an embedding
+# checkpoint, Qwen3-Embedding's layout, may name).
+IMPLEMENTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model", "Qwen3MoeModel",
+                             *SEQUENCE_CLASSIFIERS)
 
 
 def classifier_fields(raw: dict) -> dict:

@@ -172,6 +172,10 @@ def test_malformed_checkpoints(tiny_checkpoint, tmp_path):
     (llama / "config.json").write_text(json.dumps(config | {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="architecture"):
         LLM(str(llama), device="cpu", num_kv_blocks=8)
+    # A Qwen3 with a head this engine does not run: named by config.json, before any tensor is read.
+    (llama / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForTokenClassification"]}))
+    with pytest.raises(ValueError, match="unsupported architecture.*Qwen3ForTokenClassification"):
+        LLM(str(llama), device="cpu", num_kv_blocks=8)
 
     scaled = copy_checkpoint(tiny_checkpoint, tmp_path / "scaled")
     (scaled / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
