@@ -13,16 +13,33 @@ be the start of a stop string that the next token completes. As in vLLM, none is
 output has more than min_tokens tokens, and then only one that the newest text completes; with
 include_stop (vLLM's include_stop_str_in_output) the text keeps the matched string, and the stop
 token's text, and nothing is held back.
+
+skip_special_tokens (vLLM's, on by default) leaves the tokenizer's special tokens out of the text.
+The `tokenizers` library drops them before it decodes, so the bytes of one character on either side
+of one still join (kept, it splits them into two U+FFFD); either way the windowed text is the one
+decode of every token with the same flag. vLLM's
+spaces_between_special_tokens has no counterpart: `tokenizers`' decode has no such option and writes
+each added token as its own content with nothing around it; transformers' fast tokenizers ignore
+the option (PreTrainedTokenizerFast's decode passes only skip_special_tokens on); and vLLM's fast
+detokenizer, with it off, swaps in an added token's own content, which DecodeStream already gives.
+Only transformers' slow (Python) tokenizers put spaces around added tokens, and this engine reads
+tokenizer.json alone. So the text is the same either way, as vLLM's is for Qwen3.
 """
+from typing import TYPE_CHECKING
+
 from tokenizers import Tokenizer
+
+if TYPE_CHECKING:
+    from mini_engine.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, min_tokens: int = 0,
-                 include_stop: bool = False):
-        self.tokenizer = tokenizer
+                 include_stop: bool = False, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer          # None: no text (no checkpoint tokenizer, or detokenize=False)
+        self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.min_tokens = min_tokens
         self.include_stop = include_stop
@@ -34,8 +51,16 @@ class IncrementalDetokenizer:
         self.num_sent = 0           # characters of self.text already returned
         self.stopped = False        # a stop string matched
 
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer | None, params: "SamplingParams") -> "IncrementalDetokenizer":
+        """The text a request's SamplingParams ask for: none at all with detokenize=False."""
+        return cls(tokenizer if params.detokenize else None, params.stop, params.min_tokens,
+                   params.include_stop_str_in_output, params.skip_special_tokens)
+
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int], finished: bool, stop_token: bool = False) -> str:
         """Adds tokens; returns the text that may now be sent. After a stop string matched,

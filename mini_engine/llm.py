@@ -434,8 +434,7 @@ class LLM:
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if isinstance(params, SamplingParams) and params.stop:
-                stoppers[seq.request_id] = IncrementalDetokenizer(engine.tokenizer, params.stop, params.min_tokens,
-                                                                  params.include_stop_str_in_output)
+                stoppers[seq.request_id] = IncrementalDetokenizer.for_request(engine.tokenizer, params)
             cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks, seq.cache_root)
             if seq.computes_whole_prompt:       # the cache serves it nothing (prompt_logprobs, a MEAN embedding)
                 cost = len(ids)
@@ -486,10 +485,10 @@ class LLM:
     def to_completion(self, index: int, seq: Sequence, stopper: IncrementalDetokenizer | None) -> CompletionOutput:
         # The text ends before the stop string or stop token (after it, with
         # include_stop_str_in_output); the token ids keep the token that completed it. Without a
-        # stopper the engine's stop token is the only "stop", and one decode gives the text.
+        # stopper the engine's stop token is the only "stop", and one decode gives the text (as
+        # skip_special_tokens says; none with detokenize=False).
         if stopper is None:
-            stopper = IncrementalDetokenizer(self.engine.tokenizer,
-                                             include_stop=seq.sampling_params.include_stop_str_in_output)
+            stopper = IncrementalDetokenizer.for_request(self.engine.tokenizer, seq.sampling_params)
             stopper.update(seq.output_token_ids, finished=True, stop_token=seq.ended_on_stop_token)
         text = stopper.text
         logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None

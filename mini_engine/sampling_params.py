@@ -59,6 +59,23 @@ class SamplingParams:
     # vLLM's: words the output may not contain (as the tokenizer writes them, alone or after a
     # space: engine/bad_words.py).
     bad_words: list[str] | None = None
+    # vLLM's text options. detokenize=False: no text at all (empty strings, token ids only), and
+    # so no stop strings, which are matched on the text.
+    detokenize: bool = True
+    # The tokenizer's special tokens (added tokens marked special: <|im_end|>, <|endoftext|>) left
+    # out of the text. Qwen3's <think> and </think> are added tokens but not special: they stay.
+    skip_special_tokens: bool = True
+    # Accepted as vLLM's, and changes nothing with a tokenizer.json tokenizer (detokenizer.py says why).
+    spaces_between_special_tokens: bool = True
+    # vLLM's: only the prompt's last k tokens (-1: the last max_model_len) are generated from, and
+    # are the output's prompt_token_ids; None keeps the prompt whole.
+    truncate_prompt_tokens: int | None = None
+    # vLLM's: arguments for custom sampling code and plugins, which nothing in vLLM's tree reads,
+    # nor here: accepted and ignored.
+    extra_args: dict | None = None
+    # vLLM's field, which its V1 engine refuses for a request, and so does this one: callables on
+    # each step's logits, which would take every row off the device (and out of the CUDA graph).
+    logits_processors: list | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
@@ -124,6 +141,18 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields) or None, "
                              f"got {self.structured_outputs!r}")
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched on the text, which detokenize=False leaves out: set "
+                             "detokenize=True to use stop")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
+        if self.logits_processors:
+            raise ValueError("logits_processors are not supported per request (nor by vLLM's V1 engine): "
+                             "allowed_token_ids, logit_bias, bad_words and structured_outputs change the logits")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.n > 1 and self.temperature == 0:
@@ -145,6 +174,13 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Does a penalty change this request's logits (so the sampler needs its tokens so far)?"""
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+
+def check_truncate_prompt_tokens(k) -> None:
+    """A ValueError unless k is None, -1 (max_model_len) or an integer >= 1 (vLLM's range); whether
+    it exceeds max_model_len is the engine's to say (RequestLimits)."""
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1)):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), got {k!r}")
 
 
 def _is_number(value) -> bool:

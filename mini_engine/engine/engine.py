@@ -130,9 +130,10 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None) -> list[int]:
         """An embedding engine's text gets the tokenizer's special tokens (Qwen3-Embedding's
         <|endoftext|>, whose state it pools), as vLLM's embedding path adds them; a request's
-        truncate_prompt_tokens keeps the prompt's last tokens."""
+        truncate_prompt_tokens (PoolingParams' or SamplingParams') keeps the prompt's last tokens,
+        before the request is validated."""
         ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=self.config.runner == "pooling")
-        return truncate_prompt(ids, params, self.config.max_model_len) if isinstance(params, PoolingParams) else ids
+        return ids if params is None else truncate_prompt(ids, params, self.config.max_model_len)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""

@@ -49,6 +49,7 @@ class RequestLimits:
             params.structured_outputs.check()
         n = len(prompt_token_ids)
         self.check_token_ids(prompt_token_ids)
+        self.check_truncation(params.truncate_prompt_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > min(self.max_logprobs, self.vocab_size):
@@ -79,6 +80,13 @@ class RequestLimits:
             raise ValueError(f"request needs {blocks} KV blocks but the pool holds {self.num_blocks}; "
                              "it could never run")
 
+    def check_truncation(self, truncate_prompt_tokens: int | None) -> None:
+        """As vLLM's: a cut longer than max_model_len (-1 is max_model_len itself) is refused, whatever
+        the prompt's length, since it would not cut a prompt down to what the engine can run."""
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+
     def check_token_ids(self, prompt_token_ids: list[int]) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty")
@@ -98,9 +106,7 @@ class RequestLimits:
             raise TypeError(f"pooling params must be PoolingParams, got {type(params).__name__}")
         self.check_token_ids(prompt_token_ids)
         n = len(prompt_token_ids)
-        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens={params.truncate_prompt_tokens} exceeds "
-                             f"max_model_len={self.max_model_len}")
+        self.check_truncation(params.truncate_prompt_tokens)
         if n > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens exceeds max_model_len={self.max_model_len} "
                              "(truncate_prompt_tokens keeps its last tokens)")

@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mini_engine.chat_template import ChatTemplate, template_message
 from mini_engine.config import EngineConfig
 from mini_engine.lora import LoRARequest
-from mini_engine.pooling_params import PoolingParams
-from mini_engine.sampling_params import SamplingParams
+from mini_engine.pooling_params import PoolingParams, truncate_prompt
+from mini_engine.sampling_params import SamplingParams, check_truncate_prompt_tokens
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.beam_search_endpoint import BeamSearchEndpoint
 from mini_engine.server.constraints import forced_tool, structured_outputs
@@ -254,6 +254,9 @@ class OpenAIServer:
                 max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
                 stop=req.stop_list, seed=req.seed, logprobs=logprobs, n=1 if req.n is None else req.n,
                 min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                 prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
                 structured_outputs=constraint, **set_by_client)
@@ -272,6 +275,16 @@ class OpenAIServer:
             return encode_prompt(self.tokenizer, prompt, add_special_tokens)
         except ValueError as e:
             raise ProtocolError(f"{where}: {e}" if where != param else str(e), param=param) from None
+
+    def truncated(self, prompts: list[list[int]], req: SamplingRequest) -> list[list[int]]:
+        """Each prompt's last req.truncate_prompt_tokens tokens (vLLM's; -1: max_model_len), cut here,
+        before anything counts them: a chat's default max_tokens, usage's prompt_tokens, echo."""
+        try:
+            check_truncate_prompt_tokens(req.truncate_prompt_tokens)
+            self.async_engine.limits.check_truncation(req.truncate_prompt_tokens)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="truncate_prompt_tokens") from None
+        return [truncate_prompt(ids, req, self.config.max_model_len) for ids in prompts]
 
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams,
             priority: int = 0, lora_request: LoRARequest | None = None) -> list[RequestStream]:
@@ -561,14 +574,18 @@ class OpenAIServer:
             raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         inputs = self.prompt_list(req.prompt)
         several = len(inputs) > 1
-        prompts = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
+        whole = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
+        prompts = self.truncated(whole, req)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         if req.use_beam_search:         # n is the beam width, its n best beams the choices
             return await self.beam_search.respond(raw, req, Prompts(prompts, 1 if req.n is None else req.n),
                                                   max_tokens, "max_tokens", lora_request)
         echoes = None
         if req.echo:
-            echoes = [self.echo(prompt, ids, max_tokens) for prompt, ids in zip(inputs, prompts)]
+            # A truncated prompt echoes the tokens kept, what the model saw (vLLM's echoes a text
+            # prompt whole, beside the kept tokens' logprobs).
+            echoes = [self.echo(prompt if len(ids) == len(all_ids) else ids, ids, max_tokens)
+                      for prompt, all_ids, ids in zip(inputs, whole, prompts)]
             if max_tokens == 0:     # one token is generated, and dropped
                 max_tokens = 1
         params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echoes else None)
@@ -634,6 +651,7 @@ class OpenAIServer:
         lora_request = self.check(req)
         self.check_tools(req)
         prompt, prompt_token_ids = self.render_chat(req)
+        [prompt_token_ids] = self.truncated([prompt_token_ids], req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self.remaining_tokens(prompt_token_ids)

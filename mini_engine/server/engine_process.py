@@ -137,8 +137,8 @@ class EngineLoop:
                                         lora_request=lora_request)
             except (ValueError, TypeError) as e:
                 return [(request_id, "", [], None, "error", 0, str(e), None, None)]
-            self.states[request_id] = RequestState(None if isinstance(params, PoolingParams) else IncrementalDetokenizer(
-                self.engine.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output))
+            self.states[request_id] = RequestState(None if isinstance(params, PoolingParams) else
+                                                   IncrementalDetokenizer.for_request(self.engine.tokenizer, params))
             return []
         if command[0] == "abort":
             request_id = command[1]

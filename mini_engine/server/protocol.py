@@ -69,6 +69,10 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)  # extension
     ignore_eos: bool = False            # extension
     include_stop_str_in_output: bool = False    # extension (vLLM's)
+    skip_special_tokens: bool = True            # extension (vLLM's, chat's default too): no <|im_end|> in the text
+    spaces_between_special_tokens: bool = True  # extension (vLLM's): no effect with tokenizer.json (detokenizer.py)
+    # extension (vLLM's): generate from the prompt's last k tokens (-1: max_model_len), which usage counts
+    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None          # extension (vLLM's; not with stream)
     allowed_token_ids: list[int] | None = None  # extension (vLLM's)
     bad_words: list[str] | None = None          # extension (vLLM's)
