@@ -422,8 +422,10 @@ def test_the_longest_sequence_validate_allows_is_max_sequence_tokens(max_model_l
         limits.validate([5] * 10, SamplingParams(max_tokens=longest - 9))
 
 
-def test_a_logit_bias_outside_the_vocabulary_is_rejected(tiny_checkpoint):
+def test_token_ids_outside_the_vocabulary_are_rejected(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="prompt 0: logit_bias names token id 256, outside the vocabulary"):
         llm.generate([[1, 2, 3]], SamplingParams(logit_bias={256: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: stop_token_ids names token id 256, outside the vocabulary"):
+        llm.generate([[1, 2, 3]], SamplingParams(stop_token_ids=[7, 256], min_tokens=2), use_tqdm=False)
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

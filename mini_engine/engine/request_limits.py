@@ -58,6 +58,10 @@ class RequestLimits:
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary of "
                              f"{self.vocab_size}")
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            # Never sampled, so never a stop; and min_tokens would ban an index past the logits.
+            raise ValueError(f"stop_token_ids names token id {max(params.stop_token_ids)}, outside the vocabulary "
+                             f"of {self.vocab_size}")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
             raise ValueError(f"allowed_token_ids names token id {max(params.allowed_token_ids)}, outside the "
                              f"vocabulary of {self.vocab_size}")
