@@ -160,6 +160,20 @@ def server(tiny_model, tmp_path_factory):
         yield handle
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """OpenAI's client for the session's server (a test file with a server of its own has its own)."""
+    with server.openai_client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    """The offline engine on the served checkpoint: what the server's outputs are compared with."""
+    from mini_engine import LLM
+    return LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS)
+
+
 @pytest.fixture
 def served(server):
     """The server, checked after the test: every KV block free, and still alive."""

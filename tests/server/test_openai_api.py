@@ -7,23 +7,12 @@ import re
 import httpx
 import pytest
 
-from mini_engine import LLM, SamplingParams
+from mini_engine import SamplingParams
 from mini_engine.chat_template import ChatTemplate
 from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, launched_server
 
 PROMPTS = ["Hello world", "Größe 你好 😀", [5, 17, 300, 42, 7]]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Straße? 你好 🚀"}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with server.openai_client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model):
-    return LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS)
 
 
 def reference(llm, prompt, **params):

@@ -5,24 +5,12 @@ refused with a 400 that names the field."""
 import httpx
 import pytest
 
-from mini_engine import LLM
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, NUM_KV_BLOCKS
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME
 from tests.server.test_detokenizer import byte_tokens
 from tests.server.test_openai_api import reference, stream_completion
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MESSAGES = [{"role": "user", "content": "Straße? 你好 🚀"}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with server.openai_client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model):
-    return LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS)
 
 
 @pytest.fixture(scope="module")
