@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="chat responses give Qwen3's <think> text apart, in `reasoning`, and "
                         "structured outputs hold only what follows it")
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                        help="chat responses give Hermes-style <tool_call> blocks (Qwen3's) as `tool_calls`")
+                        help="chat responses give the model's calls as `tool_calls`: hermes reads Qwen3's "
+                        "<tool_call> blocks of JSON, qwen3_coder Qwen3-Coder's <function=...> XML")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accept requests with tools (tool_choice \"auto\"); needs --tool-call-parser")
     # As vLLM's: adapters served under their names (the request's `model`), each read and checked

@@ -364,8 +364,9 @@ class OpenAIServer:
         forced = forced_tool(req)
         if not reasoning and not req.parses_tool_calls and forced is None:
             return None
-        return [ChatOutputParser(prompt, reasoning, req.parses_tool_calls, req.parallel_tool_calls is not False, forced)
-                for _ in range(params.n)]
+        tools = [tool.model_dump() for tool in req.tools or []]
+        return [ChatOutputParser(prompt, reasoning, req.parses_tool_calls, req.parallel_tool_calls is not False, forced,
+                                 self.parsers.tool_call_parser or "hermes", tools) for _ in range(params.n)]
 
     # ---- from the engine's deltas to OpenAI's responses ----
 

@@ -15,7 +15,7 @@ from mini_engine.reasoning import REASONING_PARSERS, THINK_END, THINK_START
 from mini_engine.server.protocol import random_id
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")  # qwen3_coder: Qwen3-Coder's XML-style calls (qwen3_coder_tool_parser.py)
 
 
 def not_json(constant: str):
@@ -220,15 +220,26 @@ class ForcedToolCallParser:
         return "", calls
 
 
+def auto_tool_call_parser(name: str, tools: list[dict] | None, parallel: bool):
+    """The parser that --tool-call-parser names, for a request's tool_choice "auto"."""
+    if name == "qwen3_coder":
+        from mini_engine.server.qwen3_coder_tool_parser import Qwen3CoderToolParser   # it imports this module
+        return Qwen3CoderToolParser(tools, parallel)
+    return ToolCallParser(parallel)
+
+
 class ChatOutputParser:
     """One completion's text through the reasoning parser (if on), then its content through the
-    tool call parser: Hermes-style calls where the request's tools are parsed (tool_calls), or
-    the calls structured outputs forced (forced_tool: a function's name, or "" for "required")."""
+    tool call parser: Hermes-style calls (or Qwen3-Coder's) where the request's tools are parsed
+    (tool_calls), or the calls structured outputs forced (forced_tool: a function's name, or "" for
+    "required")."""
 
     def __init__(self, prompt: str, reasoning: bool, tool_calls: bool, parallel_tool_calls: bool = True,
-                 forced_tool: str | None = None):
+                 forced_tool: str | None = None, tool_call_parser: str = "hermes", tools: list[dict] | None = None):
+        """tool_call_parser: --tool-call-parser's; tools: the request's, whose schemas type the
+        arguments of qwen3_coder's calls (forced calls are JSON whatever the parser)."""
         self.reasoning = ReasoningParser(prompt) if reasoning else None
-        self.tool_calls = ToolCallParser(parallel_tool_calls) if tool_calls else \
+        self.tool_calls = auto_tool_call_parser(tool_call_parser, tools, parallel_tool_calls) if tool_calls else \
             ForcedToolCallParser(forced_tool) if forced_tool is not None else None
         self.named_tool = bool(forced_tool)
 
