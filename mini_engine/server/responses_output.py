@@ -64,13 +64,21 @@ class ResponseOutput:
         return event
 
     def feed(self, parsed: ParsedText) -> list[dict]:
-        """The events of a piece of parsed text: its thought, its answer, then its calls."""
+        """The events of a piece of parsed text, in the order the model wrote them: the rest of a call
+        already open (its text came first: nothing else is written inside a call), its thought, its
+        answer, then its new calls."""
+        calls = parsed.tool_calls
+        ongoing = 0
+        while ongoing < len(calls) and calls[ongoing].continued:
+            ongoing += 1
         events = []
+        for call in calls[:ongoing]:
+            events += self.call(call)
         if parsed.reasoning:
             events += self.write("reasoning", parsed.reasoning)
         if parsed.content:
             events += self.write("message", parsed.content)
-        for call in parsed.tool_calls:
+        for call in calls[ongoing:]:
             events += self.call(call)
         return events
 

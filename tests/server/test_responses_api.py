@@ -463,6 +463,20 @@ def test_output_items_follow_the_order_of_the_text():
     assert output.items[1]["content"][0]["text"] == "AB" and output.items[2]["arguments"] == '{"a": 1}'
 
 
+def test_a_calls_end_and_the_text_after_it_in_one_delta():
+    """The last delta holds a call's last piece and then text (a parser that streams a call's
+    arguments in pieces, qwen3_coder's): the piece closes its call's item before the text opens a
+    message item, and no second function_call item is made of it."""
+    output = ResponseOutput()
+    for parsed in [ParsedText(content="Hi", tool_calls=[ToolCall(0, "f", '{"a": 1')]),
+                   ParsedText(content="\nDone.", tool_calls=[ToolCall(0, "f", "}", continued=True)])]:
+        output.feed(parsed)
+    output.finish("completed")
+    assert [(item["type"], item.get("arguments")) for item in output.items] == [
+        ("message", None), ("function_call", '{"a": 1}'), ("message", None)]
+    assert output.items[2]["content"][0]["text"] == "\nDone."
+
+
 # ---- LoRA adapters ----
 
 def test_an_adapters_response_is_its_chat_completion(tiny_model, tmp_path_factory):
