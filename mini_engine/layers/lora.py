@@ -21,7 +21,7 @@ the product 0-1 us at decode (7-13% at 16k tokens), where a shrink of its own to
 padding them to 64 or 128 rows changed nothing measurable (benchmarks/lora_sweep.py, NOTES entry 59)."""
 import torch
 
-from mini_engine.kernels.lora import lora_add_ref, lora_expand_ref, lora_mask
+from mini_engine.kernels.lora import lora_expand_ref, lora_mask
 
 
 class LoRAStep:
@@ -57,7 +57,7 @@ class LoRASlots:
         device, dtype = step.device, step.dtype
         self.a = torch.zeros(step.max_loras * self.width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(sum(output_sizes), step.max_loras * self.width, dtype=dtype, device=device)
-        self.joined: torch.Tensor | None = None       # [W; A_all; padding], once join_weight made it
+        self.joined: torch.Tensor | None = None       # [W; A_all], once join_weight made it
 
     def join_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Puts W [out, in] and A_all in one buffer, W's rows first; returns W's rows of it, a view
@@ -70,17 +70,16 @@ class LoRASlots:
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += each token's delta (x: the rows the projection read, out: its product); returns out."""
-        num_tokens = x.shape[0]
-        if self.step.use_triton:
-            from mini_engine.kernels.lora import lora_add
-            return lora_add(x, self.a, self.b, self.step.token_slots[:num_tokens], out, self.width)
-        return lora_add_ref(x, self.a, self.b, self.step.mask[:num_tokens], out)
+        return self.expand_into(x @ self.a.t(), out)
 
     def expand(self, joined_product: torch.Tensor) -> torch.Tensor:
         """With a joined weight: the product x [W; A_all]^T -> x W^T plus each token's delta
         (a view of joined_product's first out columns, which take the delta in place)."""
         out_features = self.b.shape[0]
-        out, shrunk = joined_product[:, :out_features], joined_product[:, out_features:]
+        return self.expand_into(joined_product[:, out_features:], joined_product[:, :out_features])
+
+    def expand_into(self, shrunk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += (shrunk * each token's slot mask) B_all^T: the "lora" kernel's one launch, or PyTorch's."""
         num_tokens = out.shape[0]
         if self.step.use_triton:
             from mini_engine.kernels.lora import lora_expand

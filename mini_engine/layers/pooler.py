@@ -89,8 +89,7 @@ def finish_classification(logits: np.ndarray, params: PoolingParams, pooler: Poo
         return logits.tolist()
     if pooler.activation == "sigmoid":
         return np.exp(-np.logaddexp(0.0, -logits)).tolist()        # 1 / (1 + e^-x), with no overflow
-    shifted = np.exp(logits - logits.max())
-    return (shifted / shifted.sum()).tolist()
+    return classifier_probabilities(logits)
 
 
 def finish_pooled(pooled: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> list[float]:

@@ -58,6 +58,12 @@ class LoRAAdapters:
             self.last_used[slot] = self.num_steps
         return [-1 if r.lora_request is None else self.slot_of[r.lora_request.lora_int_id] for r in rows]
 
+    def forget_slots(self) -> None:
+        """Every slot held by no adapter: each is loaded again at its next step (after a weight
+        update, whose norms its A has folded in, or a sleep that discarded the weights)."""
+        self.held = [None] * self.max_loras
+        self.slot_of.clear()
+
     def load(self, slot: int, request: LoRARequest) -> None:
         # In host memory (prepare): a read here only for a caller that drives the runner directly.
         adapter = self.cache.get(request)

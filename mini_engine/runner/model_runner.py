@@ -398,8 +398,7 @@ class ModelRunner:
         """With LoRA: the slots hold each adapter's A with the old norms folded in
         (NormedPackedLinear.lora_pair), so each is loaded again at its next step."""
         if self.lora is not None:
-            self.lora.held = [None] * self.lora.max_loras
-            self.lora.slot_of.clear()
+            self.lora.forget_slots()
 
     def sleep(self, level: int) -> None:
         """Gives back the device memory of the weights (level 1: copied to the host first; level 2:

@@ -38,8 +38,8 @@ from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Cl
                                          CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                          LoadLoRAAdapterRequest, ProtocolError,
                                          RerankRequest, SamplingRequest, ScoreRequest, TokenizeRequest,
-                                         UnloadLoRAAdapterRequest, completion_body, error_body, model_card,
-                                         random_id, usage)
+                                         UnloadLoRAAdapterRequest, completion_body, error_body, error_response,
+                                         model_card, random_id, usage)
 from mini_engine.server.responses import ResponsesEndpoint
 from mini_engine.server.responses_protocol import ResponsesRequest
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
@@ -54,11 +54,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # come from the checkpoint's generation_config.json where it sets them, else SamplingParams'.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "min_p")
-
-
-def error_response(message: str, status_code: int = 400, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code)
 
 
 @dataclasses.dataclass

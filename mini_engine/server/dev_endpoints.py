@@ -12,7 +12,7 @@ import os
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 
-from mini_engine.server.protocol import error_body
+from mini_engine.server.protocol import error_response
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
@@ -26,9 +26,9 @@ async def engine_call(call, *args) -> tuple[object, JSONResponse | None]:
     try:
         return await call(*args), None
     except ValueError as e:
-        return None, JSONResponse(error_body(str(e), 400), status_code=400)
+        return None, error_response(str(e), 400)
     except RuntimeError as e:
-        return None, JSONResponse(error_body(str(e), 409), status_code=409)
+        return None, error_response(str(e), 409)
 
 
 def add_dev_routes(app: FastAPI, async_engine) -> None:
@@ -38,15 +38,14 @@ def add_dev_routes(app: FastAPI, async_engine) -> None:
         if error is not None:
             return error
         if not reset:
-            return JSONResponse(error_body("the prefix cache was not reset: requests are running", 409),
-                                status_code=409)
+            return error_response("the prefix cache was not reset: requests are running", 409)
         return JSONResponse({"reset": True})
 
     @app.post("/sleep")
     async def sleep(level: int = 1):
         if level == 2:      # its weights would be gone for good: nothing here loads new ones
-            return JSONResponse(error_body("sleep level 2 discards the weights, and this server has no route that "
-                                           "loads new ones: use level 1", 400), status_code=400)
+            return error_response("sleep level 2 discards the weights, and this server has no route that "
+                                           "loads new ones: use level 1", 400)
         _, error = await engine_call(async_engine.sleep, level)
         return error or JSONResponse({"is_sleeping": True})
 

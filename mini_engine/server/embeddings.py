@@ -16,7 +16,7 @@ from mini_engine.layers.pooler import cosine_similarity
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.tokenizer import encode_pair
 from mini_engine.server.protocol import (ClassificationRequest, EmbeddingRequest, ProtocolError, RerankRequest,
-                                         ScoreRequest, error_body, random_id)
+                                         ScoreRequest, error_response, random_id)
 
 
 def encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
@@ -93,7 +93,7 @@ class PoolingEndpoints:
             for stream in streams:
                 async for delta in stream:
                     if delta.finish_reason == "error":
-                        return JSONResponse(error_body(delta.error or "the request failed", 500), status_code=500)
+                        return error_response(delta.error or "the request failed", 500)
                 vectors.append(delta.embedding)
             return JSONResponse(respond(vectors, sum(map(len, prompts))))
         return await server.unless_disconnected(raw, collect(), streams)

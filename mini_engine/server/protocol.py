@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOGPROBS = 20
@@ -25,6 +26,11 @@ class ProtocolError(ValueError):
 def error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict:
     kind = {404: "not_found_error"}.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code or status_code}}
+
+
+def error_response(message: str, status_code: int = 400, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code)
 
 
 def random_id(prefix: str) -> str:

@@ -26,7 +26,7 @@ from mini_engine.reasoning import THINK_END, THINK_START
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import RequestStream
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText
-from mini_engine.server.protocol import ProtocolError, error_body
+from mini_engine.server.protocol import ProtocolError, error_response
 from mini_engine.server.responses_output import ResponseOutput, count_reasoning_tokens, item_id
 from mini_engine.server.responses_protocol import (ResponsesRequest, append_items, chat_messages,
                                                    in_responses_terms)
@@ -210,7 +210,7 @@ class ResponsesEndpoint:
             last = event
         response = last["response"]
         if response["status"] == "failed":
-            return JSONResponse(error_body(response["error"]["message"], 500), status_code=500)
+            return error_response(response["error"]["message"], 500)
         return JSONResponse(response)
 
     def reasoning_tokens(self, parser: ChatOutputParser | None, items: list[dict], token_ids: list[int]) -> int:
