@@ -387,7 +387,8 @@ def test_a_named_tool_choice_streams_its_arguments(qwen3_server, qwen3):
     """Structured outputs hold the output to the function's parameters (reasoning effort "none"
     closes the thought in the prompt): the arguments stream into one function_call item."""
     unit = {"type": "function", "name": "set_unit", "parameters": UNIT_TOOL["function"]["parameters"]}
-    body = {"model": MODEL_NAME, "input": "Unit?", "tools": [unit], "max_output_tokens": 80,
+    # Greedy: the streamed call and the whole one below are compared, which sampling would part.
+    body = {"model": MODEL_NAME, "input": "Unit?", "tools": [unit], "max_output_tokens": 80, "temperature": 0,
             "tool_choice": {"type": "function", "name": "set_unit"}, "reasoning": {"effort": "none"}}
     events = raw_events(qwen3_server.base_url, body)
     response = check_stream(events, ["function_call"], "response.completed")
