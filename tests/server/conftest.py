@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from bench_serving import wait_healthy
 from mini_engine.model.random_checkpoint import write_random_checkpoint
+from mini_engine.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_NAME = "tiny-qwen3"
@@ -69,6 +70,13 @@ def write_tiny_model(path: str, chat_template: str = CHATML_TEMPLATE, added_toke
     return path
 
 
+def forcing_bias(model: str, texts) -> dict[str, dict[str, int]]:
+    """For each text the tiny tokenizer holds as one token: the logit_bias that makes the random
+    model write it (tests force whole outputs, a thought or a tool call, this way)."""
+    tokenizer = load_tokenizer(model)
+    return {text: {str(tokenizer.token_to_id(text)): 100} for text in texts}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,6 +122,13 @@ class ServerHandle:
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV blocks still in use after {timeout} s: {m}")
             time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def checked_client(self):
+        """openai_client() for one test, and check_idle_and_alive() after it."""
+        with self.openai_client() as client:
+            yield client
+        self.check_idle_and_alive()
 
     def check_idle_and_alive(self) -> None:
         """After a test: every KV block free again, and the server still running."""

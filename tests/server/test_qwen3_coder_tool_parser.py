@@ -14,8 +14,7 @@ from mini_engine.reasoning import THINK_END, THINK_START
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.qwen3_coder_tool_parser import Qwen3CoderToolParser, convert_value
 from mini_engine.server.responses_output import ResponseOutput
-from mini_engine.tokenizer import load_tokenizer
-from tests.server.conftest import MODEL_NAME, launched_server, write_tiny_model
+from tests.server.conftest import MODEL_NAME, forcing_bias, launched_server, write_tiny_model
 from tests.server.test_reasoning_and_tool_calls import UNIT_TOOL
 
 
@@ -244,8 +243,7 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def bias(model) -> dict:
     """logit_bias that makes the model write one of the whole outputs."""
-    tokenizer = load_tokenizer(model)
-    return {text: {str(tokenizer.token_to_id(text)): 100} for text in (SERVED_CALL, TEXT_THEN_CALL, CUT_CALL)}
+    return forcing_bias(model, (SERVED_CALL, TEXT_THEN_CALL, CUT_CALL))
 
 
 @pytest.fixture(scope="module")
@@ -256,9 +254,8 @@ def server(model, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with server.openai_client() as c:
+    with server.checked_client() as c:
         yield c
-    server.check_idle_and_alive()
 
 
 def chat(client, stream: bool, **kwargs) -> tuple[str | None, list[tuple[str, str, str]], str]:

@@ -69,9 +69,8 @@ def server(model, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with server.openai_client() as c:
+    with server.checked_client() as c:
         yield c
-    server.check_idle_and_alive()
 
 
 def chat(client, stream: bool, **kwargs):

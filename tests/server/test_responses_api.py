@@ -20,7 +20,7 @@ from mini_engine.reasoning import THINK_END, THINK_START
 from mini_engine.server.output_parsers import ParsedText, ToolCall
 from mini_engine.server.responses_output import ResponseOutput
 from mini_engine.tokenizer import load_tokenizer
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, launched_server, write_tiny_model
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, forcing_bias, launched_server, write_tiny_model
 from tests.server.test_reasoning_and_tool_calls import (CALL, CALL_ARGUMENTS, PARSERS, QWEN3_LIKE_TEMPLATE, THOUGHT,
                                                         UNIT_TOOL)
 
@@ -280,8 +280,7 @@ def qwen3_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def bias(qwen3_model) -> dict:
     """logit_bias that makes the model write one of the whole outputs."""
-    tokenizer = load_tokenizer(qwen3_model)
-    return {text: {str(tokenizer.token_to_id(text)): 100} for text in (THOUGHT, CALL)}
+    return forcing_bias(qwen3_model, (THOUGHT, CALL))
 
 
 @pytest.fixture(scope="module")
@@ -293,9 +292,8 @@ def qwen3_server(qwen3_model, tmp_path_factory):
 
 @pytest.fixture
 def qwen3(qwen3_server):
-    with qwen3_server.openai_client() as c:
+    with qwen3_server.checked_client() as c:
         yield c
-    qwen3_server.check_idle_and_alive()
 
 
 def thought(bias: dict) -> dict:
