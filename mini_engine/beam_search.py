@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.lora import LoRARequest
 from mini_engine.outputs import RequestOutput
-from mini_engine.sampling_params import SamplingParams
+from mini_engine.sampling_params import SamplingParams, is_number
 
 
 @dataclass(slots=True)
@@ -46,9 +46,9 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+        if not is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -221,7 +221,3 @@ def search_prompts(prompt_token_ids: list[list[int]], loras: list[LoRARequest | 
             beam.text = decode(text_token_ids(beam, params))
         results.append(BeamSearchOutput(best))
     return results
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

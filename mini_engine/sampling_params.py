@@ -78,7 +78,7 @@ class SamplingParams:
     logits_processors: list | None = None
 
     def __post_init__(self):
-        if not _is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
+        if not is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
@@ -115,15 +115,15 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or not 0.0 < _as_float32(self.repetition_penalty) < math.inf:
+        if not is_number(self.repetition_penalty) or not 0.0 < _as_float32(self.repetition_penalty) < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or any(
-                    not isinstance(t, int) or isinstance(t, bool) or t < 0 or not _is_number(v) or not -100 <= v <= 100
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 or not is_number(v) or not -100 <= v <= 100
                     for t, v in self.logit_bias.items()):
                 raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {self.logit_bias!r}")
             self.logit_bias = dict(self.logit_bias) or None
@@ -183,7 +183,7 @@ def check_truncate_prompt_tokens(k) -> None:
         raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), got {k!r}")
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
