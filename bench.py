@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--quantization", choices=["fp8"], help="mini only: fp8 weights (an FP8 checkpoint "
                         "is fp8 without it; with it a bf16 one is quantized as it loads)")
+    engine.add_argument("--awq", action="store_true", help="mini only: run the checkpoint as Qwen3-*-AWQ lays itself "
+                        "out, 4-bit weights in groups of 128 (written once beside it by write_awq_layout)")
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--no-async-scheduling", action="store_true", help="mini only: each step waits for its tokens")
     engine.add_argument("--speculative-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
@@ -127,6 +129,18 @@ def warm_up(llm, prompts: list[list[int]], sampling: dict) -> None:
     llm.generate([[rng.randint(0, 10000) for _ in range(n)] for n in lengths],
                  [SamplingParams(max_tokens=i + 1, ignore_eos=True, **sampling)
                   for i in range(len(lengths))], use_tqdm=False)
+
+
+def awq_checkpoint(model: str, device: str) -> str:
+    """model's AWQ layout (group 128), written once beside it (rounded on `device`)."""
+    from mini_engine.model.random_checkpoint import write_awq_layout
+    path = os.path.join(model, "awq-g128")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        tmp = f"{path}.partial-{os.getpid()}"
+        write_awq_layout(model, tmp, device=device)
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+    return path
 
 
 def random_loras(model: str, count: int, rank: int) -> list:
@@ -245,6 +259,8 @@ def main(argv=None) -> int:
     else:
         from mini_engine.model.random_checkpoint import default_checkpoint
         model = default_checkpoint(opts.cache_dir, device="cuda" if has_cuda else "cpu")
+    if opts.awq:
+        model = awq_checkpoint(model, "cuda" if has_cuda else "cpu")
     prompts, max_tokens = make_workload(opts.num_seqs, **WORKLOADS[workload])
     input_tokens, output_tokens = sum(map(len, prompts)), sum(max_tokens)
 

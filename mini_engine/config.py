@@ -8,7 +8,7 @@ from mini_engine.distributed import check_divisible
 from mini_engine.json_files import read_json_file
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
 from mini_engine.pooling_params import PROBLEM_TYPES, PoolerConfig, classifier_activation
-from mini_engine.quantization import QUANTIZATION_METHODS, Fp8Config, parse_quantization_config
+from mini_engine.quantization import QUANTIZATION_METHODS, QuantizationConfig, parse_quantization_config
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.speculative import SpeculativeConfig
@@ -51,8 +51,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # An FP8 checkpoint's quantization_config (Qwen3-*-FP8: mini_engine/quantization.py), or None.
-    quantization: Fp8Config | None = None
+    # A quantized checkpoint's quantization_config (Qwen3-*-FP8, Qwen3-*-AWQ:
+    # mini_engine/quantization.py), or None.
+    quantization: QuantizationConfig | None = None
     # A sequence classifier (architectures Qwen3ForSequenceClassification or its MoE twin: fine-tuned
     # classifiers, reward models such as Skywork-Reward-V2-Qwen3): the decoder and a `score` head of
     # num_labels rows, read at the last token; 0 for a generative model. labels: config.json's id2label
@@ -89,8 +90,9 @@ class ModelConfig:
         _, params = rope_parameters(raw)
         quantization = parse_quantization_config(raw.get("quantization_config"))
         if quantization is not None and moe:
-            raise ValueError("config.json: fp8 Qwen3-MoE checkpoints are not supported (their experts would need "
-                             "an fp8 grouped GEMM); the dense Qwen3-*-FP8 ones are")
+            raise ValueError(f"config.json: {quantization.method} Qwen3-MoE checkpoints are not supported (their "
+                             f"experts would need a quantized grouped GEMM); the dense Qwen3-*-FP8 and Qwen3-*-AWQ "
+                             f"ones are")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
         for name in required:
@@ -278,9 +280,11 @@ class EngineConfig:
     # "prompt_lookup_max": ..., "prompt_lookup_min": ..., "disable_by_batch_size": ...}
     # (mini_engine/speculative.py). Steps that propose drafts run synchronously.
     speculative_config: dict | SpeculativeConfig | None = None
-    # As vLLM's --quantization: None, whatever the checkpoint is (an FP8 checkpoint runs in fp8);
-    # or "fp8", which also quantizes a bf16 checkpoint's projections to fp8 blocks as it loads
-    # them (mini_engine/quantization.py): half the weights' bytes, fp8 tensor cores for prefill.
+    # As vLLM's --quantization: None, whatever the checkpoint is (an FP8 checkpoint runs in fp8,
+    # an AWQ one in 4-bit); "fp8", which also quantizes a bf16 checkpoint's projections to fp8
+    # blocks as it loads them (mini_engine/quantization.py): half the weights' bytes, fp8 tensor
+    # cores for prefill; or "awq", which only an AWQ checkpoint can be (its 4-bit weights come
+    # from a calibration the engine does not run).
     quantization: str | None = None
     # As vLLM's: LoRA adapters (mini_engine/lora.py). enable_lora gives every decoder projection
     # max_loras slots of rank up to max_lora_rank (the adapters one step may mix); max_cpu_loras
@@ -328,8 +332,15 @@ class EngineConfig:
             raise ValueError("hf_overrides change config.json as it is read: give them or a model_config, not both")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
-        if self.model_config.quantization is not None:
-            self.quantization = "fp8"
+        checkpoint = self.model_config.quantization
+        if checkpoint is not None and self.quantization not in (None, checkpoint.method):
+            raise ValueError(f"quantization={self.quantization!r}, but the checkpoint is {checkpoint.method} "
+                             f"(config.json's quantization_config): leave quantization unset")
+        if checkpoint is not None:
+            self.quantization = checkpoint.method
+        elif self.quantization == "awq":
+            raise ValueError("quantization='awq' needs an AWQ checkpoint (Qwen3-*-AWQ: config.json's "
+                             "quantization_config with quant_method 'awq'); this one has none")
         elif self.quantization == "fp8" and self.model_config.num_experts:
             raise ValueError("quantization='fp8' is not supported for Qwen3-MoE (the experts would need an fp8 "
                              "grouped GEMM)")

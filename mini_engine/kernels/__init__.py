@@ -3,7 +3,7 @@ and, beside it, the fused Triton kernel that replaces it on CUDA."""
 import importlib.util
 
 KERNEL_NAMES = ("attention", "rms_norm", "rope_kv", "silu_and_mul", "sampler", "linear", "prev_tokens", "fused_moe",
-                "fp8_linear", "lora")
+                "fp8_linear", "lora", "awq_linear")
 
 
 def triton_available() -> bool:

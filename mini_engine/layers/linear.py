@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mini_engine.distributed import TensorParallel, all_reduce
+from mini_engine.kernels.awq_linear import PACK, awq_linear_ref
 from mini_engine.kernels.fp8_linear import BLOCK, FP8, fp8_linear_ref, quantize_fp8_weight_ref
 from mini_engine.kernels.linear import skinny_config
 from mini_engine.kernels.rms_norm import rms_norm_ref
@@ -20,7 +21,11 @@ class Linear(nn.Linear):
 
     With fp8 weights (hold_fp8_weight: an FP8 checkpoint, or quantization="fp8"), the weight is
     float8_e4m3fn in 128 x 128 blocks, each with its fp32 scale in weight_scale_inv, and the
-    product is kernels/fp8_linear.py's."""
+    product is kernels/fp8_linear.py's.
+
+    With AWQ weights (hold_awq_weight: an AWQ checkpoint), `weight` is None and the layer holds the
+    checkpoint's qweight, qzeros and scales (4 bits a weight, a scale and zero point a group of
+    input rows); the product is kernels/awq_linear.py's."""
     # Under tensor parallelism, the dimension of the checkpoint's weight that a rank holds a slice
     # of (model/loader.py cuts it): 0, output rows (a column-parallel layer); 1, input columns
     # (row-parallel); None, all of it.
@@ -33,6 +38,11 @@ class Linear(nn.Linear):
         self.tp = tp
         self.weight_scale_inv: nn.Parameter | None = None       # with fp8 weights: their block scales
         self.fp8_product = fp8_linear_ref
+        # With AWQ weights: W^T's 4-bit values packed eight to an int32, its zero points, its scales.
+        self.qweight: nn.Parameter | None = None
+        self.qzeros: nn.Parameter | None = None
+        self.scales: nn.Parameter | None = None
+        self.awq_product = awq_linear_ref
         self.lora: LoRASlots | None = None                      # with enable_lora: the adapters' slots
 
     def enable_lora(self, step: LoRAStep, max_rank: int) -> None:
@@ -43,7 +53,8 @@ class Linear(nn.Linear):
     def joins_lora_weight(self) -> bool:
         """Whether the product computes LoRA's shrink too, over [W; A_all] (layers/lora.py): a
         packed layer (never called with a residual) with a plain weight, no bias."""
-        return isinstance(self, PackedLinear) and self.bias is None and self.weight_scale_inv is None
+        return isinstance(self, PackedLinear) and self.bias is None and self.weight is not None \
+            and self.weight_scale_inv is None
 
     def lora_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of a LoRA pair of one of its projections, A [r, in] and B [out, r] as
@@ -76,6 +87,31 @@ class Linear(nn.Linear):
             from mini_engine.kernels.fp8_linear import fp8_linear
             self.fp8_product = fp8_linear
 
+    def hold_awq_weight(self, group_size: int, use_triton: bool) -> None:
+        """Hold the weight as an AWQ checkpoint stores it, empty, for the loader to fill: qweight
+        [in, out / 8] int32, qzeros [in / group, out / 8] int32, scales [in / group, out] fp16 (this
+        rank's share of each). group_size 0: one group of the whole input. A group must not
+        straddle two ranks' shares, nor a packed word two projections' or ranks' columns."""
+        n, k = self.weight.shape
+        if group_size == 0:
+            if self.tp.size > 1 and self.tp_dim == 1:
+                raise ValueError("AWQ weights with group_size -1 (one group of the whole input) under tensor "
+                                 "parallelism: a row-parallel layer's ranks would share its scales; not supported")
+            group_size = k
+        if k % group_size or n % PACK:
+            raise ValueError(f"AWQ weights: a projection of {n} x {k} (this rank's share) must be whole groups "
+                             f"of {group_size} input rows and whole words of {PACK} output columns")
+        device = self.weight.device
+        self.weight = None
+        self.qweight = nn.Parameter(torch.empty(k, n // PACK, dtype=torch.int32, device=device), requires_grad=False)
+        self.qzeros = nn.Parameter(torch.empty(k // group_size, n // PACK, dtype=torch.int32, device=device),
+                                   requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(k // group_size, n, dtype=torch.float16, device=device),
+                                   requires_grad=False)
+        if use_triton:
+            from mini_engine.kernels.awq_linear import awq_linear
+            self.awq_product = awq_linear
+
     @torch.no_grad()
     def quantize_weight_fp8(self, use_triton: bool) -> None:
         """quantization="fp8": the loaded weight, in fp8 blocks from now on."""
@@ -89,6 +125,8 @@ class Linear(nn.Linear):
         return self.lora.add(x, self.product(x, residual))
 
     def product(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.awq_product(x, self.qweight, self.qzeros, self.scales, residual, self.bias)
         if self.weight_scale_inv is not None:
             return self.fp8_product(x, self.weight, self.weight_scale_inv, residual, bias=self.bias)
         if self.bias is not None:
@@ -128,6 +166,8 @@ class RowParallelLinear(Linear):
         else:
             if self.weight_scale_inv is not None:
                 residual.copy_(self.fp8_product(x, self.weight, self.weight_scale_inv))
+            elif self.qweight is not None:
+                residual.copy_(self.awq_product(x, self.qweight, self.qzeros, self.scales))
             else:
                 torch.mm(x, self.weight.t(), out=residual)
             if self.lora is not None:
@@ -147,7 +187,7 @@ class PackedLinear(Linear):
         super().__init__(in_features, sum(output_sizes), bias=bias, use_triton=use_triton, tp=tp)
         self.output_sizes = output_sizes
 
-    # ---- what the loader asks (model/loader.py), as of layers.moe.FusedExperts ----
+    # ---- quantized weights: a block or packed word never straddles two projections ----
 
     def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None) -> None:
@@ -156,26 +196,43 @@ class PackedLinear(Linear):
                              f"whole {BLOCK}-row blocks, so that each block's scale is one projection's")
         super().hold_fp8_weight(use_triton, weight, scale)
 
+    def hold_awq_weight(self, group_size: int, use_triton: bool) -> None:
+        if any(size % PACK for size in self.output_sizes):
+            raise ValueError(f"AWQ weights: the projections packed here ({self.output_sizes} columns) must be "
+                             f"whole words of {PACK} columns, so that each word is one projection's")
+        super().hold_awq_weight(group_size, use_triton)
+
     # ---- what the loader asks (model/loader.py), as of layers.moe.FusedExperts ----
 
     def num_shards(self, attr: str) -> int:
-        """Checkpoint tensors that fill parameter `attr`: one a projection for the weight, its
-        scales and the bias."""
-        return len(self.output_sizes) if attr in ("weight", "bias", "weight_scale_inv") else 1
+        """Checkpoint tensors that fill parameter `attr`: one a projection for the weight (or its
+        AWQ tensors), its scales and the bias."""
+        return len(self.output_sizes) if attr in PROJECTION_PARAMS else 1
 
-    def shard_rows(self, attr: str) -> int:
-        """The rows of `attr` that one of a projection's rows takes: 1/128 for the block scales."""
-        return BLOCK if attr == "weight_scale_inv" else 1
+    def shard_span(self, attr: str) -> tuple[int, int]:
+        """(the dimension of `attr` along which the projections are stacked, how many of a
+        projection's outputs one index of it holds): rows for the weight, its bias and fp8 block
+        scales (1/128 of a row each), columns for AWQ's W^T (eight a packed word)."""
+        return PROJECTION_PARAMS[attr]
 
     def shard_shape(self, attr: str, shard: int) -> list[int]:
-        """Projection `shard`'s part of `attr`: its rows (this rank's share of them)."""
-        return [self.output_sizes[shard] // self.shard_rows(attr), *getattr(self, attr).shape[1:]]
+        """Projection `shard`'s part of `attr` (this rank's share of it)."""
+        dim, per_index = self.shard_span(attr)
+        shape = list(getattr(self, attr).shape)
+        shape[dim] = self.output_sizes[shard] // per_index
+        return shape
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
-        rows = self.shard_rows("weight_scale_inv" if param is self.weight_scale_inv else "weight")
-        start = sum(self.output_sizes[:shard]) // rows
-        size = self.output_sizes[shard] // rows
-        param.data[start:start + size].copy_(loaded)
+        attr = next(name for name, p in self.named_parameters(recurse=False) if p is param)
+        dim, per_index = self.shard_span(attr)
+        start = sum(self.output_sizes[:shard]) // per_index
+        param.data.narrow(dim, start, self.output_sizes[shard] // per_index).copy_(loaded)
+
+
+# A packed layer's parameters that its projections fill in turn: the dimension they are stacked
+# along, and a projection's outputs an index of it holds (PackedLinear.shard_span).
+PROJECTION_PARAMS = {"weight": (0, 1), "bias": (0, 1), "weight_scale_inv": (0, BLOCK),
+                     "qweight": (1, PACK), "qzeros": (1, PACK), "scales": (1, 1)}
 
 
 class NormedPackedLinear(PackedLinear):
@@ -200,12 +257,22 @@ class NormedPackedLinear(PackedLinear):
         self.eps = eps
         self.norm_in_weight = not bias       # whether g is (or will be) folded into the weight
         self.folded_norm_weight: torch.Tensor | None = None     # g, once folded (LoRA's A takes it too)
+        self.norm = rms_norm_ref                # where g is not folded: the norm ahead of the product
 
     def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None) -> None:
         super().hold_fp8_weight(use_triton, weight, scale)
         if weight is None:                   # an FP8 checkpoint's: never folded
             self.norm_in_weight = False
+
+    def hold_awq_weight(self, group_size: int, use_triton: bool) -> None:
+        """AWQ weights are never folded: g varies within a group of input rows, which shares one
+        scale. The norm runs ahead of the product, on Triton where the product does."""
+        super().hold_awq_weight(group_size, use_triton)
+        self.norm_in_weight = False
+        if use_triton:
+            from mini_engine.kernels.rms_norm import rms_norm
+            self.norm = rms_norm
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (product, norm_input): the rows whose 1/rms the product's reader still owes,
@@ -217,7 +284,7 @@ class NormedPackedLinear(PackedLinear):
             if self.lora is not None:
                 self.lora.add(rms_norm_ref(x, self.norm_weight, self.eps), out)
             return out, None
-        return super().forward(rms_norm_ref(x, self.norm_weight, self.eps)), None
+        return super().forward(self.norm(x, self.norm_weight, self.eps)), None
 
     def lora_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """With g folded into the weight the product reads x, not the normed x: A takes g as W did

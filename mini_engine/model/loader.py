@@ -10,7 +10,7 @@ from torch import nn
 
 from mini_engine.kernels.fp8_linear import FP8
 from mini_engine.layers.linear import Linear
-from mini_engine.quantization import Fp8Config
+from mini_engine.quantization import QuantizationConfig
 
 
 def checkpoint_files(path: str) -> dict[str, list[str] | None]:
@@ -74,6 +74,10 @@ def load_model(model: nn.Module, path: str) -> None:
                     raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
                                      + ("float8_e4m3fn (config.json's quantization_config says fp8)"
                                         if param.dtype == FP8 else f"{param.dtype} (config.json says nothing of fp8)"))
+                if (param.dtype == torch.int32) != (tensor.dtype == torch.int32):   # AWQ's packed words
+                    raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
+                                     + ("int32 (AWQ packs eight 4-bit values in each)" if param.dtype == torch.int32
+                                        else f"{param.dtype}"))
                 tensor = rank_slice(module, name, tensor)
                 with torch.no_grad():
                     if shard is None:
@@ -130,10 +134,13 @@ def split_dim(module: nn.Module, param_name: str) -> int | None:
     attr = param_name.rpartition(".")[2]
     if callable(getattr(module, "split_dim", None)):
         return None if tp.size == 1 else module.split_dim(attr)
-    if (dim is None or tp is None or tp.size == 1 or attr not in ("weight", "bias", "weight_scale_inv")
+    if (dim is None or tp is None or tp.size == 1 or attr not in ("weight", "bias", "weight_scale_inv", *AWQ_PARAMS)
             or (attr == "bias" and dim != 0)):
         return None
-    return dim
+    return 1 - dim if attr in AWQ_PARAMS else dim
+
+
+AWQ_PARAMS = ("qweight", "qzeros", "scales")
 
 
 def rank_slice(module: nn.Module, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -199,18 +206,22 @@ def module_of(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(param_name.rpartition(".")[0])
 
 
-def hold_fp8_weights(model: nn.Module, quantization: Fp8Config, use_triton: bool) -> None:
-    """Before an FP8 checkpoint loads: each projection that it stores in fp8 holds its weight as
-    fp8 blocks (layers.linear.Linear.hold_fp8_weight), to be filled with the scales beside it."""
+def hold_quantized_weights(model: nn.Module, quantization: QuantizationConfig, use_triton: bool) -> None:
+    """Before a quantized checkpoint loads: each projection that it stores quantized holds its
+    weight as the checkpoint does (layers.linear.Linear.hold_fp8_weight, hold_awq_weight), empty,
+    to be filled with the scales (and AWQ's zero points) beside it."""
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
         weight = f"{name}.weight"
         stored = [untranslate(model, weight, shard).removesuffix(".weight")
                   for shard in range(num_shards(model, weight))]
-        in_fp8 = [quantization.quantizes(part) for part in stored]
-        if all(in_fp8):
-            module.hold_fp8_weight(use_triton)
-        elif any(in_fp8):
-            raise ValueError(f"config.json: modules_to_not_convert keeps some of {stored} out of fp8 but not all; "
-                             "mini_engine runs them as one product")
+        quantized = [quantization.quantizes(part) for part in stored]
+        if all(quantized):
+            if quantization.method == "awq":
+                module.hold_awq_weight(quantization.group_size, use_triton)
+            else:
+                module.hold_fp8_weight(use_triton)
+        elif any(quantized):
+            raise ValueError(f"config.json: modules_to_not_convert keeps some of {stored} out of "
+                             f"{quantization.method} but not all; mini_engine runs them as one product")

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from mini_engine.config import ModelConfig
+from mini_engine.kernels.awq_linear import quantize_awq_ref
 from mini_engine.kernels.fp8_linear import BLOCK, quantize_fp8_weight_ref
-from mini_engine.quantization import Fp8Config
+from mini_engine.quantization import AwqConfig, Fp8Config
 
 # Qwen3-0.6B's config.json, as published.
 QWEN3_0_6B = {
@@ -169,6 +170,37 @@ def write_fp8_layout(source: str, path: str, modules_to_not_convert: list[str] |
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [BLOCK, BLOCK],
+                                     "modules_to_not_convert": modules_to_not_convert}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
+def write_awq_layout(source: str, path: str, group_size: int = 128,
+                     modules_to_not_convert: list[str] | None = None, device: str = "cpu") -> str:
+    """source's checkpoint as Qwen3-*-AWQ lays itself out: each decoder projection's weight as
+    AutoAWQ's "gemm" tensors (qweight, qzeros, scales: kernels/awq_linear.py), rounded to 4 bits
+    in groups of group_size input rows (-1: the whole input), the other tensors (and the modules
+    in modules_to_not_convert) as they are, and config.json's quantization_config. The rounding
+    is to nearest, without AWQ's calibrated scale search: the layout, and so what the engine
+    reads, is the same. device: where the rounding is done."""
+    from safetensors.torch import load_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    kept = AwqConfig(tuple(modules_to_not_convert or ()))
+    tensors = {}
+    for name, t in load_file(os.path.join(source, "model.safetensors")).items():
+        projection = PROJECTION_WEIGHT.fullmatch(name)
+        if projection and kept.quantizes(projection[1]):
+            qweight, qzeros, scales = quantize_awq_ref(t.to(device), group_size if group_size > 0 else t.shape[1])
+            tensors |= {f"{projection[1]}.qweight": qweight.cpu(), f"{projection[1]}.qzeros": qzeros.cpu(),
+                        f"{projection[1]}.scales": scales.cpu()}
+        else:
+            tensors[name] = t
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                     "zero_point": True, "version": "gemm",
                                      "modules_to_not_convert": modules_to_not_convert}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

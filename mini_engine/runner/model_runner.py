@@ -25,7 +25,7 @@ from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, b
 from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors, needs_top_k_top_p,
                                        prompt_logprob_tensors, prompt_logprobs_by_row, sample_logprobs)
 from mini_engine.layers.moe import Qwen3SparseMoeBlock
-from mini_engine.model.loader import hold_fp8_weights, load_model
+from mini_engine.model.loader import hold_quantized_weights, load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
@@ -106,7 +106,7 @@ def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dty
 def check_fp8_kernels(config: EngineConfig, device: torch.device, kernels: frozenset[str]) -> bool:
     """Whether fp8 weights' products take the Triton kernel: Triton's fp8 dot needs compute
     capability 8.9 (Ada) or newer; on an older GPU it is refused, as for the fp8 KV cache."""
-    if config.quantization is None or "fp8_linear" not in kernels:
+    if config.quantization != "fp8" or "fp8_linear" not in kernels:
         return False
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         others = ",".join(name for name in KERNEL_NAMES if name != "fp8_linear")
@@ -178,7 +178,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         fp8_triton = check_fp8_kernels(config, self.device, self.kernels)
         if mc.quantization is not None:
-            hold_fp8_weights(self.model, mc.quantization, fp8_triton)
+            use_triton = "awq_linear" in self.kernels if mc.quantization.method == "awq" else fp8_triton
+            hold_quantized_weights(self.model, mc.quantization, use_triton)
         load_model(self.model, config.model)
         if config.quantization == "fp8" and mc.quantization is None:
             self.model.quantize_fp8(fp8_triton)

@@ -30,8 +30,8 @@ from torch import nn
 
 from mini_engine.kernels.fp8_linear import BLOCK, quantize_fp8_weight_ref
 from mini_engine.layers.linear import NormedPackedLinear
-from mini_engine.model.loader import (checkpoint_files, checkpoint_shape, checkpoint_target, module_of, num_shards,
-                                      rank_slice, untranslate)
+from mini_engine.model.loader import (AWQ_PARAMS, checkpoint_files, checkpoint_shape, checkpoint_target, module_of,
+                                      num_shards, rank_slice, untranslate)
 
 # Weights whose values are given as float8 (or the scales beside them) are refused: an update gives
 # the weight in a wider dtype, and the engine makes the fp8 blocks and their scales.
@@ -158,6 +158,9 @@ class WeightUpdater:
             param_name, shard = checkpoint_target(self.model, self.params, name)
         if param_name.endswith("weight_scale_inv"):
             raise ValueError(f"tensor {name!r}: fp8 scales are made by the engine: give the weight in bf16 or fp32")
+        if param_name.rpartition(".")[2] in AWQ_PARAMS:
+            raise ValueError(f"tensor {name!r}: load_weights does not update AWQ's 4-bit weights (their rounding "
+                             f"comes from a calibration the engine does not run); start an engine on the new checkpoint")
         expected = checkpoint_shape(self.model, param_name, shard)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")

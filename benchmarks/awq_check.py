@@ -1,0 +1,149 @@
+"""AWQ weights on the GPU (run on the H200; exits early without CUDA): the engine over an AWQ
+checkpoint (Qwen3-0.6B's shape, N(0, 0.06) weights as gpu_correctness.py's, rounded to 4 bits in
+groups of 128 as Qwen3-*-AWQ is laid out: mini_engine.model.random_checkpoint.write_awq_layout)
+against transformers.
+
+transformers reads AWQ checkpoints through autoawq or gptqmodel, which this machine does not have,
+so the reference (awq_oracle) is transformers' Qwen3ForCausalLM over the checkpoint dequantized
+by AutoAWQ's definition, written here apart from the engine's code: W^T = (q - z) * s. AWQ
+quantizes no activation, so the model is continuous in its inputs, and the engine in fp32 on
+its PyTorch path computes what the reference does.
+
+1. The last prompt token's logits, the engine in bf16 on its Triton kernels and on its PyTorch
+   path: relative error against the fp32 reference within 1.5x the control's (transformers' own
+   bf16 run of the dequantized model).
+2. Greedy tokens, teacher-forced against the reference; the worst within --margin or 1.5x the control's.
+3. CUDA graphs (requests of different lengths, so batches pad and shrink), eager steps, and a
+   pool small enough to preempt, each judged as in 2; the graphs' run twice gives the same tokens.
+4. Every AWQ product of an eager bf16 run (the fused kernel at decode, the dequantize launch and
+   cuBLAS at prefill) against awq_linear_ref on its own arguments.
+5. After every run, every KV block is free.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+
+import torch
+
+# AutoAWQ's packing order: nibble i of a word holds column AUTOAWQ_ORDER[i] of its eight.
+AUTOAWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unpack_autoawq(words: torch.Tensor) -> torch.Tensor:
+    """[R, C / 8] int32 -> [R, C] values 0..15, by AutoAWQ's order."""
+    columns = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
+    for nibble, column in enumerate(AUTOAWQ_ORDER):
+        columns[:, column::8] = (words.to(torch.int64) >> (4 * nibble)) & 0xF
+    return columns
+
+
+def awq_oracle(path: str, dtype: torch.dtype, device: str, attn_implementation: str = "eager"):
+    """transformers over the AWQ checkpoint at `path`, each projection's weight dequantized
+    (written once beside it, in fp32) as nn.Linear's [out, in]."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    folder = path.rstrip("/") + "-dequantized"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith(".qweight"):
+                module = name.removesuffix(".qweight")
+                scales = tensors[f"{module}.scales"].float()
+                group = t.shape[0] // scales.shape[0]
+                zeros = unpack_autoawq(tensors[f"{module}.qzeros"]).repeat_interleave(group, 0)
+                weight_t = (unpack_autoawq(t) - zeros) * scales.repeat_interleave(group, 0)
+                out[f"{module}.weight"] = weight_t.t().contiguous()
+            elif not name.endswith((".qzeros", ".scales")):
+                out[name] = t
+        os.makedirs(folder, exist_ok=True)
+        save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config.pop("quantization_config")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                              attn_implementation=attn_implementation)
+    return model.to(device).eval()
+
+
+def per_call_check(path: str, prompts: list[list[int]], tokens: int, **engine_options) -> dict:
+    """The engine on its Triton kernels (eager, bf16 on a GPU; the interpreter's on CPU), each AWQ
+    product checked against awq_linear_ref on the same arguments (the real shapes and activations
+    of prefill and decode steps): the worst error of a call relative to its largest output, the
+    products checked of all the model's Linear modules, the fewest and most rows a call saw."""
+    from mini_engine import LLM, SamplingParams
+    from mini_engine.kernels.awq_linear import awq_linear, awq_linear_ref
+    from mini_engine.layers.linear import Linear
+    options = dict(max_num_seqs=64, num_kv_blocks=256, enforce_eager=True,
+                   kernels="auto" if torch.cuda.is_available() else "awq_linear") | engine_options
+    llm = LLM(path, **options)
+    rows, worst = [], 0.0
+
+    def checked(x, qweight, qzeros, scales, residual=None, bias=None):
+        nonlocal worst
+        expected = awq_linear_ref(x, qweight, qzeros, scales, None if residual is None else residual.clone(),
+                                  bias).float()
+        out = awq_linear(x, qweight, qzeros, scales, residual, bias)
+        rows.append(x.shape[0])
+        worst = max(worst, ((out.float() - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item())
+        return out
+    linears = [module for module in llm.engine.runner.model.modules() if isinstance(module, Linear)]
+    triton = [module for module in linears if module.awq_product is awq_linear]
+    for module in triton:
+        module.awq_product = checked
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    return dict(worst_rel_err=worst, modules=len(triton), linear_modules=len(linears),
+                fewest_rows=min(rows, default=0), most_rows=max(rows, default=0),
+                output_lengths=sorted({len(o.outputs[0].token_ids) for o in outputs}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--margin", type=float, default=0.25)
+    ap.add_argument("--out", help="folder for a JSON of the results")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the script's logic on a tiny model on the CPU")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() and not args.cpu_dry_run:
+        sys.exit("awq_check.py needs CUDA (or --cpu-dry-run)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":        # the Triton kernels through the interpreter (read at import)
+        os.environ["TRITON_INTERPRET"] = "1"
+    from benchmarks.engine_judge import EngineJudge
+    from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_awq_layout, write_random_checkpoint
+    config = QWEN3_0_6B
+    if args.cpu_dry_run:
+        config = QWEN3_0_6B | dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    tmp = tempfile.gettempdir()
+    bf16 = write_random_checkpoint(os.path.join(tmp, f"qwen3-std006-awqsrc-{config['hidden_size']}"), config,
+                                   std=0.06, seed=1, device=dev)
+    path = os.path.join(tmp, f"qwen3-std006-awq-{config['hidden_size']}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        write_awq_layout(bf16, path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(config["vocab_size"]) for _ in range(n)] for n in (5, 17, 64, 200, 333, 31, 128, 90)]
+
+    judge = EngineJudge(prompts, args.tokens, dev, {"awq": awq_oracle(path, torch.float32, dev)})
+    control_model = awq_oracle(path, torch.bfloat16, dev, "sdpa")
+    limit_margin = judge.judge_paths(path, control_model, args.margin)
+    del control_model
+    judge.judge_scheduler_runs(path, limit_margin)
+    checked = judge.results["per-call check"] = per_call_check(path, prompts, 4)
+    # bf16 products: a wrong tile or group is wrong by O(1); the sums' order moves the last bit
+    if not checked["modules"] or checked["worst_rel_err"] > 0.02 or checked["most_rows"] < 256:
+        judge.failures.append(f"per-call check: {checked}")
+    tokens32, logits, info = judge.run(path, "fp32 pytorch", dtype="float32", enforce_eager=True, kernels="none")
+    judge.results["fp32 pytorch"] = dict(logits_rel_err=judge.rel_err(logits),
+                                         worst_margin=judge.worst_margin(tokens32), **info)
+    return judge.report("awq_check", args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Products with 4-bit AWQ weights: the format of Qwen3's own int4 checkpoints (Qwen3-*-AWQ,
+written by AutoAWQ, "version": "gemm"), which vLLM runs with its awq kernels.
+
+A projection's weight W [N, K] (nn.Linear's [out, in]) is stored transposed and in groups of
+`group_size` input rows (128 in Qwen3-*-AWQ), each group with one fp16 scale and one 4-bit zero
+point per output column:
+
+    qweight [K, N / 8] int32    eight 4-bit values a word, along the output columns
+    qzeros  [K / group, N / 8]  the zero points, packed the same way
+    scales  [K / group, N]      fp16
+
+    W^T[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]
+
+A word does not hold its eight columns in order: AutoAWQ packs columns 0, 2, 4, 6, 1, 3, 5, 7 into
+its nibbles 0..7 (an order its CUDA dequantization unpacks cheaply), so column j of a word sits
+in nibble AWQ_NIBBLE_OF_COLUMN[j].
+
+A decode step's few rows read 4 bits a weight instead of 16: the product dequantizes each tile
+of W as it loads it and feeds the tensor cores in the activations' dtype (awq_linear). From
+DEQUANTIZE_ROWS rows up (prefill) the product is compute-bound, and the whole weight is
+dequantized once into the activations' dtype for cuBLAS (vLLM's rule, at 256 rows as there).
+"""
+import torch
+import torch.nn.functional as F
+
+PACK = 8                        # 4-bit values an int32 holds
+AWQ_BITS = 4
+AWQ_MAX = (1 << AWQ_BITS) - 1
+# AutoAWQ's packing order: nibble i of a word holds column AWQ_COLUMN_OF_NIBBLE[i] of its eight.
+AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_COLUMN_OF_NIBBLE.index(j) for j in range(PACK))    # (0, 4, 1, 5, 2, 6, 3, 7)
+# Rows from which the product dequantizes the weight for cuBLAS instead of dequantizing tiles.
+DEQUANTIZE_ROWS = 256
+
+
+def pack_awq_ref(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] integers in 0..15 -> [R, C / 8] int32 words in AutoAWQ's order."""
+    rows, cols = values.shape
+    nibbles = values.to(torch.int32).view(rows, cols // PACK, PACK)[..., list(AWQ_COLUMN_OF_NIBBLE)]
+    shifts = torch.arange(PACK, dtype=torch.int32, device=values.device) * AWQ_BITS
+    # The sum of disjoint nibbles is their OR; int32 wraps where nibble 7 sets the sign bit.
+    return (nibbles << shifts).sum(-1, dtype=torch.int32)
+
+
+def unpack_awq_ref(packed: torch.Tensor) -> torch.Tensor:
+    """pack_awq_ref's inverse: [R, C / 8] int32 -> [R, C] int32 values in 0..15."""
+    shifts = torch.tensor(AWQ_NIBBLE_OF_COLUMN, dtype=torch.int32, device=packed.device) * AWQ_BITS
+    return ((packed.unsqueeze(-1) >> shifts) & AWQ_MAX).flatten(-2)
+
+
+def quantize_awq_ref(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (qweight [K, N/8], qzeros [K/group, N/8], scales [K/group, N] fp16), rounded to
+    nearest with a zero point a group as AutoAWQ's pseudo-quantization does (without its search
+    for activation-aware scales, which needs calibration data: the format is the same)."""
+    n, k = weight.shape
+    groups = weight.float().t().reshape(k // group_size, group_size, n)
+    high, low = groups.amax(dim=1), groups.amin(dim=1)
+    scales = ((high - low).clamp(min=1e-5) / AWQ_MAX).half()
+    zeros = (-torch.round(low / scales.float())).clamp(0, AWQ_MAX)
+    q = (torch.round(groups / scales.float()[:, None]) + zeros[:, None]).clamp(0, AWQ_MAX)
+    return pack_awq_ref(q.reshape(k, n)), pack_awq_ref(zeros), scales
+
+
+def dequantize_awq_ref(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W^T [K, N] in fp32, exactly: (q - z) * s, each a small integer times an fp16 scale."""
+    group_size = qweight.shape[0] // scales.shape[0]
+    q = unpack_awq_ref(qweight).float()
+    z = unpack_awq_ref(qzeros).float().repeat_interleave(group_size, 0)
+    return (q - z) * scales.float().repeat_interleave(group_size, 0)
+
+
+def awq_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   residual: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) in x's dtype, W's values rounded to x's dtype first (what the tensor cores
+    read); with residual, added into it, the product rounded first (kernels.linear.linear_ref's
+    order)."""
+    out = F.linear(x, dequantize_awq_ref(qweight, qzeros, scales).to(x.dtype).t(), bias)
+    return out if residual is None else residual.add_(out)
+
+
+# ---- Triton ----
+
+from dataclasses import dataclass  # noqa: E402
+
+from mini_engine.kernels.linear import product_output  # noqa: E402
+from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
+
+
+@triton.jit
+def _awq_columns(words, cols):
+    """Column `cols`' 4-bit values out of their words (both [.., BLOCK_N], a word per column)."""
+    j = cols % 8
+    shifts = ((j // 2) + (j % 2) * 4) * 4         # AWQ_NIBBLE_OF_COLUMN[j] * 4
+    return (words >> shifts[None, :]) & 0xF
+
+
+@triton.jit
+def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[M, N] (+)= x[M, K] W^T, W's tiles dequantized as they load. BLOCK_K divides GROUP, so a
+    K tile lies in one group: one row of zeros and scales a tile. Each program loads a word once
+    a column (eight columns share it): the repeats hit the same cache lines in one load."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    words = N // 8
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        q = tl.load(qweight_ptr + (k0 + ks)[:, None].to(tl.int64) * words + (cols // 8)[None, :],
+                    mask=col_ok[None, :], other=0)
+        group = k0 // GROUP
+        z = tl.load(qzeros_ptr + group * words + cols // 8, mask=col_ok, other=0)
+        s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = ((_awq_columns(q, cols) - _awq_columns(z[None, :], cols)).to(tl.float32) * s[None, :]).to(x.dtype)
+        if DOT_IN_FP32:         # the interpreter has no bf16 dot: W rounded to x's dtype all the same
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if ADD_OUT:
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, K, N, GROUP: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out [K, N] = W^T in out's dtype."""
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (ks < K)[:, None] & (cols < N)[None, :]
+    words = N // 8
+    q = tl.load(qweight_ptr + ks[:, None].to(tl.int64) * words + (cols // 8)[None, :], mask=mask, other=0)
+    groups = ks // GROUP
+    z = tl.load(qzeros_ptr + groups[:, None] * words + (cols // 8)[None, :], mask=mask, other=0)
+    s = tl.load(scales_ptr + groups[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = (_awq_columns(q, cols) - _awq_columns(z, cols)).to(tl.float32) * s
+    tl.store(out_ptr + ks[:, None].to(tl.int64) * N + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class AwqTile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def awq_tile(num_rows: int, out_features: int, group_size: int) -> AwqTile:
+    """The fused product's tile: as few rows as the batch needs, and columns narrow enough that
+    a decode step's narrow projections still spread over the SMs. A K tile divides the group
+    (layers.linear checks that 16 does)."""
+    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+    block_n = 64 if out_features >= 8192 else 32
+    block_k = 128 if block_m <= 32 else 64
+    while group_size % block_k:
+        block_k //= 2
+    return AwqTile(block_m, block_n, block_k)
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_awq_ref's W^T [K, N], in dtype, by one Triton launch."""
+    k, n = qweight.shape[0], scales.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_k, block_n = 32, 128
+    _awq_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, qzeros, scales, out, k, n, GROUP=k // scales.shape[0], BLOCK_K=block_k, BLOCK_N=block_n)
+    return out
+
+
+def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               residual: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """awq_linear_ref on Triton: x [M, K] with contiguous rows -> [M, N] in x's dtype (with
+    residual: added into it). The grid depends on shapes only (CUDA-graph safe)."""
+    assert x.stride(-1) == 1 and qweight.is_contiguous() and scales.is_contiguous()
+    (m, k), n = x.shape, scales.shape[1]
+    group_size = k // scales.shape[0]
+    if m >= DEQUANTIZE_ROWS:
+        weight_t = dequantize_awq(qweight, qzeros, scales, x.dtype)
+        if residual is not None and bias is None:
+            return residual.addmm_(x, weight_t)
+        out = torch.matmul(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+        return out if residual is None else residual.add_(out)
+    out = product_output(x, n, residual)
+    if m == 0:
+        return out
+    tile = awq_tile(m, n, group_size)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, out if bias is None else bias, out, m, n, k, x.stride(0),
+                           out.stride(0),
+                           GROUP=group_size, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                           HAS_BIAS=bias is not None, ADD_OUT=residual is not None,
+                           DOT_IN_FP32=x.device.type == "cpu",
+                           # fp32 activations get fp32 products, not TF32 (bf16/fp16 ignore this)
+                           INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options(x.device))
+    return out
