@@ -33,10 +33,12 @@ def main() -> int:
         sys.exit("awq_sweep.py needs CUDA")
     from mini_engine.kernels import awq_linear as a
     from mini_engine.layers.linear import Linear
-    candidates = {f"m{m}n{n}k{k}w{w}s{s}": a.AwqTile(m, n, k, w, s)
-                  for m, n, k, w, s in ((16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
-                                        (16, 64, 64, 4, 4), (16, 32, 128, 2, 3), (32, 64, 128, 4, 3),
-                                        (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3))}
+    candidates = {f"m{m}n{n}k{k}w{w}s{s}x{split}": a.AwqTile(m, n, k, w, s, split)
+                  for m, n, k, w, s, splits in ((16, 32, 128, 4, 3, (1, 2, 4, 8)), (16, 64, 128, 4, 3, (1, 2, 4)),
+                                                (16, 128, 128, 4, 3, (1, 2)), (16, 64, 64, 4, 4, (1, 2)),
+                                                (32, 64, 128, 4, 3, (1, 2)), (64, 64, 64, 4, 3, (1, 2)),
+                                                (64, 128, 64, 8, 3, (1,)), (128, 128, 64, 8, 3, (1,)))
+                  for split in splits}
     chosen_tile, threshold = a.awq_tile, a.DEQUANTIZE_ROWS
     torch.manual_seed(0)
     for name, (n, k) in SHAPES.items():
@@ -48,14 +50,15 @@ def main() -> int:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             line = {"shape": name, "rows": rows,
                     "bf16_us": round(replay_us(cycling(lambda w: linear.dense_product(x, w), bf16_copies)), 2),
-                    "chosen": "dequantize" if rows >= threshold else chosen_tile(rows, n, 128).__dict__,
+                    "chosen": "dequantize" if rows >= threshold else chosen_tile(rows, n, k, 128, 132).__dict__,
                     "awq_chosen_us": round(replay_us(cycling(lambda w: a.awq_linear(x, *w), awq_copies)), 2)}
             try:
                 a.DEQUANTIZE_ROWS = 0
                 line["dequantize_cublas_us"] = round(replay_us(cycling(lambda w: a.awq_linear(x, *w), awq_copies)), 2)
                 a.DEQUANTIZE_ROWS = 1 << 30
                 for label, tile in candidates.items():
-                    if tile.block_m > 2 * max(rows, 16) or (rows >= 128 and tile.block_m < 32):
+                    if (tile.block_m > 2 * max(rows, 16) or (rows >= 128 and tile.block_m < 32)
+                            or k % (tile.split_k * tile.block_k)):
                         continue
                     a.awq_tile = lambda *_, tile=tile: tile
                     line[label] = round(replay_us(cycling(lambda w: a.awq_linear(x, *w), awq_copies)), 2)

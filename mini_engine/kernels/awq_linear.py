@@ -80,55 +80,68 @@ def awq_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 
 # ---- Triton ----
 
+import dataclasses  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from mini_engine.kernels.linear import product_output  # noqa: E402
-from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
+from mini_engine.kernels.linear import _sum_splits_kernel, product_output  # noqa: E402
+from mini_engine.kernels.triton_utils import num_sms, pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
 @triton.jit
-def _awq_columns(words, cols):
-    """Column `cols`' 4-bit values out of their words (both [.., BLOCK_N], a word per column)."""
-    j = cols % 8
-    shifts = ((j // 2) + (j % 2) * 4) * 4         # AWQ_NIBBLE_OF_COLUMN[j] * 4
-    return (words >> shifts[None, :]) & 0xF
+def _awq_unpack(words, BLOCK_N: tl.constexpr):
+    """words [R, BLOCK_N / 8] int32 -> their [R, BLOCK_N] 4-bit values in column order: column j
+    of a word shifted down from nibble AWQ_NIBBLE_OF_COLUMN[j] = j // 2 + 4 (j % 2). The words
+    load as one contiguous vector a row; the unpacking is register arithmetic."""
+    j = tl.arange(0, 8)
+    shifts = ((j // 2) + (j % 2) * 4) * 4
+    values = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+    return tl.reshape(values, [words.shape[0], BLOCK_N])
 
 
 @triton.jit
-def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K,
+                     stride_xm, stride_om, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[M, N] (+)= x[M, K] W^T, W's tiles dequantized as they load. BLOCK_K divides GROUP, so a
-    K tile lies in one group: one row of zeros and scales a tile. Each program loads a word once
-    a column (eight columns share it): the repeats hit the same cache lines in one load."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    K tile lies in one group: one row of zeros and scales a tile. N is whole words (8 | N), and
+    a tile's columns whole words too (8 | BLOCK_N). Program (n tile, m tile, split) sums the
+    split-th of SPLIT_K equal shares of K (SPLIT_K * BLOCK_K divides K); with more than one, its
+    fp32 partial goes to partial[split] for kernels.linear's _sum_splits_kernel (no bias then)."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    word_cols = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     ks = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < M, cols < N
+    row_ok, col_ok, word_ok = rows < M, cols < N, word_cols < N // 8
     words = N // 8
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_per_split = K // SPLIT_K
+    for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None],
                     other=0.0)
-        q = tl.load(qweight_ptr + (k0 + ks)[:, None].to(tl.int64) * words + (cols // 8)[None, :],
-                    mask=col_ok[None, :], other=0)
+        q = tl.load(qweight_ptr + (k0 + ks)[:, None].to(tl.int64) * words + word_cols[None, :],
+                    mask=word_ok[None, :], other=0)
         group = k0 // GROUP
-        z = tl.load(qzeros_ptr + group * words + cols // 8, mask=col_ok, other=0)
+        z = tl.load(qzeros_ptr + group * words + word_cols, mask=word_ok, other=0)
         s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w = ((_awq_columns(q, cols) - _awq_columns(z[None, :], cols)).to(tl.float32) * s[None, :]).to(x.dtype)
+        zs = _awq_unpack(z[None, :], BLOCK_N).to(tl.float32) * s[None, :]          # z * s, a row a tile
+        w = (_awq_unpack(q, BLOCK_N).to(tl.float32) * s[None, :] - zs).to(x.dtype)  # (q - z) * s
         if DOT_IN_FP32:         # the interpreter has no bf16 dot: W rounded to x's dtype all the same
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if ADD_OUT:
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K > 1:
+        tl.store(partial_ptr + (split * M + rows.to(tl.int64))[:, None] * N + cols[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        if ADD_OUT:
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -137,13 +150,15 @@ def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, K, N, G
     """out [K, N] = W^T in out's dtype."""
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (ks < K)[:, None] & (cols < N)[None, :]
+    word_cols = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     words = N // 8
-    q = tl.load(qweight_ptr + ks[:, None].to(tl.int64) * words + (cols // 8)[None, :], mask=mask, other=0)
+    word_mask = (ks < K)[:, None] & (word_cols < words)[None, :]
     groups = ks // GROUP
-    z = tl.load(qzeros_ptr + groups[:, None] * words + (cols // 8)[None, :], mask=mask, other=0)
+    q = tl.load(qweight_ptr + ks[:, None].to(tl.int64) * words + word_cols[None, :], mask=word_mask, other=0)
+    z = tl.load(qzeros_ptr + groups[:, None] * words + word_cols[None, :], mask=word_mask, other=0)
+    mask = (ks < K)[:, None] & (cols < N)[None, :]
     s = tl.load(scales_ptr + groups[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = (_awq_columns(q, cols) - _awq_columns(z, cols)).to(tl.float32) * s
+    w = (_awq_unpack(q, BLOCK_N).to(tl.float32) * s - _awq_unpack(z, BLOCK_N).to(tl.float32) * s)
     tl.store(out_ptr + ks[:, None].to(tl.int64) * N + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -154,18 +169,22 @@ class AwqTile:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
 
-def awq_tile(num_rows: int, out_features: int, group_size: int) -> AwqTile:
-    """The fused product's tile: as few rows as the batch needs, and columns narrow enough that
-    a decode step's narrow projections still spread over the SMs. A K tile divides the group
-    (layers.linear checks that 16 does)."""
+def awq_tile(num_rows: int, out_features: int, in_features: int, group_size: int, num_sms: int) -> AwqTile:
+    """The fused product's tile: as few rows as the batch needs; K split where the tiles alone
+    would leave most SMs idle (a decode step's narrow projections), each split whole K tiles."""
     block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
     block_n = 64 if out_features >= 8192 else 32
     block_k = 128 if block_m <= 32 else 64
     while group_size % block_k:
         block_k //= 2
-    return AwqTile(block_m, block_n, block_k)
+    tiles = -(-num_rows // block_m) * -(-out_features // block_n)
+    split_k = 1
+    while tiles * split_k * 2 <= num_sms and in_features % (2 * split_k * block_k) == 0 and split_k < 8:
+        split_k *= 2
+    return AwqTile(block_m, block_n, block_k, split_k=split_k)
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -195,14 +214,24 @@ def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     out = product_output(x, n, residual)
     if m == 0:
         return out
-    tile = awq_tile(m, n, group_size)
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
-    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, out if bias is None else bias, out, m, n, k, x.stride(0),
-                           out.stride(0),
-                           GROUP=group_size, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                           HAS_BIAS=bias is not None, ADD_OUT=residual is not None,
+    tile = awq_tile(m, n, k, group_size, num_sms(x.device))
+    if bias is not None and tile.split_k > 1:       # the splits' sum adds no bias
+        tile = dataclasses.replace(tile, split_k=1)
+    partial = out
+    if tile.split_k > 1:
+        partial = torch.empty(tile.split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), tile.split_k)
+    pdl = pdl_options(x.device)
+    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, out if bias is None else bias, out, partial, m, n, k,
+                           x.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                           BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, HAS_BIAS=bias is not None,
+                           ADD_OUT=residual is not None,
                            DOT_IN_FP32=x.device.type == "cpu",
                            # fp32 activations get fp32 products, not TF32 (bf16/fp16 ignore this)
                            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                           num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options(x.device))
+                           num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl)
+    if tile.split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=tile.split_k,
+                                                        BLOCK=block, ADD_OUT=residual is not None, num_warps=4, **pdl)
     return out

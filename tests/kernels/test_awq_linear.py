@@ -72,9 +72,12 @@ def random_awq(n: int, k: int, group_size: int, device) -> tuple[torch.Tensor, .
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_product_matches_reference(device, rows, dtype):
-    from mini_engine.kernels.awq_linear import awq_linear
+    from mini_engine.kernels.awq_linear import awq_linear, awq_tile
+    from mini_engine.kernels.triton_utils import num_sms
     torch.manual_seed(rows)
-    for n, k, group_size in ((72, 256, 128), (40, 96, 32)):
+    # 32 columns over 256 inputs: one column tile, so K splits in 2-4 (the splits' sum kernel)
+    assert rows > 16 or awq_tile(rows, 32, 256, 64, num_sms(torch.device(device))).split_k > 1
+    for n, k, group_size in ((72, 256, 128), (40, 96, 32), (32, 256, 64)):
         weights = random_awq(n, k, group_size, device)
         x = torch.randn(rows, k, device=device).to(dtype)
         expected = awq_linear_ref(x, *weights).float()
@@ -91,9 +94,9 @@ def test_residual_and_bias(device, rows):
     and the dequantize-then-cuBLAS path from DEQUANTIZE_ROWS rows."""
     from mini_engine.kernels.awq_linear import awq_linear
     torch.manual_seed(1)
-    weights = random_awq(48, 64, 32, device)
-    x, bias = torch.randn(rows, 64, device=device), torch.randn(48, device=device)
-    residual = torch.randn(rows, 48, device=device)
+    weights = random_awq(32, 256, 32, device)          # at 3 rows, K split: the residual added by the sum
+    x, bias = torch.randn(rows, 256, device=device), torch.randn(32, device=device)
+    residual = torch.randn(rows, 32, device=device)
     for b in (None, bias):
         expected = awq_linear_ref(x, *weights, residual.clone(), b)
         into = residual.clone()
