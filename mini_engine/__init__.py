@@ -3,11 +3,12 @@ from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSear
 from mini_engine.llm import LLM
 from mini_engine.lora import LoRARequest
 from mini_engine.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                                 EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
-                                 ScoringRequestOutput)
+                                 EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                                 ScoringOutput, ScoringRequestOutput)
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
            "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "ClassificationRequestOutput", "ClassificationOutput", "PoolingRequestOutput"]
+           "BeamSearchSequence", "ClassificationRequestOutput", "ClassificationOutput", "PoolingRequestOutput",
+           "PoolingOutput"]

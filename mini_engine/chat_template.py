@@ -51,6 +51,22 @@ def template_message(message: dict) -> dict:
     return out
 
 
+def continue_final_message(text: str, messages: list[dict]) -> str:
+    """The rendered chat cut right after its final message's content, as transformers'
+    apply_chat_template and vLLM's continue_final_message cut it: that message is left open (no
+    end of turn after it) for the model to continue. Raises ValueError where the final message has
+    no text, or the template did not write it (tried as it is, then stripped, as some templates
+    strip a message's content)."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    for written in (content, content.strip()):
+        end = text.rfind(written)
+        if end >= 0:
+            return text[:end + len(written)]
+    raise ValueError("continue_final_message: the chat template did not write the final message's content")
+
+
 def token_text(token) -> str | None:
     """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
     return token.get("content") if isinstance(token, dict) else token

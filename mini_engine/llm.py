@@ -13,12 +13,12 @@ from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
 from mini_engine.engine.sequence import Sequence
-from mini_engine.layers.pooler import cosine_similarity
+from mini_engine.layers.pooler import cosine_similarity, task_output
 from mini_engine.lora import LoRARequest
 from mini_engine.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                                  EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                  ScoringOutput, ScoringRequestOutput)
-from mini_engine.pooling_params import PoolingParams, check_task_parameters
+from mini_engine.pooling_params import PoolingParams, check_task_parameters, resolve_pooling_task
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.tokenizer import encode_pair
 
@@ -213,6 +213,25 @@ class LLM:
                              "model: LLM.classify gives its labels' probabilities, LLM.reward its raw scores")
         return self.pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "embed")
 
+    def encode(self, prompts: str | dict | list[str | dict] | list[int] | list[list[int]],
+               pooling_params: PoolingParams | list[PoolingParams] | None = None, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode, the generic call of a pooling model: each prompt's pooled output,
+        `outputs.data`. pooling_task (vLLM's): "embed", an embedding model's embedding (as LLM.embed);
+        "classify", a sequence classifier's labels' probabilities (as LLM.classify; the raw logits with
+        PoolingParams(use_activation=False)) or a cross-encoder's score, one value (as vLLM's one-label
+        conversion of Qwen3-Reranker gives it). None: the model's own task, as vLLM picks it (which
+        vLLM's latest makes the caller name); one the model cannot do, or a per-token one
+        ("token_embed", "token_classify": this engine pools one output a prompt), is a ValueError."""
+        if self.engine.config.runner != "pooling":
+            raise ValueError("LLM.encode needs a pooling model: LLM(path, runner='pooling')")
+        pooler = self.engine.config.pooler
+        task = resolve_pooling_task(pooling_task, pooler)
+        return [PoolingRequestOutput(out.request_id, out.prompt_token_ids,
+                                     PoolingOutput(task_output(out.outputs.embedding, pooler)))
+                for out in self.pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, task, "Encoding")]
+
     def pool(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None, use_tqdm: bool,
              truncate_prompt_tokens: int | None, task: str, desc: str = "Embedding") -> list[EmbeddingRequestOutput]:
         """Runs a pooling engine's prompts: each one's pooled output (an embedding, a cross-encoder's
@@ -224,7 +243,7 @@ class LLM:
         if len(pooling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(pooling_params)} pooling params")
         for params in pooling_params:
-            check_task_parameters(params, task)
+            check_task_parameters(params, task, self.engine.config.pooler)
         if truncate_prompt_tokens is not None:
             pooling_params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                               for p in pooling_params]

@@ -80,12 +80,14 @@ class ClassificationRequestOutput:
 
 @dataclass
 class PoolingOutput:
-    data: list[float]               # LLM.reward's: the score head's logits at the prompt's last token
+    # LLM.encode's: the task's pooled output (an embedding, probabilities); LLM.reward's: the score
+    # head's logits at the prompt's last token
+    data: list[float]
 
 
 @dataclass
 class PoolingRequestOutput:
-    """LLM.reward's result for one prompt, as vLLM's (whose data is a tensor; here a list)."""
+    """LLM.encode's and LLM.reward's result for one prompt, as vLLM's (whose data is a tensor; here a list)."""
     request_id: str
     prompt_token_ids: list[int]
     outputs: PoolingOutput

@@ -70,14 +70,40 @@ class PoolingParams:
 TASK_PARAMETERS = {"embed": ("dimensions", "normalize"), "classify": ("use_activation",)}
 
 
-def check_task_parameters(params: PoolingParams, task: str) -> None:
+# vLLM's per-token pooling tasks (vllm/tasks.py): every position's output, where this engine pools
+# one output per prompt.
+PER_TOKEN_TASKS = ("token_embed", "token_classify")
+
+
+def check_task_parameters(params: PoolingParams, task: str, pooler: "PoolerConfig | None" = None) -> None:
     """A ValueError for a parameter that `task` ignores (as vLLM refuses it): a classifier's
-    request that asks for normalize or dimensions, an embedding's that asks for use_activation."""
+    request that asks for normalize or dimensions, an embedding's that asks for use_activation;
+    and a cross-encoder's that asks for raw logits, as its pooled output is its tokens' probabilities."""
     ignored = [name for names in TASK_PARAMETERS.values() for name in names
                if name not in TASK_PARAMETERS[task] and getattr(params, name) is not None]
     if ignored:
         raise ValueError(f"{ignored[0]} does not apply to {task}: it takes {list(TASK_PARAMETERS[task])} "
                          "and truncate_prompt_tokens")
+    if pooler is not None and pooler.is_cross_encoder and params.use_activation is False:
+        raise ValueError("use_activation=False: a cross-encoder (classifier_from_token) gives its score as a "
+                         "probability only")
+
+
+def resolve_pooling_task(task: str | None, pooler: "PoolerConfig") -> str:
+    """The task a generic pooling call (LLM.encode, the server's /pooling) runs: the one given, or
+    the model's own (pooler.tasks[0], as vLLM's ModelConfig.get_pooling_task picks it). A
+    ValueError, saying what the model does, for a task it cannot do."""
+    if task is None or task in pooler.tasks:
+        return pooler.tasks[0] if task is None else task
+    if task in PER_TOKEN_TASKS and task.removeprefix("token_") in pooler.tasks:
+        raise ValueError(f"pooling_task {task!r} asks for every token's output, and this engine pools one output "
+                         f"a prompt: use {pooler.tasks[0]!r}"
+                         + (" (a reward model's raw score: LLM.reward, or use_activation=False)"
+                            if pooler.is_classifier else ""))
+    if task in TASK_PARAMETERS or task in PER_TOKEN_TASKS:
+        raise ValueError(f"pooling_task {task!r} is not one this model does: it is {pooler.kind}, whose task is "
+                         f"{pooler.tasks[0]!r}")
+    raise ValueError(f"unknown pooling_task {task!r}: this model ({pooler.kind}) runs {pooler.tasks[0]!r}")
 
 
 def truncate_prompt(prompt_token_ids: list[int], params: PoolingParams, max_model_len: int) -> list[int]:
@@ -135,6 +161,19 @@ class PoolerConfig:
     def is_classifier(self) -> bool:
         """A sequence classifier (Qwen3ForSequenceClassification): its score head's logits."""
         return self.activation is not None
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The pooling tasks (vLLM's names) this pooler answers, the model's own first: a
+        classifier's and a cross-encoder's "classify" (vLLM converts Qwen3-Reranker to a
+        classifier of one label), an embedding model's "embed"."""
+        return ("classify",) if self.is_classifier or self.is_cross_encoder else ("embed",)
+
+    @property
+    def kind(self) -> str:
+        """What the model is, in a few words, for errors."""
+        return ("a sequence classifier" if self.is_classifier else
+                "a cross-encoder (classifier_from_token)" if self.is_cross_encoder else "an embedding model")
 
     @classmethod
     def resolve(cls, folder: str, given: "PoolerConfig | dict | None",

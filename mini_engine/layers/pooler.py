@@ -102,6 +102,13 @@ def finish_pooled(pooled: np.ndarray, params: PoolingParams, pooler: PoolerConfi
     return finish_embedding(pooled, params, pooler.normalize)
 
 
+def task_output(output: list[float], pooler: PoolerConfig) -> list[float]:
+    """A request's pooled output as vLLM's LLM.encode and /pooling give it: a cross-encoder's, its
+    second classifier token's probability alone (vLLM converts Qwen3-Reranker to a classifier of
+    one label, whose sigmoid of the two logits' difference is that probability); any other's as it is."""
+    return output[-1:] if pooler.is_cross_encoder else output
+
+
 def finish_embedding(pooled: np.ndarray, params: PoolingParams, default_normalize: bool) -> list[float]:
     """The request's embedding from its pooled vector: cut to params.dimensions (a Matryoshka
     cut, before normalising, as vLLM cuts it), then L2-normalised where asked (or by default)."""

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mini_engine.chat_template import ChatTemplate, template_message
+from mini_engine.chat_template import ChatTemplate, continue_final_message, template_message
 from mini_engine.config import EngineConfig
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
@@ -36,7 +36,7 @@ from mini_engine.server.metrics import ServerMetrics
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ClassificationRequest,
                                          CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                         LoadLoRAAdapterRequest, ProtocolError,
+                                         LoadLoRAAdapterRequest, PoolingRequest, ProtocolError,
                                          RerankRequest, SamplingRequest, ScoreRequest, TokenizeRequest,
                                          UnloadLoRAAdapterRequest, completion_body, error_body, error_response,
                                          model_card, random_id, usage)
@@ -204,8 +204,8 @@ class OpenAIServer:
     def check(self, req: SamplingRequest) -> LoRARequest | None:
         lora_request = self.check_model(req.model)
         if self.config.runner == "pooling":
-            raise ProtocolError("this server runs a pooling model (--runner pooling): use /v1/embeddings, /score "
-                                "or /rerank")
+            raise ProtocolError("this server runs a pooling model (--runner pooling): use /v1/embeddings, /classify, "
+                                "/pooling, /score or /rerank")
         param = req.unsupported()
         if param is not None:
             raise ProtocolError(f"{param}={getattr(req, param)!r} is not supported by this server", param=param)
@@ -319,10 +319,16 @@ class OpenAIServer:
                                 f"{limits.num_blocks * limits.block_size} tokens", param="messages")
         return left
 
-    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """The prompt's text and its token ids."""
+    def render_chat(self, req: ChatCompletionRequest, continue_final: bool = False) -> tuple[str, list[int]]:
+        """The prompt's text and its token ids. continue_final (vLLM's continue_final_message, which
+        the pooling endpoints take): the text ends with the last message's content, left open."""
         if self.chat_template is None:
-            raise ProtocolError("this model has no chat template (tokenizer_config.json): use /v1/completions")
+            raise ProtocolError("this model has no chat template (tokenizer_config.json): send the prompt itself "
+                                "(/v1/completions, or a pooling endpoint's input), not messages")
+        if continue_final and req.add_generation_prompt:
+            raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                                "continues the last message, the second starts a new one",
+                                param="continue_final_message")
         try:
             messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
         except ValueError as e:
@@ -335,6 +341,8 @@ class OpenAIServer:
             kwargs = kwargs | {"tools": [tool.model_dump() for tool in req.tools]}
         try:
             text = self.chat_template.render(messages, req.add_generation_prompt, **kwargs)
+            if continue_final:
+                text = continue_final_message(text, messages)
         except (ValueError, TypeError) as e:     # the template failed on these messages
             raise ProtocolError(f"the chat template cannot render these messages: {e}", param="messages") from None
         return text, self.tokenize(text)
@@ -549,7 +557,8 @@ class OpenAIServer:
                                          add_generation_prompt=req.add_generation_prompt,
                                          chat_template_kwargs=req.chat_template_kwargs)
             text, _ = self.render_chat(chat)
-        special = req.add_special_tokens if req.add_special_tokens is not None else self.config.runner == "pooling"
+        special = req.add_special_tokens if req.add_special_tokens is not None else \
+            self.config.runner == "pooling" and req.messages is None
         ids = self.tokenizer.encode(text, add_special_tokens=special).ids
         return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                 "token_strs": [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None}
@@ -733,6 +742,10 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @app.post("/v1/classify")
     async def classify(req: ClassificationRequest, raw: Request):
         return await pooling.classify(req, raw)
+
+    @app.post("/pooling")
+    async def pooling_route(req: PoolingRequest, raw: Request):
+        return await pooling.pooling(req, raw)
 
     @app.post("/score")
     @app.post("/v1/score")

@@ -1,10 +1,11 @@
 """The endpoints of a server whose engine is a pooling model (--runner pooling): OpenAI's
-/v1/embeddings, vLLM's /classify (a sequence classifier's labels' probabilities), and vLLM's /score
-and /rerank, which score texts against texts: an embedding model by the cosine similarity of their
-embeddings (as vLLM's score API does for one), a cross-encoder (classifier_from_token:
-Qwen3-Reranker, or a sequence classifier of one label) by its score of each pair read as one
-prompt. Each request's prompts run as one batch of engine requests; a client that leaves has them
-aborted."""
+/v1/embeddings, vLLM's /classify (a sequence classifier's labels' probabilities), vLLM's /pooling
+(either, as the task asks), and vLLM's /score and /rerank, which score texts against texts: an
+embedding model by the cosine similarity of their embeddings (as vLLM's score API does for one), a
+cross-encoder (classifier_from_token: Qwen3-Reranker, or a sequence classifier of one label) by its
+score of each pair read as one prompt. /v1/embeddings, /classify and /pooling take chat `messages`
+in place of `input`, as vLLM's. Each request's prompts run as one batch of engine requests; a
+client that leaves has them aborted."""
 import base64
 import time
 
@@ -12,10 +13,11 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from mini_engine.layers.pooler import cosine_similarity
-from mini_engine.pooling_params import PoolingParams, truncate_prompt
+from mini_engine.layers.pooler import cosine_similarity, task_output
+from mini_engine.pooling_params import PoolingParams, check_task_parameters, resolve_pooling_task, truncate_prompt
 from mini_engine.tokenizer import encode_pair
-from mini_engine.server.protocol import (ClassificationRequest, EmbeddingRequest, ProtocolError, RerankRequest,
+from mini_engine.server.protocol import (ChatCompletionRequest, ClassificationRequest, EmbeddingRequest,
+                                         PoolingInputRequest, PoolingRequest, ProtocolError, RerankRequest,
                                          ScoreRequest, error_response, random_id)
 
 
@@ -40,9 +42,11 @@ class PoolingEndpoints:
         server = self.server
         server.check_model(model)
         if server.config.runner != "pooling":
-            model = ("a sequence classifier's checkpoint, Qwen3ForSequenceClassification, for which the default "
-                     "--runner auto picks it" if runner_needed_by == "/classify" else
-                     "an embedding model, such as Qwen3-Embedding")
+            classifier = ("a sequence classifier's checkpoint, Qwen3ForSequenceClassification, for which the default "
+                          "--runner auto picks it")
+            embedding = "an embedding model, such as Qwen3-Embedding"
+            model = {"/classify": classifier, "/pooling": f"{embedding}, or {classifier}"}.get(runner_needed_by,
+                                                                                               embedding)
             raise ProtocolError(f"this server runs a generative model: {runner_needed_by} needs a server started "
                                 f"with --runner pooling ({model})")
         server.check_priority(priority)
@@ -72,6 +76,24 @@ class PoolingEndpoints:
     def prompts(self, inputs: list[tuple[str, str | list[int]]], add_special_tokens: bool = True) -> list[list[int]]:
         """The inputs, (name for errors, text or token ids), as token ids."""
         return [self.server.tokenize(text, name, add_special_tokens, name.split(" ")[0]) for name, text in inputs]
+
+    def input_prompts(self, req: PoolingInputRequest) -> list[list[int]]:
+        """A request's prompts as token ids: its input's (text with the tokenizer's special tokens
+        unless add_special_tokens says otherwise), or its messages' one prompt, rendered by the chat
+        template as /v1/chat/completions and /tokenize render them (without the tokenizer's special
+        tokens unless asked: the template writes a chat's own)."""
+        if (req.input is None) == (req.messages is None):
+            raise ProtocolError("give either input or messages" if req.input is None else
+                                "give input or messages, not both", param="input")
+        if req.messages is None:
+            texts = self.server.prompt_list(req.input)
+            names = [f"input {i}" if len(texts) > 1 else "input" for i in range(len(texts))]
+            return self.prompts(list(zip(names, texts)), req.add_special_tokens is not False)
+        chat = ChatCompletionRequest(model=self.server.model_name, messages=req.messages,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     chat_template_kwargs=req.chat_template_kwargs)
+        text, _ = self.server.render_chat(chat, continue_final=req.continue_final_message)
+        return self.prompts([("messages", text)], req.add_special_tokens is True)
 
     def pairs(self, first: list, second: list) -> list[list[int]]:
         """A cross-encoder's prompts: first's (one for all, or one each) and second's texts, paired."""
@@ -107,17 +129,41 @@ class PoolingEndpoints:
         if self.cross_encoder:
             raise ProtocolError("this server runs a cross-encoder (classifier_from_token): it scores pairs, "
                                 "/score and /rerank")
-        texts = self.server.prompt_list(req.input)
-        names = [f"input {i}" if len(texts) > 1 else "input" for i in range(len(texts))]
         request_id = random_id("embd")
 
         def respond(vectors: list[list[float]], num_tokens: int) -> dict:
             data = [{"object": "embedding", "index": i, "embedding": encoded(v, req.encoding_format)}
                     for i, v in enumerate(vectors)]
-            return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
-                    "data": data, "usage": usage(num_tokens)}
-        return await self.embed(raw, request_id, self.prompts(list(zip(names, texts)), req.add_special_tokens),
-                                params, req.priority, respond)
+            return self.listed(request_id, data, num_tokens)
+        return await self.embed(raw, request_id, self.input_prompts(req), params, req.priority, respond)
+
+    def listed(self, request_id: str, data: list[dict], num_tokens: int) -> dict:
+        """The body vLLM's embedding, classification and pooling responses share."""
+        return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
+                "data": data, "usage": usage(num_tokens)}
+
+    async def pooling(self, req: PoolingRequest, raw: Request) -> Response:
+        """vLLM's /pooling: each input's pooled output for the task (the model's own where the
+        request names none), `data` as LLM.encode's: an embedding, a classifier's probabilities (raw
+        logits with use_activation false), a cross-encoder's score."""
+        params = self.params("/pooling", req.model, req.priority, dimensions=req.dimensions, normalize=req.normalize,
+                             truncate_prompt_tokens=req.truncate_prompt_tokens, use_activation=req.use_activation)
+        pooler = self.server.config.pooler
+        try:
+            task = resolve_pooling_task(req.task, pooler)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="task") from None
+        try:
+            check_task_parameters(params, task, pooler)
+        except ValueError as e:     # the message starts with the parameter's name
+            raise ProtocolError(str(e), param=str(e).split(" ", 1)[0].split("=")[0]) from None
+        request_id = random_id("pool")
+
+        def respond(outputs: list[list[float]], num_tokens: int) -> dict:
+            data = [{"index": i, "object": "pooling", "data": encoded(task_output(out, pooler), req.encoding_format)}
+                    for i, out in enumerate(outputs)]
+            return self.listed(request_id, data, num_tokens)
+        return await self.embed(raw, request_id, self.input_prompts(req), params, req.priority, respond)
 
     async def score(self, req: ScoreRequest, raw: Request) -> Response:
         params = self.params("/score", req.model, req.priority, truncate_prompt_tokens=req.truncate_prompt_tokens)
@@ -182,15 +228,11 @@ class PoolingEndpoints:
                                 "Qwen3ForSequenceClassification); this server runs "
                                 + ("a cross-encoder (classifier_from_token): /score and /rerank"
                                    if self.cross_encoder else "an embedding model: /v1/embeddings"))
-        texts = self.server.prompt_list(req.input)
-        names = [f"input {i}" if len(texts) > 1 else "input" for i in range(len(texts))]
         labels = self.server.config.model_config.labels
         request_id = random_id("classify")
 
         def respond(outputs: list[list[float]], num_tokens: int) -> dict:
             data = [{"index": i, "label": labels[int(np.argmax(probs))], "probs": probs, "num_classes": len(probs)}
                     for i, probs in enumerate(outputs)]
-            return {"id": request_id, "object": "list", "created": int(time.time()), "model": self.server.model_name,
-                    "data": data, "usage": usage(num_tokens)}
-        return await self.embed(raw, request_id, self.prompts(list(zip(names, texts)), req.add_special_tokens),
-                                params, req.priority, respond)
+            return self.listed(request_id, data, num_tokens)
+        return await self.embed(raw, request_id, self.input_prompts(req), params, req.priority, respond)

@@ -201,8 +201,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    # None: as the server's endpoints tokenize, without them for completions (Qwen3's adds none), with
-    # them for an embedding server's /v1/embeddings (Qwen3-Embedding's appends <|endoftext|>)
+    # None: as the server's endpoints tokenize, without them for completions (Qwen3's adds none) and for
+    # messages, with them for an embedding server's input (Qwen3-Embedding's appends <|endoftext|>)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -216,32 +216,44 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's /v1/embeddings, with vLLM's extensions, for a server started with --runner pooling."""
+class PoolingInputRequest(BaseModel):
+    """What the pooling endpoints share: the prompts, as `input` (a text, token ids, or a batch of
+    either), or as chat `messages` rendered by the chat template into one prompt (vLLM's
+    EmbeddingChatRequest, ClassificationChatRequest and PoolingChatRequest); exactly one of the two."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"     # base64: the float32 values' bytes, little-endian
-    dimensions: int | None = None               # a Matryoshka model's cut (PoolingParams.dimensions)
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults for a pooling chat: the conversation as it is, no assistant turn opened after it
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False        # the last message left open, no end of turn after it
+    chat_template_kwargs: dict[str, Any] | None = None
+    # The tokenizer's own special tokens, as Qwen3-Embedding's appends the <|endoftext|> it pools. None:
+    # vLLM's defaults, with them for input, without for messages (the chat template writes its own)
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None   # extension (vLLM's): pool the last k tokens (-1: max_model_len)
     user: str | None = None                     # accepted and ignored, as OpenAI's own
-    truncate_prompt_tokens: int | None = None   # extension (vLLM's): embed the last k tokens (-1: max_model_len)
-    normalize: bool | None = None               # extension (vLLM's): None, as the server's pooler says
-    # extension (vLLM's): the tokenizer's own tokens, as Qwen3-Embedding's appends the <|endoftext|> it pools
-    add_special_tokens: bool = True
     priority: int = 0                           # extension (vLLM's): with --scheduling-policy priority
 
 
-class ClassificationRequest(BaseModel):
+class EmbeddingRequest(PoolingInputRequest):
+    """OpenAI's /v1/embeddings, with vLLM's extensions, for a server started with --runner pooling."""
+    encoding_format: Literal["float", "base64"] = "float"     # base64: the float32 values' bytes, little-endian
+    dimensions: int | None = None               # a Matryoshka model's cut (PoolingParams.dimensions)
+    normalize: bool | None = None               # extension (vLLM's): None, as the server's pooler says
+
+
+class ClassificationRequest(PoolingInputRequest):
     """vLLM's /classify, for a server of a sequence classifier (Qwen3ForSequenceClassification):
     each input's labels' probabilities, and its likeliest label's name."""
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    truncate_prompt_tokens: int | None = None   # classify the last k tokens (-1: max_model_len)
     use_activation: bool | None = None          # False: the raw logits; None, as the server's pooler says
-    add_special_tokens: bool = True             # vLLM's, as /v1/embeddings'
-    user: str | None = None                     # accepted and ignored
-    priority: int = 0                           # with --scheduling-policy priority
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling, the generic call of a pooling model: each input's pooled output for `task`
+    (vLLM's names: "embed" or "classify"; None, the model's own), with the parameters of either."""
+    task: str | None = None
+    use_activation: bool | None = None
 
 
 class ScoreRequest(BaseModel):

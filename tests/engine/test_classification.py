@@ -170,6 +170,27 @@ def test_one_label_is_a_sigmoid_and_its_reward_the_raw_logit(one_label):
     assert_blocks_free(llm)
 
 
+def test_encode_is_classify_for_a_classifier(three_labels):
+    """vLLM's LLM.encode: a classifier's own task is "classify", its outputs.data the labels'
+    probabilities (the raw logits with use_activation=False); "embed" and the per-token
+    "token_classify" are refused, the latter pointing to the last token's raw score."""
+    llm = LLM(three_labels, device="cpu")
+    prompts = mixed_prompts()[:4]
+    logits = hf_logits(three_labels, prompts)
+    for out, probs in zip(llm.encode(prompts, use_tqdm=False), logits.softmax(-1)):
+        close(out.outputs.data, probs)
+    raw = llm.encode(prompts, PoolingParams(use_activation=False), pooling_task="classify", use_tqdm=False)
+    for out, logit in zip(raw, logits):
+        close(out.outputs.data, logit)
+    for task, match in [("embed", "not one this model does: it is a sequence classifier.*'classify'"),
+                        ("token_classify", "every token's output.*LLM.reward")]:
+        with pytest.raises(ValueError, match=match):
+            llm.encode(prompts, pooling_task=task, use_tqdm=False)
+    with pytest.raises(ValueError, match="normalize does not apply to classify"):
+        llm.encode(prompts, PoolingParams(normalize=True), use_tqdm=False)
+    assert_blocks_free(llm)
+
+
 def test_score_reads_each_pair_as_the_tokenizer_encodes_it(one_label):
     """A one-label classifier as a cross-encoder (vLLM's Score API for num_labels == 1): each
     query and document read as one prompt, the tokenizer's pair, scored by the sigmoid."""

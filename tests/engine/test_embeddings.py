@@ -143,6 +143,34 @@ def test_qwen3_embedding_layout_and_its_tokenizer(tokenized_model, embedding_mod
     assert generating.tokenize(text) == ids[:-1]
 
 
+def test_encode_is_embed_for_an_embedding_model(tokenized_model, embedding_model):
+    """vLLM's LLM.encode: an embedding model's own task is "embed", so its outputs.data are
+    LLM.embed's embeddings (PoolingParams and truncation passed through); a task it cannot do, a
+    per-token one, a parameter of another task, or a generating LLM is refused, naming what it does."""
+    llm = LLM(embedding_model, device="cpu", runner="pooling")
+    prompts = ["the cat sat on the mat", mixed_prompts()[4], {"prompt_token_ids": mixed_prompts()[6]}]
+    encoded = llm.encode(prompts, use_tqdm=False)
+    embedded = llm.embed(prompts, use_tqdm=False)
+    assert [type(o).__name__ for o in encoded] == ["PoolingRequestOutput"] * 3
+    for e, o in zip(encoded, embedded):
+        assert e.prompt_token_ids == o.prompt_token_ids and e.finished
+        assert_close(e.outputs.data, torch.tensor(o.outputs.embedding))
+    assert_close(encoded[1].outputs.data, hf_embedding(tokenized_model, mixed_prompts()[4]))
+    raw = llm.encode(mixed_prompts()[4], PoolingParams(normalize=False), truncate_prompt_tokens=5, pooling_task="embed",
+                     use_tqdm=False)[0]
+    assert raw.prompt_token_ids == mixed_prompts()[4][-5:]
+    assert_close(raw.outputs.data, hf_embedding(tokenized_model, mixed_prompts()[4][-5:], normalize=False))
+    for kwargs, match in [(dict(pooling_task="classify"), "not one this model does: it is an embedding model.*'embed'"),
+                          (dict(pooling_task="token_embed"), "every token's output.*use 'embed'"),
+                          (dict(pooling_task="reward"), "unknown pooling_task 'reward'"),
+                          (dict(pooling_params=PoolingParams(use_activation=False)), "use_activation does not apply")]:
+        with pytest.raises(ValueError, match=match):
+            llm.encode(prompts, use_tqdm=False, **kwargs)
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+    with pytest.raises(ValueError, match="LLM.encode needs a pooling model"):
+        LLM(tokenized_model, device="cpu").encode("a", use_tqdm=False)
+
+
 @pytest.mark.parametrize("mode,normalize,pooling_type", [("pooling_mode_mean_tokens", False, "MEAN"),
                                                          ("pooling_mode_lasttoken", True, "LAST")])
 def test_sentence_transformers_modules_set_the_pooler(tokenized_model, tmp_path, mode, normalize, pooling_type):
@@ -319,6 +347,12 @@ def test_a_cross_encoder_scores_pairs_as_transformers(tokenized_model):
             assert out.prompt_token_ids == tokenizer.encode(a, second[i]).ids
             assert out.outputs.score == pytest.approx(hf_pair_score(tokenized_model, out.prompt_token_ids, tokens),
                                                       abs=1e-5)
+    # LLM.encode: "classify", the score alone, as vLLM's one-label conversion of the reranker gives it
+    pair = tokenizer.encode(query, docs[0]).ids
+    assert llm.encode([pair], use_tqdm=False)[0].outputs.data == \
+        pytest.approx([hf_pair_score(tokenized_model, pair, tokens)], abs=1e-5)
+    with pytest.raises(ValueError, match="a probability only"):
+        llm.encode([pair], PoolingParams(use_activation=False), use_tqdm=False)
     ids = [5, 6, 7]
     assert llm.score(ids, [[8, 9]], use_tqdm=False)[0].prompt_token_ids == ids + [8, 9]
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -1,7 +1,7 @@
 """Our jinja2 rendering of the checkpoint's chat template agrees with transformers'."""
 import pytest
 
-from mini_engine.chat_template import ChatTemplate
+from mini_engine.chat_template import ChatTemplate, continue_final_message
 from tests.server.conftest import CHATML_TEMPLATE
 
 MESSAGES = [
@@ -35,3 +35,21 @@ def test_from_pretrained_and_template_errors(tiny_model):
     assert template.render(MESSAGES[:2]).endswith("<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="no tools"):
         ChatTemplate(RICH_TEMPLATE, {}).render([{"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, CHATML_TEMPLATE.replace("message['content']",
+                                                                                 "message['content'] | trim")])
+@pytest.mark.parametrize("final", ["Yes, and", "  Yes, and  "])
+def test_continue_final_message_matches_transformers(tiny_model, template, final):
+    """The rendered chat cut after the last message's content (stripped where the template wrote
+    it stripped), as transformers' continue_final_message cuts it."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{tiny_model}/tokenizer.json")
+    messages = MESSAGES[:2] + [{"role": "assistant", "content": final}]
+    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=False, continue_final_message=True)
+    ours = ChatTemplate(template, {})
+    assert continue_final_message(ours.render(messages, False), messages) == expected
+    assert expected.rstrip().endswith("Yes, and") and "<|im_end|>" not in expected.split("assistant")[-1]
+    for bad in ([{"role": "user", "content": ""}], []):
+        with pytest.raises(ValueError, match="final message with text"):
+            continue_final_message("x", bad)

@@ -51,6 +51,28 @@ def test_classify_equals_transformers(classifier_server):
     classifier_server.wait_idle()
 
 
+def test_pooling_and_chat_messages_classify(classifier_server):
+    """vLLM's /pooling on a classifier: its own task, "classify", each input's `data` /classify's
+    probabilities (raw logits with use_activation false); /classify's chat messages classify as
+    the tokens /tokenize renders them into."""
+    ids = [[5, 6, 7], [40, 41, 42, 43]]
+    for fields in ({}, {"use_activation": False}):
+        classified = post(classifier_server, "/classify", {"input": ids} | fields).json()
+        pooled = post(classifier_server, "/pooling", {"input": ids} | fields).json()
+        assert pooled["id"].startswith("pool-") and pooled["usage"] == classified["usage"]
+        for got, expected in zip(pooled["data"], classified["data"]):
+            assert got["object"] == "pooling" and got["data"] == pytest.approx(expected["probs"], abs=1e-5)
+    messages = [{"role": "system", "content": "rate it"}, {"role": "user", "content": "the cat sat"}]
+    tokens = post(classifier_server, "/tokenize",
+                  {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    expected = post(classifier_server, "/classify", {"input": tokens}).json()["data"][0]
+    for path, key in (("/classify", "probs"), ("/v1/classify", "probs"), ("/pooling", "data")):
+        got = post(classifier_server, path, {"messages": messages}).json()["data"][0]
+        assert got[key] == pytest.approx(expected["probs"], abs=1e-5)
+    assert expected["probs"] != post(classifier_server, "/classify", {"input": tokens[:-1]}).json()["data"][0]["probs"]
+    classifier_server.wait_idle()
+
+
 @pytest.mark.parametrize("route,body,match", [
     ("/classify", {"input": list(range(3, 60))}, "exceeds max_model_len=48"),
     ("/classify", {"input": [[5, 6], [5, 10**6]]}, r"prompt 1"),
@@ -62,6 +84,11 @@ def test_classify_equals_transformers(classifier_server):
     ("/rerank", {"query": "a", "documents": ["b"]}, r"num_labels == 1.*has 3"),
     ("/v1/embeddings", {"input": "a"}, "sequence classifier.*/classify"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 2}, "pooling model"),
+    ("/pooling", {"input": "a", "task": "embed"}, "it is a sequence classifier, whose task is 'classify'"),
+    ("/pooling", {"input": "a", "task": "token_classify"}, "every token's output.*LLM.reward"),
+    ("/pooling", {"input": "a", "dimensions": 2}, "dimensions does not apply to classify"),
+    ("/classify", {"input": "a", "messages": [{"role": "user", "content": "a"}]}, "not both"),
+    ("/classify", {"messages": []}, "chat template cannot render|empty"),
 ])
 def test_bad_classify_requests(classifier_server, route, body, match):
     response = post(classifier_server, route, body)

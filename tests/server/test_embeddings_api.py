@@ -1,9 +1,11 @@
 """/v1/embeddings on a server started with --runner pooling, through OpenAI's own client (which asks
 for base64 unless told otherwise), against transformers' hidden states; what it refuses."""
+import base64
 import json
 import re
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -72,11 +74,87 @@ def test_bad_embedding_requests(embedding_server, body, match):
     embedding_server.wait_idle()
 
 
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=30)
+
+
+def test_pooling_is_the_embedding(embedding_server):
+    """vLLM's /pooling on an embedding model: its own task, "embed", so each input's `data` is
+    /v1/embeddings' embedding of it (texts, token ids, dimensions, base64), in vLLM's shape."""
+    texts, ids = ["the cat sat on the mat", "a dog"], [5, 6, 7, 8, 9]
+    embeddings = post(embedding_server, "/v1/embeddings", {"input": texts}).json()
+    pooled = post(embedding_server, "/pooling", {"model": MODEL_NAME, "input": texts}).json()
+    assert pooled["object"] == "list" and pooled["id"].startswith("pool-") and pooled["model"] == MODEL_NAME
+    assert isinstance(pooled["created"], int) and pooled["usage"] == embeddings["usage"]
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+    for got, expected in zip(pooled["data"], embeddings["data"]):
+        torch.testing.assert_close(torch.tensor(got["data"]), torch.tensor(expected["embedding"]), atol=2e-5, rtol=1e-4)
+    cut = {"input": ids, "dimensions": 16, "normalize": False, "truncate_prompt_tokens": 4}
+    expected = post(embedding_server, "/v1/embeddings", cut).json()["data"][0]["embedding"]
+    got = post(embedding_server, "/pooling", cut | {"task": "embed", "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(got["data"][0]["data"]), dtype="<f4")
+    assert len(expected) == 16 and got["usage"]["prompt_tokens"] == 4
+    torch.testing.assert_close(torch.from_numpy(decoded.copy()), torch.tensor(expected), atol=2e-5, rtol=1e-4)
+    embedding_server.wait_idle()
+
+
+def test_chat_messages_are_the_rendered_prompt(embedding_server):
+    """vLLM's chat form of /v1/embeddings and /pooling: messages rendered by the chat template (by
+    default without a generation prompt, and without the tokenizer's special tokens) embed as the
+    rendered prompt's tokens do, as /tokenize renders them, or the text continue_final_message cuts."""
+    messages = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
+
+    def tokens(**fields) -> list[int]:
+        return post(embedding_server, "/tokenize", {"messages": messages} | fields).json()["tokens"]
+
+    def embedding(path: str, body: dict) -> torch.Tensor:
+        response = post(embedding_server, path, body)
+        assert response.status_code == 200, response.text
+        item = response.json()["data"][0]
+        return torch.tensor(item["embedding"] if path == "/v1/embeddings" else item["data"])
+
+    plain = tokens(add_generation_prompt=False)
+    assert plain != tokens(add_generation_prompt=False, add_special_tokens=True)     # the test tells them apart
+    for fields, prompt in [({}, plain),
+                           ({"add_generation_prompt": True}, tokens()),
+                           ({"add_special_tokens": True}, tokens(add_generation_prompt=False, add_special_tokens=True)),
+                           ({"continue_final_message": True},
+                            "<|im_start|>user\nthe cat<|im_end|>\n<|im_start|>assistant\nsat on")]:
+        expected = embedding("/v1/embeddings", {"input": prompt, "add_special_tokens": False})
+        for path in ("/v1/embeddings", "/pooling"):
+            torch.testing.assert_close(embedding(path, {"messages": messages} | fields), expected, atol=2e-5, rtol=1e-4)
+    usage = post(embedding_server, "/v1/embeddings", {"messages": messages}).json()["usage"]
+    assert usage["prompt_tokens"] == len(plain)
+    embedding_server.wait_idle()
+
+
+@pytest.mark.parametrize("route,body,match", [
+    ("/v1/embeddings", {"input": "a", "messages": [{"role": "user", "content": "a"}]}, "not both"),
+    ("/pooling", {}, "give either input or messages"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": True,
+                        "continue_final_message": True}, "cannot both be true"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content parts"),
+    ("/pooling", {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": []}},
+     "may not set"),
+    ("/pooling", {"input": "a", "task": "classify"}, "not one this model does: it is an embedding model"),
+    ("/pooling", {"input": "a", "task": "token_embed"}, "every token's output"),
+    ("/pooling", {"input": "a", "use_activation": False}, "use_activation does not apply to embed"),
+    ("/pooling", {"input": [[5, 6], [5, 10**6]]}, r"prompt 1"),
+    ("/pooling", {"input": "a", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_bad_pooling_and_chat_requests(embedding_server, route, body, match):
+    response = post(embedding_server, route, body)
+    assert response.status_code == 400, response.text
+    assert re.search(match, response.json()["error"]["message"]), response.text
+    embedding_server.check_idle_and_alive()
+
+
 def test_an_embedding_server_refuses_generation_and_a_generating_one_embeddings(embedding_server, served):
     response = httpx.post(embedding_server.base_url + "/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 2},
                           timeout=30)
     assert response.status_code == 400 and "/v1/embeddings" in response.json()["error"]["message"]
-    for path, body in [("/v1/embeddings", {"input": [5, 6]}), ("/score", {"text_1": [5], "text_2": [6]}),
+    for path, body in [("/v1/embeddings", {"input": [5, 6]}), ("/pooling", {"input": [5, 6]}),
+                       ("/score", {"text_1": [5], "text_2": [6]}),
                        ("/rerank", {"query": [5], "documents": [[6]]})]:
         response = httpx.post(served.base_url + path, json=body, timeout=30)
         assert response.status_code == 400 and "--runner pooling" in response.json()["error"]["message"]
@@ -121,6 +199,8 @@ def test_a_cross_encoder_server_scores_and_reranks_pairs(tiny_model, tmp_path):
         assert scores["usage"]["prompt_tokens"] == sum(map(len, prompts))
         ranked = httpx.post(server.base_url + "/rerank", json={"query": query, "documents": docs}, timeout=30).json()
         assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: -expected[i])
+        pooled = httpx.post(server.base_url + "/pooling", json={"input": prompts}, timeout=30).json()
+        assert [d["data"] for d in pooled["data"]] == [pytest.approx([score], abs=1e-5) for score in expected]
         refused = httpx.post(server.base_url + "/v1/embeddings", json={"input": query}, timeout=30)
         assert refused.status_code == 400 and "cross-encoder" in refused.json()["error"]["message"]
         server.wait_idle()
