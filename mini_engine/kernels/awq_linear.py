@@ -17,8 +17,8 @@ in nibble AWQ_NIBBLE_OF_COLUMN[j].
 
 A decode step's few rows read 4 bits a weight instead of 16: the product dequantizes each tile
 of W as it loads it and feeds the tensor cores in the activations' dtype (awq_linear). From
-DEQUANTIZE_ROWS rows up (prefill) the product is compute-bound, and the whole weight is
-dequantized once into the activations' dtype for cuBLAS (vLLM's rule, at 256 rows as there).
+DEQUANTIZE_ROWS rows up the whole weight is dequantized once into the activations' dtype for
+cuBLAS instead (vLLM's rule, which draws the line at 256 rows).
 """
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,9 @@ AWQ_MAX = (1 << AWQ_BITS) - 1
 # AutoAWQ's packing order: nibble i of a word holds column AWQ_COLUMN_OF_NIBBLE[i] of its eight.
 AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_COLUMN_OF_NIBBLE.index(j) for j in range(PACK))    # (0, 4, 1, 5, 2, 6, 3, 7)
-# Rows from which the product dequantizes the weight for cuBLAS instead of dequantizing tiles.
-DEQUANTIZE_ROWS = 256
+# Rows from which the product dequantizes the weight for cuBLAS instead of dequantizing tiles
+# (benchmarks/awq_sweep.py: from 64 rows the pair wins on most of Qwen3's projections).
+DEQUANTIZE_ROWS = 64
 
 
 def pack_awq_ref(values: torch.Tensor) -> torch.Tensor:
@@ -173,16 +174,21 @@ class AwqTile:
 
 
 def awq_tile(num_rows: int, out_features: int, in_features: int, group_size: int, num_sms: int) -> AwqTile:
-    """The fused product's tile: as few rows as the batch needs; K split where the tiles alone
-    would leave most SMs idle (a decode step's narrow projections), each split whole K tiles."""
-    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
-    block_n = 64 if out_features >= 8192 else 32
+    """The fused product's tile, from benchmarks/awq_sweep.py on the H200 (Qwen3-0.6B's and -8B's
+    projections, weights read from HBM; NOTES entry 60): 16 rows a tile up to 16 rows (and to 32
+    for narrow projections, N <= 2048), then 32 and 64; columns 32 a tile for narrow projections,
+    128 for very wide ones (8B's gate/up), else 64; and K split until about three programs an SM
+    (up to 8 splits at 16 rows a tile, 2 above), each split whole K tiles."""
+    narrow = out_features <= 2048
+    block_m = 16 if num_rows <= 16 or (narrow and num_rows <= 32) else 32 if num_rows <= 32 else 64
+    block_n = 32 if narrow else 128 if out_features >= 16384 and block_m == 16 else 64
     block_k = 128 if block_m <= 32 else 64
     while group_size % block_k:
         block_k //= 2
     tiles = -(-num_rows // block_m) * -(-out_features // block_n)
-    split_k = 1
-    while tiles * split_k * 2 <= num_sms and in_features % (2 * split_k * block_k) == 0 and split_k < 8:
+    split_k, most = 1, 8 if block_m == 16 else 2
+    while (split_k < most and tiles * split_k * 2 <= 3 * num_sms
+           and in_features % (2 * split_k * block_k) == 0):
         split_k *= 2
     return AwqTile(block_m, block_n, block_k, split_k=split_k)
 
