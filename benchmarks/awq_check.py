@@ -72,35 +72,12 @@ def awq_oracle(path: str, dtype: torch.dtype, device: str, attn_implementation: 
 
 
 def per_call_check(path: str, prompts: list[list[int]], tokens: int, **engine_options) -> dict:
-    """The engine on its Triton kernels (eager, bf16 on a GPU; the interpreter's on CPU), each AWQ
-    product checked against awq_linear_ref on the same arguments (the real shapes and activations
-    of prefill and decode steps): the worst error of a call relative to its largest output, the
-    products checked of all the model's Linear modules, the fewest and most rows a call saw."""
-    from mini_engine import LLM, SamplingParams
+    """engine_judge.per_product_check of every AWQ product (the fused kernel and the dequantize
+    launch with cuBLAS) against awq_linear_ref; a wrong tile, group or split is wrong by O(1)."""
+    from benchmarks.engine_judge import per_product_check
     from mini_engine.kernels.awq_linear import awq_linear, awq_linear_ref
-    from mini_engine.layers.linear import Linear
-    options = dict(max_num_seqs=64, num_kv_blocks=256, enforce_eager=True,
-                   kernels="auto" if torch.cuda.is_available() else "awq_linear") | engine_options
-    llm = LLM(path, **options)
-    rows, worst = [], 0.0
-
-    def checked(x, qweight, qzeros, scales, residual=None, bias=None):
-        nonlocal worst
-        expected = awq_linear_ref(x, qweight, qzeros, scales, None if residual is None else residual.clone(),
-                                  bias).float()
-        out = awq_linear(x, qweight, qzeros, scales, residual, bias)
-        rows.append(x.shape[0])
-        worst = max(worst, ((out.float() - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item())
-        return out
-    linears = [module for module in llm.engine.runner.model.modules() if isinstance(module, Linear)]
-    triton = [module for module in linears if module.awq_product is awq_linear]
-    for module in triton:
-        module.awq_product = checked
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-    llm.shutdown()
-    return dict(worst_rel_err=worst, modules=len(triton), linear_modules=len(linears),
-                fewest_rows=min(rows, default=0), most_rows=max(rows, default=0),
-                output_lengths=sorted({len(o.outputs[0].token_ids) for o in outputs}))
+    return per_product_check(path, prompts, tokens, "awq_product", awq_linear, awq_linear_ref, "awq_linear",
+                             **engine_options)
 
 
 def main():

@@ -2,10 +2,48 @@
 against a transformers model in fp32 by teacher forcing (for each token the engine chose, the
 reference's largest logit minus the chosen one's, given the same prefix), and the report."""
 import gc
+import inspect
 import json
 import os
 
 import torch
+
+
+def per_product_check(path: str, prompts: list[list[int]], tokens: int, product_attr: str, kernel, reference,
+                      kernel_name: str, **engine_options) -> dict:
+    """The engine on its Triton kernels (eager, bf16 on a GPU; on CPU the interpreter's, only
+    `kernel_name`), each call of `kernel` that a Linear module makes through its `product_attr`
+    checked against `reference` on the same arguments (the real shapes and activations of prefill
+    and decode steps; a residual the product adds into is cloned for the reference): the worst
+    error of a call relative to its largest output, the modules checked of all the model's Linear
+    modules, the fewest and most rows a call saw, and the output lengths."""
+    from mini_engine import LLM, SamplingParams
+    from mini_engine.layers.linear import Linear
+    options = dict(max_num_seqs=64, num_kv_blocks=256, enforce_eager=True,
+                   kernels="auto" if torch.cuda.is_available() else kernel_name) | engine_options
+    llm = LLM(path, **options)
+    rows, worst = [], 0.0
+    signature = inspect.signature(reference)
+
+    def checked(*args, **kwargs):
+        nonlocal worst
+        given = signature.bind(*args, **kwargs).arguments
+        if given.get("residual") is not None:
+            given = given | {"residual": given["residual"].clone()}
+        expected = reference(**given).float()
+        out = kernel(*args, **kwargs)
+        rows.append(args[0].shape[0])
+        worst = max(worst, ((out.float() - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item())
+        return out
+    linears = [module for module in llm.engine.runner.model.modules() if isinstance(module, Linear)]
+    triton = [module for module in linears if getattr(module, product_attr) is kernel]
+    for module in triton:
+        setattr(module, product_attr, checked)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    return dict(worst_rel_err=worst, modules=len(triton), linear_modules=len(linears),
+                fewest_rows=min(rows, default=0), most_rows=max(rows, default=0),
+                output_lengths=sorted({len(o.outputs[0].token_ids) for o in outputs}))
 
 
 class EngineJudge:

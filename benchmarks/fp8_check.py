@@ -78,38 +78,13 @@ def fp8_oracle(path: str, dtype: torch.dtype, device: str, attn_implementation: 
 
 
 def per_call_check(path: str, prompts: list[list[int]], tokens: int, **engine_options) -> dict:
-    """The engine on its Triton kernels (eager, bf16 on a GPU; the interpreter's on CPU), each fp8
-    product checked against fp8_linear_ref on the same arguments (the real shapes and activations
-    of prefill and decode steps): the worst relative error of a call, the fp8 products checked
-    of all the model's Linear modules, the fewest and most rows a call saw, and the output
-    lengths. Within a call the kernel's 1/rms may differ from torch's in its last bit and re-round
-    a normed group (~2% of a bf16 output, tests/kernels/test_fp8_linear.py); a wrong tile or
-    split is wrong by O(1)."""
-    from mini_engine import LLM, SamplingParams
+    """engine_judge.per_product_check of every fp8 product against fp8_linear_ref. Within a call
+    the kernel's 1/rms may differ from torch's in its last bit and re-round a normed group (~2% of
+    a bf16 output, tests/kernels/test_fp8_linear.py); a wrong tile or split is wrong by O(1)."""
+    from benchmarks.engine_judge import per_product_check
     from mini_engine.kernels.fp8_linear import fp8_linear, fp8_linear_ref
-    from mini_engine.layers.linear import Linear
-    options = dict(max_num_seqs=64, num_kv_blocks=256, enforce_eager=True,
-                   kernels="auto" if torch.cuda.is_available() else "fp8_linear") | engine_options
-    llm = LLM(path, **options)
-    rows, worst = [], 0.0
-
-    def checked(x, weight, scale, residual=None, norm_weight=None, eps=0.0, bias=None):
-        nonlocal worst
-        expected = fp8_linear_ref(x, weight, scale, None if residual is None else residual.clone(), norm_weight,
-                                  eps, bias).float()
-        out = fp8_linear(x, weight, scale, residual, norm_weight, eps, bias)
-        rows.append(x.shape[0])
-        worst = max(worst, ((out.float() - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item())
-        return out
-    linears = [module for module in llm.engine.runner.model.modules() if isinstance(module, Linear)]
-    triton = [module for module in linears if module.fp8_product is fp8_linear]
-    for module in triton:
-        module.fp8_product = checked
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-    llm.shutdown()
-    return dict(worst_rel_err=worst, modules=len(triton), linear_modules=len(linears),
-                fewest_rows=min(rows, default=0), most_rows=max(rows, default=0),
-                output_lengths=sorted({len(o.outputs[0].token_ids) for o in outputs}))
+    return per_product_check(path, prompts, tokens, "fp8_product", fp8_linear, fp8_linear_ref, "fp8_linear",
+                             **engine_options)
 
 
 def main():

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from mini_engine.config import ModelConfig
 from mini_engine.kernels.awq_linear import quantize_awq_ref
 from mini_engine.kernels.fp8_linear import BLOCK, quantize_fp8_weight_ref
-from mini_engine.quantization import AwqConfig, Fp8Config
+from mini_engine.quantization import QuantizationConfig
 
 # Qwen3-0.6B's config.json, as published.
 QWEN3_0_6B = {
@@ -150,30 +150,41 @@ def write_embedding_layout(source: str, path: str) -> str:
 PROJECTION_WEIGHT = re.compile(r"(model\.layers\.\d+\.(?:self_attn\.[qkvo]|mlp\.(?:gate|up|down))_proj)\.weight")
 
 
+def write_quantized_layout(source: str, path: str, quantize, modules_to_not_convert: list[str] | None,
+                           quantization_config: dict) -> str:
+    """source's checkpoint with each decoder projection's weight replaced by quantize(module name,
+    weight) -> {tensor name: tensor} (those of the modules in modules_to_not_convert, by
+    transformers' rule, left as they are), and config.json's quantization_config."""
+    from safetensors.torch import load_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    kept = QuantizationConfig(tuple(modules_to_not_convert or ()))
+    tensors = {}
+    for name, t in load_file(os.path.join(source, "model.safetensors")).items():
+        projection = PROJECTION_WEIGHT.fullmatch(name)
+        if projection and kept.quantizes(projection[1]):
+            tensors |= quantize(projection[1], t)
+        else:
+            tensors[name] = t
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = quantization_config | {"modules_to_not_convert": modules_to_not_convert}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
 def write_fp8_layout(source: str, path: str, modules_to_not_convert: list[str] | None = None,
                      scale_dtype: torch.dtype = torch.float32) -> str:
     """source's checkpoint as Qwen3-*-FP8 lays itself out: each decoder projection's weight in
     float8_e4m3fn, 128 x 128 blocks, with its scales as `weight_scale_inv` (those of the modules
     in modules_to_not_convert left as they are), and config.json's quantization_config."""
-    from safetensors.torch import load_file
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(source, "config.json")) as f:
-        config = json.load(f)
-    kept = Fp8Config(tuple(modules_to_not_convert or ()))
-    tensors = {}
-    for name, t in load_file(os.path.join(source, "model.safetensors")).items():
-        projection = PROJECTION_WEIGHT.fullmatch(name)
-        if projection and kept.quantizes(projection[1]):
-            t, scales = quantize_fp8_weight_ref(t)
-            tensors[f"{projection[1]}.weight_scale_inv"] = scales.to(scale_dtype)
-        tensors[name] = t
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK],
-                                     "modules_to_not_convert": modules_to_not_convert}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return path
+    def quantize(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales = quantize_fp8_weight_ref(weight)
+        return {f"{module}.weight": q, f"{module}.weight_scale_inv": scales.to(scale_dtype)}
+    return write_quantized_layout(source, path, quantize, modules_to_not_convert,
+                                  {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [BLOCK, BLOCK]})
 
 
 def write_awq_layout(source: str, path: str, group_size: int = 128,
@@ -184,24 +195,9 @@ def write_awq_layout(source: str, path: str, group_size: int = 128,
     in modules_to_not_convert) as they are, and config.json's quantization_config. The rounding
     is to nearest, without AWQ's calibrated scale search: the layout, and so what the engine
     reads, is the same. device: where the rounding is done."""
-    from safetensors.torch import load_file
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(source, "config.json")) as f:
-        config = json.load(f)
-    kept = AwqConfig(tuple(modules_to_not_convert or ()))
-    tensors = {}
-    for name, t in load_file(os.path.join(source, "model.safetensors")).items():
-        projection = PROJECTION_WEIGHT.fullmatch(name)
-        if projection and kept.quantizes(projection[1]):
-            qweight, qzeros, scales = quantize_awq_ref(t.to(device), group_size if group_size > 0 else t.shape[1])
-            tensors |= {f"{projection[1]}.qweight": qweight.cpu(), f"{projection[1]}.qzeros": qzeros.cpu(),
-                        f"{projection[1]}.scales": scales.cpu()}
-        else:
-            tensors[name] = t
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
-                                     "zero_point": True, "version": "gemm",
-                                     "modules_to_not_convert": modules_to_not_convert}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return path
+    def quantize(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = quantize_awq_ref(weight.to(device), group_size if group_size > 0 else weight.shape[1])
+        return {f"{module}.{name}": t.cpu() for name, t in zip(("qweight", "qzeros", "scales"), tensors)}
+    return write_quantized_layout(source, path, quantize, modules_to_not_convert,
+                                  {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                                   "version": "gemm"})

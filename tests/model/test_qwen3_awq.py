@@ -200,6 +200,19 @@ def test_modules_kept_out_of_awq_stay_in_the_models_dtype(source, tmp_path):
         ModelRunner(EngineConfig(half, device="cpu", num_kv_blocks=8))
 
 
+def test_one_group_of_the_whole_input(source, tmp_path):
+    """group_size -1: one scale and zero point a column over the whole input (each projection's
+    own K), read as such; refused under tensor parallelism, where a row-parallel layer's ranks
+    would share the scales."""
+    path = write_awq_layout(source, str(tmp_path / "whole"), -1)
+    runner = ModelRunner(EngineConfig(path, device="cpu", num_kv_blocks=8))
+    assert runner.model.layers[0].mlp.down_proj.scales.shape == (1, 64)
+    prompts = mixed_prompts()[:2]
+    assert greedy(path, prompts, num_kv_blocks=64) == oracle_greedy(path, prompts)
+    with pytest.raises(ValueError, match="group_size -1 .* under tensor parallelism"):
+        ModelRunner(EngineConfig(path, device="cpu", num_kv_blocks=8, tensor_parallel_size=2))
+
+
 def test_tensor_parallel_awq_matches_transformers(awq_checkpoint):
     """Two ranks (gloo): q/k/v and gate/up split along qweight's columns, o_proj and down_proj
     along its rows (whole groups a rank), the scales and zero points with them."""
