@@ -19,7 +19,6 @@ its PyTorch path computes what the reference does.
    cuBLAS at prefill) against awq_linear_ref on its own arguments.
 5. After every run, every KV block is free.
 """
-import argparse
 import json
 import os
 import random
@@ -27,6 +26,8 @@ import sys
 import tempfile
 
 import torch
+
+from benchmarks.engine_judge import judge_arguments
 
 # AutoAWQ's packing order: nibble i of a word holds column AUTOAWQ_ORDER[i] of its eight.
 AUTOAWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -81,17 +82,7 @@ def per_call_check(path: str, prompts: list[list[int]], tokens: int, **engine_op
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--margin", type=float, default=0.25)
-    ap.add_argument("--out", help="folder for a JSON of the results")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="the script's logic on a tiny model on the CPU")
-    args = ap.parse_args()
-    if not torch.cuda.is_available() and not args.cpu_dry_run:
-        sys.exit("awq_check.py needs CUDA (or --cpu-dry-run)")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cpu":        # the Triton kernels through the interpreter (read at import)
-        os.environ["TRITON_INTERPRET"] = "1"
+    args, dev = judge_arguments("awq_check.py")
     from benchmarks.engine_judge import EngineJudge
     from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_awq_layout, write_random_checkpoint
     config = QWEN3_0_6B

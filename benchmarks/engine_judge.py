@@ -1,12 +1,34 @@
 """What moe_check.py and fp8_check.py share: the engine's runs over one checkpoint, each judged
 against a transformers model in fp32 by teacher forcing (for each token the engine chose, the
 reference's largest logit minus the chosen one's, given the same prefix), and the report."""
+import argparse
 import gc
 import inspect
 import json
 import os
+import sys
 
 import torch
+
+
+def judge_arguments(script: str, extra=None) -> tuple[argparse.Namespace, str]:
+    """A check script's options (--tokens, --margin, --out, --cpu-dry-run, and what extra(parser)
+    adds) and its device: CUDA, or the CPU for a dry run, with the Triton kernels through the
+    interpreter (whose switch is read when triton is first imported). Exits without either."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--margin", type=float, default=0.25)
+    ap.add_argument("--out", help="folder for a JSON of the results")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the script's logic on a tiny model on the CPU")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() and not args.cpu_dry_run:
+        sys.exit(f"{script} needs CUDA (or --cpu-dry-run)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return args, device
 
 
 def per_product_check(path: str, prompts: list[list[int]], tokens: int, product_attr: str, kernel, reference,

@@ -19,7 +19,6 @@ moves things.
    tests/model/test_qwen3_fp8.py's, on CPU).
 5. After every run, every KV block is free.
 """
-import argparse
 import gc
 import json
 import os
@@ -28,6 +27,8 @@ import sys
 import tempfile
 
 import torch
+
+from benchmarks.engine_judge import judge_arguments
 
 
 def quantize_input(module, args):
@@ -88,17 +89,7 @@ def per_call_check(path: str, prompts: list[list[int]], tokens: int, **engine_op
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--margin", type=float, default=0.25)
-    ap.add_argument("--out", help="folder for a JSON of the results")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="the script's logic on a tiny model on the CPU")
-    args = ap.parse_args()
-    if not torch.cuda.is_available() and not args.cpu_dry_run:
-        sys.exit("fp8_check.py needs CUDA (or --cpu-dry-run)")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cpu":        # the Triton kernels of "fp32 fp8 kernels" through the interpreter (read at import)
-        os.environ["TRITON_INTERPRET"] = "1"
+    args, dev = judge_arguments("fp8_check.py")
     from transformers import AutoModelForCausalLM
 
     from benchmarks.engine_judge import EngineJudge

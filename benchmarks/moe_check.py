@@ -21,7 +21,6 @@ run is the control that says how far bf16 rounding alone moves things.
    tips (benchmarks/NOTES.md, entry 55). Their agreeing prefixes are reported.
 4. After every run, every KV block is free.
 """
-import argparse
 import gc
 import os
 import random
@@ -30,18 +29,11 @@ import tempfile
 
 import torch
 
+from benchmarks.engine_judge import judge_arguments
+
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--margin", type=float, default=0.25)
-    ap.add_argument("--out", help="folder for a JSON of the results")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="the script's logic on a tiny MoE on the CPU")
-    args = ap.parse_args()
-    if not torch.cuda.is_available() and not args.cpu_dry_run:
-        sys.exit("moe_check.py needs CUDA (or --cpu-dry-run)")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args, dev = judge_arguments("moe_check.py", lambda ap: ap.add_argument("--layers", type=int, default=4))
     from transformers import AutoModelForCausalLM
 
     from benchmarks.engine_judge import EngineJudge
