@@ -2,9 +2,15 @@
 the way transformers' apply_chat_template renders it: a sandboxed, immutable environment with
 trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
 keeps non-ASCII text, and the special tokens (bos_token, eos_token, ...) as variables. LLM.chat and
-the server's chat endpoint both render through it."""
+the server's chat endpoint both render through it.
+
+A template may also come from the user instead (the server's --chat-template, a request's
+`chat_template`, LLM.chat's): it is code we did not write, so whatever fails in compiling or
+rendering it is a ValueError naming the template, never another exception."""
 import copy
+import functools
 import json
+import os
 from datetime import datetime
 
 import jinja2
@@ -72,31 +78,87 @@ def token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+# Jinja's characters: a --chat-template value with one of them is a template, not a file's path.
+JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template (and LLM.chat's chat_template here): the text of the file at that
+    path, else the value itself where it holds Jinja's characters. Raises ValueError for a value
+    that names no readable file and cannot be a template, rather than render it as plain text."""
+    if not isinstance(value, str):
+        raise ValueError(f"a chat template is text (a Jinja template, or a file's path), got {type(value).__name__}")
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:      # ValueError: a NUL in the value
+        if not any(c in value for c in JINJA_CHARS):
+            raise ValueError(f"the chat template {value!r} looks like a file path, but it cannot be opened: "
+                             f"{e}") from None
+        return value
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+ENVIRONMENT = template_environment()
+
+
+@functools.lru_cache(maxsize=32)
+def compiled(source: str) -> jinja2.Template:
+    """A template's compiled form, kept for the next request that sends the same text (a client
+    sends its template with every request). Raises ValueError where it does not compile."""
+    try:
+        return ENVIRONMENT.from_string(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from None
+
+
+def checkpoint_template_source(path: str) -> str | None:
+    """The checkpoint's own template: chat_template.jinja where transformers saved it apart (and
+    where it reads it first), else tokenizer_config.json's chat_template (its "default" where that
+    holds several named ones)."""
+    file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    source = load_tokenizer_config(path).get("chat_template")
+    if isinstance(source, list):        # named templates: [{"name": "default", "template": ...}, ...]
+        source = {t.get("name"): t.get("template") for t in source}.get("default")
+    return source or None
+
+
+def checkpoint_special_tokens(path: str) -> dict[str, str]:
+    """The special tokens (bos_token, eos_token, ...) tokenizer_config.json names, which a template
+    reads as variables: the checkpoint's, or one the user gives in its place."""
+    config = load_tokenizer_config(path)
+    return {k: token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if config.get(k) is not None}
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = strftime_now
-        self.template = env.from_string(source)
+        """Raises ValueError where source (a template's text) does not compile."""
+        self.template = compiled(source)
         self.special_tokens = special_tokens
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "ChatTemplate | None":
-        config = load_tokenizer_config(path)
-        source = config.get("chat_template")
-        if isinstance(source, list):        # named templates: [{"name": "default", "template": ...}, ...]
-            source = {t.get("name"): t.get("template") for t in source}.get("default")
-        if not source:
-            return None
-        special = {k: token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if config.get(k) is not None}
-        return cls(source, special)
+    def from_pretrained(cls, path: str, source: str | None = None) -> "ChatTemplate | None":
+        """The checkpoint's template, or source (a template's text) in its place; either with the
+        checkpoint's special tokens. None where there is neither."""
+        source = source if source is not None else checkpoint_template_source(path)
+        return None if source is None else cls(source, checkpoint_special_tokens(path))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Raises ValueError for messages the template rejects."""
+        """Raises ValueError for messages the template rejects, and for whatever else fails in it."""
         try:
             context = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
             return self.template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from None
+        except Exception as e:      # TypeError, ZeroDivisionError, RecursionError, ...: the template's own fault
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None

@@ -399,24 +399,43 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """vLLM's LLM.chat: a conversation (OpenAI's messages), or a list of them, rendered by the
         checkpoint's chat template (as the server's chat endpoint renders it: tools, earlier tool
         calls and reasoning included; chat_template_kwargs such as Qwen3's enable_thinking), then
-        generated (lora_request as generate's); each RequestOutput's prompt is the rendered text."""
+        generated (lora_request as generate's); each RequestOutput's prompt is the rendered text.
+        chat_template (vLLM's): a Jinja template in place of the checkpoint's (also a file's path,
+        as the server's --chat-template takes it). continue_final_message (vLLM's): the final
+        message is left open and the outputs continue it (a prefilled answer; each output's text is
+        the continuation alone); not with add_generation_prompt, which is True unless set False.
+        A template that fails to compile or to render, ValueError."""
         try:
-            from mini_engine.chat_template import ChatTemplate, template_message
+            from mini_engine.chat_template import ChatTemplate, load_chat_template, template_message
+            from mini_engine.chat_template import continue_final_message as left_open
         except ModuleNotFoundError as e:        # jinja2 comes with the server's extra
             raise ImportError(f"LLM.chat renders chat templates with jinja2: pip install jinja2 ({e})") from None
-        if self.chat_template is None:
-            self.chat_template = ChatTemplate.from_pretrained(self.engine.config.model)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True: the first "
+                             "continues the final message, the second starts a new one (pass "
+                             "add_generation_prompt=False)")
+        model = self.engine.config.model
+        if chat_template is not None:
+            template = ChatTemplate.from_pretrained(model, load_chat_template(chat_template))
+        else:
+            if self.chat_template is None:
+                self.chat_template = ChatTemplate.from_pretrained(model)
             if self.chat_template is None:
                 raise ValueError("this checkpoint has no chat template (tokenizer_config.json's chat_template): "
-                                 "use generate()")
+                                 "give chat_template, or use generate()")
+            template = self.chat_template
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = dict(chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
-        prompts = [self.chat_template.render([template_message(m) for m in conversation], add_generation_prompt,
-                                             **kwargs) for conversation in conversations]
+        prompts = []
+        for conversation in conversations:
+            conversation = [template_message(m) for m in conversation]
+            text = template.render(conversation, add_generation_prompt, **kwargs)
+            prompts.append(left_open(text, conversation) if continue_final_message else text)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def add_requests(self, requests: Iterator[tuple[int, int, int, object, SamplingParams]], seqs: list[Sequence],

@@ -9,6 +9,7 @@ import types
 import typing
 from dataclasses import MISSING, fields
 
+from mini_engine.chat_template import compiled, load_chat_template
 from mini_engine.config import EngineConfig
 from mini_engine.server.lora_modules import LoRAModulePath, parse_lora_module
 from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
@@ -52,6 +53,17 @@ def lora_module(item: str) -> LoRAModulePath:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def chat_template_text(value: str) -> str:
+    """--chat-template's template, read and compiled now: a bad path or a template that does not
+    compile stops the server before it loads the model, not at the first chat request."""
+    try:
+        text = load_chat_template(value)
+        compiled(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def served_name(args: argparse.Namespace) -> str:
     return args.served_model_name or args.model or "qwen3-0.6b-random"
 
@@ -80,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
                         metavar="name=path", help='LoRA adapters (PEFT folders) as name=path, or as JSON '
                         '{"name": ..., "path": ..., "base_model_name": ...}; needs --enable-lora')
+    # As vLLM's: the template chat requests render with, in place of the checkpoint's (or where it
+    # has none); and whether a request may send its own (`chat_template`), off by default as a
+    # template is code the server runs.
+    parser.add_argument("--chat-template", type=chat_template_text, default=None, metavar="PATH_OR_TEMPLATE",
+                        help="a Jinja chat template's file, or the template itself (a value with {, } or a newline)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a request's own chat_template (else a 400)")
     add_engine_options(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -107,11 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     options = {f.name: getattr(args, f.name) for f in engine_option_fields()}
     config = EngineConfig.from_kwargs(model, reasoning_parser=args.reasoning_parser, **options)
     parsers = ParserOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
-    app = build_app(config, name, parsers, args.lora_modules)
+    app = build_app(config, name, parsers, args.lora_modules, args.chat_template, args.trust_request_chat_template)
     limits = app.state.server.async_engine.limits
     logging.getLogger("mini_engine.server").info(
         "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
         limits.block_size, limits.max_model_len)
+    if args.chat_template is not None:
+        logging.getLogger("mini_engine.server").info("chat requests render with --chat-template's template, in place "
+                                                     "of the checkpoint's")
     for module in args.lora_modules:
         logging.getLogger("mini_engine.server").info("serving LoRA adapter %s as %r", module.path, module.name)
     if config.sampling_defaults:

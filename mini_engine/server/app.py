@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mini_engine.chat_template import ChatTemplate, continue_final_message, template_message
+from mini_engine.chat_template import (ChatTemplate, checkpoint_special_tokens, continue_final_message,
+                                       template_message)
 from mini_engine.config import EngineConfig
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
@@ -70,10 +71,13 @@ class Echo:
 @dataclasses.dataclass
 class Prompts:
     """A request's prompts (a completion request may send several) and their choices: choice k is
-    completion k % n of prompt k // n, as vLLM numbers them; echoes: each prompt's, with echo=true."""
+    completion k % n of prompt k // n, as vLLM numbers them; echoes: each prompt's, with echo=true;
+    chat_echo: with a chat request's echo=true, the text that goes before each choice's content
+    (OpenAIServer.chat_echo's)."""
     token_ids: list[list[int]]
     n: int
     echoes: list[Echo] | None = None
+    chat_echo: str = ""
 
 
 class StreamedEchoes:
@@ -182,7 +186,11 @@ async def wait_for_disconnect(request: Request) -> None:
 
 class OpenAIServer:
     def __init__(self, config: EngineConfig, model_name: str, parsers: ParserOptions | None = None,
-                 lora_modules: list[LoRAModulePath] = ()):
+                 lora_modules: list[LoRAModulePath] = (), chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
+        """chat_template: a template's text in place of the checkpoint's (--chat-template);
+        trust_request_chat_template: a request may send its own (vLLM's flag; a template is code
+        the server runs, so only trusted clients should be let send one)."""
         self.config = config
         self.model_name = model_name
         self.parsers = parsers or ParserOptions()
@@ -191,7 +199,9 @@ class OpenAIServer:
         self.async_engine = AsyncEngine(config, self.metrics, tuple(self.loras.requests.values()))
         self.tokenizer = load_tokenizer(config.model)
         self.logprobs_json = LogprobsJSON(self.tokenizer)
-        self.chat_template = ChatTemplate.from_pretrained(config.model)
+        self.chat_template = ChatTemplate.from_pretrained(config.model, chat_template)
+        self.chat_special_tokens = checkpoint_special_tokens(config.model)      # for a request's own template
+        self.trust_request_chat_template = trust_request_chat_template
         self.beam_search = BeamSearchEndpoint(self)
 
     # ---- from an OpenAI request to the engine's ----
@@ -319,33 +329,67 @@ class OpenAIServer:
                                 f"{limits.num_blocks * limits.block_size} tokens", param="messages")
         return left
 
-    def render_chat(self, req: ChatCompletionRequest, continue_final: bool = False) -> tuple[str, list[int]]:
-        """The prompt's text and its token ids. continue_final (vLLM's continue_final_message, which
-        the pooling endpoints take): the text ends with the last message's content, left open."""
-        if self.chat_template is None:
-            raise ProtocolError("this model has no chat template (tokenizer_config.json): send the prompt itself "
-                                "(/v1/completions, or a pooling endpoint's input), not messages")
-        if continue_final and req.add_generation_prompt:
+    def request_chat_template(self, req: ChatCompletionRequest) -> tuple[ChatTemplate, str]:
+        """The template a request renders with, and the field to blame where it fails: its own
+        (`chat_template`, or vLLM's `chat_template_kwargs.chat_template`, which wins as there),
+        only where the server trusts requests' templates; else the server's."""
+        kwargs = req.chat_template_kwargs or {}
+        param = "chat_template_kwargs" if kwargs.get("chat_template") is not None else "chat_template"
+        source = kwargs.get("chat_template") if param == "chat_template_kwargs" else req.chat_template
+        if source is None:
+            if self.chat_template is None:
+                raise ProtocolError("this model has no chat template (tokenizer_config.json), and the server was "
+                                    "started without --chat-template: send the prompt itself (/v1/completions, or a "
+                                    "pooling endpoint's input), not messages")
+            return self.chat_template, "messages"
+        if not self.trust_request_chat_template:
+            # vLLM's refusal: a template is code the server runs, and one could loop or take all memory
+            raise ProtocolError("Chat template is passed with request, but --trust-request-chat-template is not "
+                                "set. Refused request with untrusted chat template.", param=param)
+        try:
+            return ChatTemplate(source, self.chat_special_tokens), param
+        except ValueError as e:
+            raise ProtocolError(str(e), param=param) from None
+
+    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt's text and its token ids. req.continue_final_message (vLLM's, which the
+        pooling endpoints take too): the text ends with the last message's content, left open."""
+        if req.continue_final_message and req.add_generation_prompt:
             raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true: the first "
-                                "continues the last message, the second starts a new one",
-                                param="continue_final_message")
+                                "continues the last message, the second starts a new one (send "
+                                "add_generation_prompt: false)", param="continue_final_message")
+        template, blamed = self.request_chat_template(req)
         try:
             messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
         except ValueError as e:
             raise ProtocolError(str(e), param="messages") from None
-        kwargs = req.chat_template_kwargs or {}
-        if reserved := {"messages", "add_generation_prompt"} & kwargs.keys():
+        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs.pop("chat_template", None)           # the template itself (request_chat_template's)
+        if reserved := {"messages", "add_generation_prompt", "continue_final_message"} & kwargs.keys():
             raise ProtocolError(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own",
                                 param="chat_template_kwargs")
         if req.tools:       # shown to the model whatever the tool_choice, as vLLM's default, nulls too
             kwargs = kwargs | {"tools": [tool.model_dump() for tool in req.tools]}
         try:
-            text = self.chat_template.render(messages, req.add_generation_prompt, **kwargs)
-            if continue_final:
+            text = template.render(messages, req.add_generation_prompt, **kwargs)
+        except ValueError as e:     # the template failed on these messages
+            raise ProtocolError(f"the chat template cannot render these messages: {e}", param=blamed) from None
+        if req.continue_final_message:
+            try:
                 text = continue_final_message(text, messages)
-        except (ValueError, TypeError) as e:     # the template failed on these messages
-            raise ProtocolError(f"the chat template cannot render these messages: {e}", param="messages") from None
+            except ValueError as e:
+                raise ProtocolError(str(e), param="messages") from None
         return text, self.tokenize(text)
+
+    @staticmethod
+    def chat_echo(req: ChatCompletionRequest) -> str:
+        """A chat request's echo=true, as vLLM's: the final message's content goes before each
+        choice's where that message has the response's role, the assistant's (with
+        add_generation_prompt false, the final message's own, which the choices continue)."""
+        final = req.messages[-1] if req.messages else None
+        if not req.echo or final is None or (req.add_generation_prompt and final.role != "assistant"):
+            return ""
+        return template_message(final.model_dump(exclude_none=True)).get("content") or ""
 
     def check_tools(self, req: ChatCompletionRequest) -> None:
         if req.tool_choice is not None and req.tools is None:       # as OpenAI's and vLLM's
@@ -414,6 +458,9 @@ class OpenAIServer:
             first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(streams))]
             yield sse(completion_body(request_id, created, model, first, None, chunk=True, chat=True))
+            if prompts.chat_echo:       # as vLLM's, a chunk of its own before the choices' tokens
+                echoed = [self.choice(k, prompts.chat_echo, None, True, chunk=True) for k in range(len(streams))]
+                yield sse(completion_body(request_id, created, model, echoed, None, chunk=True, chat=True))
         offsets, last, failed = [0] * len(streams), [None] * len(streams), None
         echoes = StreamedEchoes(prompts) if prompts.echoes is not None else None
         async for ready in interleaved(streams):
@@ -479,6 +526,9 @@ class OpenAIServer:
         else:
             choices = [self.parsed_choice(k, parsers[k].feed("".join(texts[k]), final=True), parsers[k],
                                           last[k].finish_reason, logprobs[k]) for k in range(len(streams))]
+        if chat and prompts.chat_echo:
+            for choice in choices:
+                choice["message"]["content"] = prompts.chat_echo + (choice["message"]["content"] or "")
         body = completion_body(request_id, created, model or self.model_name, choices, self.usage_of(last, n),
                                chat=chat)
         # Where vLLM puts them: the chat response's, each completion's (its prompt's).
@@ -555,6 +605,8 @@ class OpenAIServer:
         if req.messages is not None:
             chat = ChatCompletionRequest(model=self.model_name, messages=req.messages, tools=req.tools,
                                          add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         chat_template=req.chat_template,
                                          chat_template_kwargs=req.chat_template_kwargs)
             text, _ = self.render_chat(chat)
         special = req.add_special_tokens if req.add_special_tokens is not None else \
@@ -666,23 +718,25 @@ class OpenAIServer:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                                 param="top_logprobs")
+        echo = self.chat_echo(req)
         if req.use_beam_search:         # n is the beam width, its n best beams the choices
             param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-            return await self.beam_search.respond(raw, req, Prompts([prompt_token_ids], 1 if req.n is None else req.n),
-                                                  max_tokens, param, lora_request, prompt)
+            prompts = Prompts([prompt_token_ids], 1 if req.n is None else req.n, chat_echo=echo)
+            return await self.beam_search.respond(raw, req, prompts, max_tokens, param, lora_request, prompt)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, [prompt_token_ids], params, req.priority, lora_request)
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
-                                  Prompts([prompt_token_ids], params.n), self.output_parsers(req, prompt, params),
-                                  self.response_model_name(lora_request))
+                                  Prompts([prompt_token_ids], params.n, chat_echo=echo),
+                                  self.output_parsers(req, prompt, params), self.response_model_name(lora_request))
 
 
 def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None,
-              lora_modules: list[LoRAModulePath] = ()) -> FastAPI:
+              lora_modules: list[LoRAModulePath] = (), chat_template: str | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """Starts the engine process (and waits for it, and for it to read lora_modules' adapters)
-    before it returns."""
-    server = OpenAIServer(config, model_name, parsers, lora_modules)
+    before it returns. chat_template and trust_request_chat_template: OpenAIServer's."""
+    server = OpenAIServer(config, model_name, parsers, lora_modules, chat_template, trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -91,8 +91,9 @@ class PoolingEndpoints:
             return self.prompts(list(zip(names, texts)), req.add_special_tokens is not False)
         chat = ChatCompletionRequest(model=self.server.model_name, messages=req.messages,
                                      add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
                                      chat_template_kwargs=req.chat_template_kwargs)
-        text, _ = self.server.render_chat(chat, continue_final=req.continue_final_message)
+        text, _ = self.server.render_chat(chat)
         return self.prompts([("messages", text)], req.add_special_tokens is True)
 
     def pairs(self, first: list, second: list) -> list[list[int]]:

@@ -175,6 +175,15 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True          # extension
+    # extension (vLLM's): the final message left open, no end of turn after it, for the model to
+    # continue (a prefilled answer); the choices hold the continuation. Not with add_generation_prompt.
+    continue_final_message: bool = False
+    # extension (vLLM's): the final message's content goes before each choice's, where that message
+    # has the response's role (the assistant's; with add_generation_prompt false, any)
+    echo: bool = False
+    # extension (vLLM's): a Jinja template in place of the server's, refused unless the server was
+    # started with --trust-request-chat-template
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. {"enable_thinking": false}
     tools: list[ToolDefinition] | None = None
     # "auto" (the default with tools): the model chooses, and the server's tool call parser finds
@@ -205,6 +214,8 @@ class TokenizeRequest(BaseModel):
     # messages, with them for an embedding server's input (Qwen3-Embedding's appends <|endoftext|>)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None            # as the chat endpoint's (--trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
     return_token_strs: bool = False             # the vocabulary's own strings (byte-level pieces)

@@ -1,8 +1,12 @@
 """The offline API as a vLLM user calls it: SamplingParams' optional fields and the prompt forms
-LLM.generate takes."""
+LLM.generate takes, and LLM.chat's options."""
+import json
+import shutil
+
 import pytest
 
 from mini_engine import SamplingParams
+from tests.server.conftest import CHATML_TEMPLATE
 
 
 def test_stop_and_stop_token_ids_of_none_mean_none():
@@ -85,7 +89,65 @@ def test_chat_renders_the_template_then_generates(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
 
 
-def test_chat_without_a_template_says_so(tiny_checkpoint):
+def test_chat_without_a_template_says_so_unless_given_one(llm, tmp_path):
+    """A checkpoint with no chat template (the module's, without it): chat() says so, and renders
+    with a template it is given, as the checkpoint with it would."""
     from mini_engine import LLM
+    path = tmp_path / "untemplated"
+    shutil.copytree(llm.engine.config.model, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    untemplated = LLM(str(path), device="cpu", num_kv_blocks=16)
+    messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(ValueError, match="no chat template"):
-        LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16).chat([{"role": "user", "content": "Hi"}])
+        untemplated.chat(messages)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [out] = untemplated.chat(messages, params, use_tqdm=False, chat_template=CHATML_TEMPLATE)
+    [expected] = llm.chat(messages, params, use_tqdm=False)
+    assert out.prompt == expected.prompt and out.outputs[0].text == expected.outputs[0].text
+
+
+def test_chat_continue_final_message_continues_the_last_message(llm):
+    """vLLM's LLM.chat(continue_final_message=True): the prompt is transformers' rendering with the
+    final message left open, the output what generate() continues it with; with
+    add_generation_prompt also True (its default), a ValueError."""
+    transformers = pytest.importorskip("transformers")
+    model = llm.engine.config.model
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{model}/tokenizer.json")
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Größe, and"}]
+    text = hf.apply_chat_template(messages, chat_template=CHATML_TEMPLATE, tokenize=False, continue_final_message=True)
+    assert text.endswith("assistant\nGröße, and")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [out] = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    [expected] = llm.generate(text, params, use_tqdm=False)
+    assert out.prompt == text and out.prompt_token_ids == expected.prompt_token_ids
+    assert out.outputs[0].text == expected.outputs[0].text
+    with pytest.raises(ValueError, match="cannot both be True"):
+        llm.chat(messages, params, continue_final_message=True)
+
+
+CUSTOM_TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}[ASSISTANT] {% endif %}")
+
+
+def test_chat_with_a_template_of_the_callers(llm, tmp_path):
+    """vLLM's LLM.chat(chat_template=...): the caller's template (its text, or a file's path as the
+    server's --chat-template takes it) in place of the checkpoint's, with the checkpoint's special
+    tokens; one that fails to compile or render is a ValueError."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    messages = [{"role": "user", "content": "Hello"}]
+    text = "[USER] Hello<|im_end|>\n[ASSISTANT] "
+    [expected] = llm.generate(text, params, use_tqdm=False)
+    file = tmp_path / "custom.jinja"
+    file.write_text(CUSTOM_TEMPLATE, encoding="utf-8")
+    for template in (CUSTOM_TEMPLATE, str(file)):
+        [out] = llm.chat(messages, params, use_tqdm=False, chat_template=template)
+        assert out.prompt == text and out.outputs[0].text == expected.outputs[0].text
+    assert llm.chat(messages, params, use_tqdm=False)[0].prompt.startswith("<|im_start|>user"), \
+        "the checkpoint's template is the default again"
+    for bad, match in [("{% if %}", "does not compile"), ("{{ 1 / 0 }}", "ZeroDivisionError"),
+                       ("chatml", "looks like a file path")]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, params, chat_template=bad)
+    assert llm.engine.num_free_blocks == 64 and not llm.engine.has_unfinished_requests()

@@ -9,7 +9,7 @@ import pytest
 
 from mini_engine import SamplingParams
 from mini_engine.chat_template import ChatTemplate
-from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, launched_server
+from tests.server.conftest import CHATML_TEMPLATE, MODEL_NAME, NUM_KV_BLOCKS, launched_server
 
 PROMPTS = ["Hello world", "Größe 你好 😀", [5, 17, 300, 42, 7]]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Straße? 你好 🚀"}]
@@ -557,3 +557,72 @@ def test_echo_of_token_ids_keeps_their_special_tokens(served, client, llm):
     r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
     choice = r.choices[0]
     assert choice.text == "<|im_start|>user\nHi<|im_end|>" == "".join(choice.logprobs.tokens)
+
+
+# A conversation whose final message, the assistant's, the model is to continue.
+PREFILLED = MESSAGES + [{"role": "assistant", "content": "Straße, and"}]
+
+
+def test_continue_final_message_continues_the_last_message(served, client, llm, tiny_model):
+    """vLLM's continue_final_message: the prompt is transformers' rendering with the final message
+    left open (no <|im_end|> after it), so the output is what LLM.generate continues that text with,
+    and the choice holds the continuation alone; streamed as unstreamed; /tokenize counts the same
+    tokens."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{tiny_model}/tokenizer.json")
+    text = hf.apply_chat_template(PREFILLED, chat_template=CHATML_TEMPLATE, tokenize=False,
+                                  continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nStraße, and"), "the reference left the message open"
+    ids = llm.tokenizer.encode(text).ids
+    ref_text, _, _ = reference(llm, text, temperature=0, max_tokens=12, ignore_eos=True)
+    params = dict(model=MODEL_NAME, messages=PREFILLED, max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    full = client.chat.completions.create(**params)
+    assert full.choices[0].message.content == ref_text and full.usage.prompt_tokens == len(ids)
+    chunks = client.chat.completions.create(stream=True, **params)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref_text
+    tokenized = httpx.post(served.base_url + "/tokenize", timeout=60, json={
+        "messages": PREFILLED, "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert tokenized["tokens"] == ids
+    # As vLLM's, both at once is a 400 (add_generation_prompt is true unless sent false).
+    for route, body in [("/v1/chat/completions", {"model": MODEL_NAME, "messages": PREFILLED}),
+                        ("/tokenize", {"messages": PREFILLED})]:
+        r = httpx.post(served.base_url + route, json=body | {"continue_final_message": True}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+        assert "cannot both be true" in r.json()["error"]["message"]
+
+
+def test_chat_echo_puts_the_final_message_first(served, client):
+    """vLLM's echo on chat: the final message's content before each choice's where that message has
+    the response's role (so with continue_final_message, the whole answer); streamed, a chunk of its
+    own after the role's; nothing where a user's message ends the conversation."""
+    prefilled = dict(model=MODEL_NAME, messages=PREFILLED, max_tokens=6, temperature=1.0, seed=5, n=2,
+                     extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    echo = prefilled["extra_body"] | {"echo": True}
+    plain = client.chat.completions.create(**prefilled)
+    echoed = client.chat.completions.create(**(prefilled | {"extra_body": echo}))
+    assert [c.message.content for c in echoed.choices] == ["Straße, and" + c.message.content for c in plain.choices]
+    assert echoed.usage == plain.usage
+    greedy = prefilled | {"n": 1, "temperature": 0, "extra_body": echo}
+    chunks = list(client.chat.completions.create(stream=True, **greedy))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[1].choices[0].delta.content == "Straße, and"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        client.chat.completions.create(**greedy).choices[0].message.content
+    asked = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    not_echoed = client.chat.completions.create(**(asked | {"extra_body": {"ignore_eos": True, "echo": True}}))
+    assert not_echoed.choices[0].message.content == client.chat.completions.create(**asked).choices[0].message.content
+
+
+def test_a_requests_chat_template_needs_the_servers_trust(served):
+    """As newer vLLM's: a request's own template (chat_template, or chat_template_kwargs' one) is
+    refused unless the server was started with --trust-request-chat-template."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for route, body, param in [
+            ("/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1,
+                                      "chat_template": template}, "chat_template"),
+            ("/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1,
+                                      "chat_template_kwargs": {"chat_template": template}}, "chat_template_kwargs"),
+            ("/tokenize", {"messages": MESSAGES, "chat_template": template}, "chat_template")]:
+        r = httpx.post(served.base_url + route, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
