@@ -13,6 +13,7 @@ from mini_engine.chat_template import compiled, load_chat_template
 from mini_engine.config import EngineConfig
 from mini_engine.server.lora_modules import LoRAModulePath, parse_lora_module
 from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
+from mini_engine.server.serving_options import ServingOptions
 
 # --reasoning-parser is the server's own flag below, and sets the engine's field too.
 SKIPPED_FIELDS = {"model", "model_config", "reasoning_parser"}
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a Jinja chat template's file, or the template itself (a value with {, } or a newline)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a request's own chat_template (else a 400)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
     add_engine_options(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -126,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     options = {f.name: getattr(args, f.name) for f in engine_option_fields()}
     config = EngineConfig.from_kwargs(model, reasoning_parser=args.reasoning_parser, **options)
     parsers = ParserOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
-    app = build_app(config, name, parsers, args.lora_modules, args.chat_template, args.trust_request_chat_template)
+    app = build_app(config, name, parsers, args.lora_modules,
+                    ServingOptions(args.chat_template, args.trust_request_chat_template,
+                                   args.enable_prompt_tokens_details))
     limits = app.state.server.async_engine.limits
     logging.getLogger("mini_engine.server").info(
         "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,

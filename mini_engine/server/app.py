@@ -43,6 +43,7 @@ from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Cl
                                          model_card, random_id, usage)
 from mini_engine.server.responses import ResponsesEndpoint
 from mini_engine.server.responses_protocol import ResponsesRequest
+from mini_engine.server.serving_options import ServingOptions
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -186,11 +187,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 class OpenAIServer:
     def __init__(self, config: EngineConfig, model_name: str, parsers: ParserOptions | None = None,
-                 lora_modules: list[LoRAModulePath] = (), chat_template: str | None = None,
-                 trust_request_chat_template: bool = False):
-        """chat_template: a template's text in place of the checkpoint's (--chat-template);
-        trust_request_chat_template: a request may send its own (vLLM's flag; a template is code
-        the server runs, so only trusted clients should be let send one)."""
+                 lora_modules: list[LoRAModulePath] = (), options: ServingOptions = ServingOptions()):
         self.config = config
         self.model_name = model_name
         self.parsers = parsers or ParserOptions()
@@ -199,9 +196,9 @@ class OpenAIServer:
         self.async_engine = AsyncEngine(config, self.metrics, tuple(self.loras.requests.values()))
         self.tokenizer = load_tokenizer(config.model)
         self.logprobs_json = LogprobsJSON(self.tokenizer)
-        self.chat_template = ChatTemplate.from_pretrained(config.model, chat_template)
+        self.options = options
+        self.chat_template = ChatTemplate.from_pretrained(config.model, options.chat_template)
         self.chat_special_tokens = checkpoint_special_tokens(config.model)      # for a request's own template
-        self.trust_request_chat_template = trust_request_chat_template
         self.beam_search = BeamSearchEndpoint(self)
 
     # ---- from an OpenAI request to the engine's ----
@@ -342,7 +339,7 @@ class OpenAIServer:
                                     "started without --chat-template: send the prompt itself (/v1/completions, or a "
                                     "pooling endpoint's input), not messages")
             return self.chat_template, "messages"
-        if not self.trust_request_chat_template:
+        if not self.options.trust_request_chat_template:
             # vLLM's refusal: a template is code the server runs, and one could loop or take all memory
             raise ProtocolError("Chat template is passed with request, but --trust-request-chat-template is not "
                                 "set. Refused request with untrusted chat template.", param=param)
@@ -444,11 +441,13 @@ class OpenAIServer:
             message["tool_calls"] = [call.to_json() for call in parsed.tool_calls]
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    @staticmethod
-    def usage_of(last: list[RequestDelta], n: int) -> dict:
-        """Each prompt once, however many (n) completions share it, and every completion's tokens."""
+    def usage_of(self, last: list[RequestDelta], n: int) -> dict:
+        """Each prompt once, however many (n) completions share it, and every completion's tokens;
+        with --enable-prompt-tokens-details, the prompt tokens the prefix cache served."""
+        cached = sum(delta.num_cached_tokens for delta in last[::n])
         return usage(sum(delta.num_prompt_tokens for delta in last[::n]),
-                     sum(delta.num_output_tokens for delta in last))
+                     sum(delta.num_output_tokens for delta in last),
+                     cached if self.options.enable_prompt_tokens_details else None)
 
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
                             include_usage: bool, prompts: Prompts, parsers: list[ChatOutputParser] | None = None,
@@ -732,11 +731,10 @@ class OpenAIServer:
 
 
 def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None,
-              lora_modules: list[LoRAModulePath] = (), chat_template: str | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              lora_modules: list[LoRAModulePath] = (), options: ServingOptions = ServingOptions()) -> FastAPI:
     """Starts the engine process (and waits for it, and for it to read lora_modules' adapters)
-    before it returns. chat_template and trust_request_chat_template: OpenAIServer's."""
-    server = OpenAIServer(config, model_name, parsers, lora_modules, chat_template, trust_request_chat_template)
+    before it returns."""
+    server = OpenAIServer(config, model_name, parsers, lora_modules, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

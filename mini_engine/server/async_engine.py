@@ -33,6 +33,7 @@ class RequestDelta:
     error: str | None = None
     prompt_logprobs: list[SampleLogprobs | None] | None = None     # on the first delta, where asked
     embedding: list[float] | None = None    # an embedding request's, on its one delta
+    num_cached_tokens: int = 0          # the prompt tokens the prefix cache served
 
 
 class RequestStream:
@@ -68,7 +69,8 @@ def merge(first: RequestDelta, second: RequestDelta) -> RequestDelta:
     return RequestDelta(first.text + second.text, first.token_ids + second.token_ids, logprobs,
                         second.finish_reason, second.num_prompt_tokens, second.num_output_tokens, second.error,
                         first.prompt_logprobs or second.prompt_logprobs,
-                        second.embedding if second.embedding is not None else first.embedding)
+                        second.embedding if second.embedding is not None else first.embedding,
+                        second.num_cached_tokens)
 
 
 class AsyncEngine:
@@ -191,7 +193,8 @@ class AsyncEngine:
     def deliver(self, deltas: list[tuple], stats: EngineStats) -> None:
         now = time.perf_counter()
         m = self.metrics
-        for request_id, text, token_ids, logprobs, reason, num_output_tokens, error, prompt_logprobs, embedding in deltas:
+        for (request_id, text, token_ids, logprobs, reason, num_output_tokens, error, prompt_logprobs, embedding,
+             num_cached_tokens) in deltas:
             stream = self.streams.get(request_id)
             if stream is None:
                 continue
@@ -208,7 +211,8 @@ class AsyncEngine:
                 if stream.first_token_time is not None and num_output_tokens > 1:
                     m.tpot.observe((now - stream.first_token_time) / (num_output_tokens - 1))
             stream.queue.put_nowait(RequestDelta(text, token_ids, logprobs, reason, stream.num_prompt_tokens,
-                                                 num_output_tokens, error, prompt_logprobs, embedding))
+                                                 num_output_tokens, error, prompt_logprobs, embedding,
+                                                 num_cached_tokens or 0))
         m.update_engine_state(stats)
 
     def called(self, token: int, result, error: tuple[str, str] | None) -> None:

@@ -17,8 +17,9 @@ and the engine to the API process:
     (an adapter loaded at run time checked; sleep mode; the prefix cache reset), error None or
     (exception type name, message),
 where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error,
-prompt_logprobs, embedding): prompt_logprobs only on a request's first delta, where it asked for
-them; embedding on an embedding request's one delta.
+prompt_logprobs, embedding, num_cached_tokens): prompt_logprobs only on a request's first delta,
+where it asked for them; embedding on an embedding request's one delta; num_cached_tokens, the
+prompt tokens the prefix cache served when the request was first scheduled.
 Detokenization and stop strings run here, beside the scheduler, so that a request that hits a
 stop string is aborted, and its blocks freed, before the next step.
 """
@@ -85,6 +86,9 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None      # None: an embedding request's (it has no text)
     num_output_tokens: int = 0
     prompt_logprobs_sent: bool = False
+    # The prompt tokens the prefix cache served, as of the first output (a preempted request's
+    # recompute may hit the cache again: usage counts its first admission, as vLLM's).
+    num_cached_tokens: int | None = None
 
 
 class EngineLoop:
@@ -164,8 +168,11 @@ class EngineLoop:
                 continue
             if state.detokenizer is None:           # an embedding request: done, with its vector
                 del self.states[request_id]
-                deltas.append((request_id, "", [], None, out.seq.finish_reason, 0, None, None, out.seq.embedding))
+                deltas.append((request_id, "", [], None, out.seq.finish_reason, 0, None, None, out.seq.embedding,
+                               out.seq.num_cached_tokens))
                 continue
+            if state.num_cached_tokens is None:
+                state.num_cached_tokens = out.seq.num_cached_tokens
             token_ids, logprobs = out.new_token_ids, out.logprobs
             text, used = state.detokenizer.update_until_stop(token_ids, out.finished, out.ended_on_stop_token)
             reason = out.seq.finish_reason if out.finished else None
@@ -183,14 +190,15 @@ class EngineLoop:
             if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
                 prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
             deltas.append((request_id, text, token_ids, logprobs, reason, state.num_output_tokens, None,
-                           prompt_logprobs, None))
+                           prompt_logprobs, None, state.num_cached_tokens))
         return deltas
 
     def fail_all(self, message: str) -> list[tuple]:
         deltas = []
         for request_id, state in self.states.items():
             self.engine.abort_request(request_id)
-            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message, None, None))
+            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message, None, None,
+                           state.num_cached_tokens or 0))
         self.states.clear()
         return deltas
 

@@ -311,9 +311,14 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
-    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    """num_cached_tokens: the prompt tokens the prefix cache served, as OpenAI's
+    prompt_tokens_details (given where the server was started with --enable-prompt-tokens-details)."""
+    body = Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
                  total_tokens=num_prompt_tokens + num_output_tokens).model_dump()
+    if num_cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return body
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[dict], usage_: dict | None,

@@ -51,9 +51,9 @@ def sse_event(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int, num_reasoning_tokens: int) -> dict:
-    # The engine does not say how many prompt tokens the prefix cache served: none are counted.
-    return {"input_tokens": num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_reasoning_tokens: int, num_cached_tokens: int) -> dict:
+    """num_cached_tokens: the prompt tokens the prefix cache served."""
+    return {"input_tokens": num_prompt_tokens, "input_tokens_details": {"cached_tokens": num_cached_tokens},
             "output_tokens": num_output_tokens, "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
             "total_tokens": num_prompt_tokens + num_output_tokens}
 
@@ -198,7 +198,8 @@ class ResponsesEndpoint:
             yield event
         done = run.body | {"status": status, "output": output.items,
                            "usage": usage(last.num_prompt_tokens, last.num_output_tokens,
-                                          self.reasoning_tokens(run.parser, output.items, token_ids))}
+                                          self.reasoning_tokens(run.parser, output.items, token_ids),
+                                          last.num_cached_tokens)}
         if status == "incomplete":
             done["incomplete_details"] = {"reason": "max_output_tokens"}
         if run.stored_messages is not None:

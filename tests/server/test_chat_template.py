@@ -145,7 +145,7 @@ def untemplated_model(tiny_model, tmp_path_factory) -> str:
 def templated_server(untemplated_model, tmp_path_factory):
     template_file = tmp_path_factory.mktemp("templates") / "custom.jinja"
     template_file.write_text(CUSTOM_TEMPLATE, encoding="utf-8")
-    options = ("--chat-template", str(template_file), "--trust-request-chat-template")
+    options = ("--chat-template", str(template_file), "--trust-request-chat-template", "--enable-prompt-tokens-details")
     with launched_server(untemplated_model, tmp_path_factory.mktemp("templated-server-log"), options=options) as s:
         yield s
 
@@ -211,3 +211,22 @@ def test_a_bad_request_template_is_a_400_and_the_server_lives_on(templated_serve
     r = post(templated_server, "/tokenize", {"messages": MESSAGES[:2], "chat_template": "{{ 1 / 0 }}"})
     assert r.status_code == 400 and "ZeroDivisionError" in r.json()["error"]["message"]
     templated_server.check_idle_and_alive()
+
+
+def test_prompt_tokens_details_count_the_prefix_cache(templated_server, served):
+    """--enable-prompt-tokens-details (on the templated server): usage says how many prompt tokens
+    the prefix cache served, every whole 16-token block of the prompt but the one holding its last
+    token the second time a prompt is sent, streamed or not; without the flag (the plain server)
+    usage has no such field."""
+    body = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count the cached blocks of this prompt, " * 4}]}
+    post(templated_server, "/v1/chat/completions", body)
+    usage = post(templated_server, "/v1/chat/completions", body).json()["usage"]
+    prompt_tokens = usage["prompt_tokens"]
+    assert prompt_tokens > 32 and usage["prompt_tokens_details"] == {"cached_tokens": (prompt_tokens - 1) // 16 * 16}
+    chunks = httpx.post(templated_server.base_url + "/v1/chat/completions", timeout=60,
+                        json=body | {"stream": True, "stream_options": {"include_usage": True}}).text
+    last = json.loads([line for line in chunks.splitlines() if line.startswith("data: {")][-1][6:])
+    assert last["usage"] == usage
+    plain = post(served, "/v1/chat/completions", body | {"model": MODEL_NAME}).json()["usage"]
+    assert "prompt_tokens_details" not in plain

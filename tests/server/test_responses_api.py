@@ -146,6 +146,8 @@ def test_greedy_text_is_the_chat_completions(client, case):
     assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == \
         (chat.usage.prompt_tokens, 16, chat.usage.prompt_tokens + 16)
     assert response.usage.output_tokens_details.reasoning_tokens == 0
+    # the chat request just sent the same prompt: every whole block but the last token's was cached
+    assert response.usage.input_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // 16 * 16
     assert (response.instructions, response.max_output_tokens, response.temperature) == (instructions, 16, 0)
 
     streamed = list(client.responses.create(model=MODEL_NAME, input=input_, instructions=instructions,
