@@ -17,7 +17,7 @@ from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
-from mini_engine.server.engine_process import EngineStats, start_engine_process
+from mini_engine.server.engine_process import EngineDelta, EngineStats, start_engine_process
 from mini_engine.server.metrics import ServerMetrics
 
 
@@ -190,29 +190,28 @@ class AsyncEngine:
 
     # ---- the event loop thread ----
 
-    def deliver(self, deltas: list[tuple], stats: EngineStats) -> None:
+    def deliver(self, deltas: list[EngineDelta], stats: EngineStats) -> None:
         now = time.perf_counter()
         m = self.metrics
-        for (request_id, text, token_ids, logprobs, reason, num_output_tokens, error, prompt_logprobs, embedding,
-             num_cached_tokens) in deltas:
-            stream = self.streams.get(request_id)
+        for d in deltas:
+            stream = self.streams.get(d.request_id)
             if stream is None:
                 continue
-            stream.num_output_tokens = num_output_tokens
-            if token_ids:
-                m.generation_tokens.inc(len(token_ids))
+            stream.num_output_tokens = d.num_output_tokens
+            if d.token_ids:
+                m.generation_tokens.inc(len(d.token_ids))
                 if stream.first_token_time is None:
                     stream.first_token_time = now
                     m.ttft.observe(now - stream.arrival_time)
-            if reason is not None:
-                del self.streams[request_id]
-                m.finished(reason)
+            if d.finish_reason is not None:
+                del self.streams[d.request_id]
+                m.finished(d.finish_reason)
                 m.e2e.observe(now - stream.arrival_time)
-                if stream.first_token_time is not None and num_output_tokens > 1:
-                    m.tpot.observe((now - stream.first_token_time) / (num_output_tokens - 1))
-            stream.queue.put_nowait(RequestDelta(text, token_ids, logprobs, reason, stream.num_prompt_tokens,
-                                                 num_output_tokens, error, prompt_logprobs, embedding,
-                                                 num_cached_tokens or 0))
+                if stream.first_token_time is not None and d.num_output_tokens > 1:
+                    m.tpot.observe((now - stream.first_token_time) / (d.num_output_tokens - 1))
+            stream.queue.put_nowait(RequestDelta(d.text, d.token_ids, d.logprobs, d.finish_reason,
+                                                 stream.num_prompt_tokens, d.num_output_tokens, d.error,
+                                                 d.prompt_logprobs, d.embedding, d.num_cached_tokens or 0))
         m.update_engine_state(stats)
 
     def called(self, token: int, result, error: tuple[str, str] | None) -> None:

@@ -16,10 +16,7 @@ and the engine to the API process:
     ("called", token, result, error) for each call: one of ENGINE_CALLS, run between two steps
     (an adapter loaded at run time checked; sleep mode; the prefix cache reset), error None or
     (exception type name, message),
-where each delta is (request_id, text, token_ids, logprobs, finish_reason, num_output_tokens, error,
-prompt_logprobs, embedding, num_cached_tokens): prompt_logprobs only on a request's first delta,
-where it asked for them; embedding on an embedding request's one delta; num_cached_tokens, the
-prompt tokens the prefix cache served when the request was first scheduled.
+where each delta is an EngineDelta (a named tuple: it pickles as cheaply as a tuple).
 Detokenization and stop strings run here, beside the scheduler, so that a request that hits a
 stop string is aborted, and its blocks freed, before the next step.
 """
@@ -29,6 +26,7 @@ import multiprocessing
 import queue
 import traceback
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
@@ -80,6 +78,28 @@ class EngineStats:
                    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, running, waiting)
 
 
+class EngineDelta(NamedTuple):
+    """What a step (or a command) added to a request. prompt_logprobs only on a request's first
+    delta, where it asked for them; embedding on an embedding request's one delta;
+    num_cached_tokens, the prompt tokens the prefix cache served when it was first scheduled."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None
+    num_output_tokens: int
+    error: str | None = None
+    prompt_logprobs: list | None = None
+    embedding: list[float] | None = None
+    num_cached_tokens: int = 0
+
+
+def ended(request_id: str, reason: str, num_output_tokens: int = 0, error: str | None = None,
+          num_cached_tokens: int = 0) -> EngineDelta:
+    """The last delta of a request that ends without new tokens (aborted, refused, failed)."""
+    return EngineDelta(request_id, "", [], None, reason, num_output_tokens, error, num_cached_tokens=num_cached_tokens)
+
+
 @dataclass(slots=True)
 class RequestState:
     """What the engine process keeps of a request besides its Sequence."""
@@ -127,20 +147,20 @@ class EngineLoop:
                 continue
             self.send(self.process(outputs))
 
-    def send(self, deltas: list[tuple]) -> None:
+    def send(self, deltas: list[EngineDelta]) -> None:
         self.outputs.put(("step", deltas, EngineStats.of(self.engine)))
 
-    def apply(self, command: tuple) -> list[tuple]:
+    def apply(self, command: tuple) -> list[EngineDelta]:
         if command[0] == "add":
             _, request_id, prompt_token_ids, params, priority, lora_request = command
             if self.engine.is_sleeping():       # one sent as sleep() was: the API refuses the next ones
-                return [(request_id, "", [], None, "error", 0, "the engine is asleep: wake_up first", None, None)]
+                return [ended(request_id, "error", error="the engine is asleep: wake_up first")]
             try:
                 # The API process validated it with the same RequestLimits.
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority,
                                         lora_request=lora_request)
             except (ValueError, TypeError) as e:
-                return [(request_id, "", [], None, "error", 0, str(e), None, None)]
+                return [ended(request_id, "error", error=str(e))]
             self.states[request_id] = RequestState(None if isinstance(params, PoolingParams) else
                                                    IncrementalDetokenizer.for_request(self.engine.tokenizer, params))
             return []
@@ -149,7 +169,8 @@ class EngineLoop:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.engine.abort_request(request_id)
-                return [(request_id, "", [], None, "abort", state.num_output_tokens, None, None, None)]
+                return [ended(request_id, "abort", state.num_output_tokens,
+                              num_cached_tokens=state.num_cached_tokens or 0)]
         if command[0] == "call":
             _, token, name, args = command
             try:
@@ -159,7 +180,7 @@ class EngineLoop:
             self.outputs.put(("called", token, result, error))
         return []
 
-    def process(self, outputs: list[StepOutput]) -> list[tuple]:
+    def process(self, outputs: list[StepOutput]) -> list[EngineDelta]:
         deltas = []
         for out in outputs:
             request_id = out.seq.request_id
@@ -168,8 +189,8 @@ class EngineLoop:
                 continue
             if state.detokenizer is None:           # an embedding request: done, with its vector
                 del self.states[request_id]
-                deltas.append((request_id, "", [], None, out.seq.finish_reason, 0, None, None, out.seq.embedding,
-                               out.seq.num_cached_tokens))
+                deltas.append(EngineDelta(request_id, "", [], None, out.seq.finish_reason, 0,
+                                          embedding=out.seq.embedding, num_cached_tokens=out.seq.num_cached_tokens))
                 continue
             if state.num_cached_tokens is None:
                 state.num_cached_tokens = out.seq.num_cached_tokens
@@ -189,16 +210,15 @@ class EngineLoop:
             prompt_logprobs = None
             if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
                 prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
-            deltas.append((request_id, text, token_ids, logprobs, reason, state.num_output_tokens, None,
-                           prompt_logprobs, None, state.num_cached_tokens))
+            deltas.append(EngineDelta(request_id, text, token_ids, logprobs, reason, state.num_output_tokens,
+                                      prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens))
         return deltas
 
-    def fail_all(self, message: str) -> list[tuple]:
+    def fail_all(self, message: str) -> list[EngineDelta]:
         deltas = []
         for request_id, state in self.states.items():
             self.engine.abort_request(request_id)
-            deltas.append((request_id, "", [], None, "error", state.num_output_tokens, message, None, None,
-                           state.num_cached_tokens or 0))
+            deltas.append(ended(request_id, "error", state.num_output_tokens, message, state.num_cached_tokens or 0))
         self.states.clear()
         return deltas
 
