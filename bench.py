@@ -198,14 +198,17 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                "cuda_graph_reserve_bytes": getattr(runner, "graph_reserve_bytes", None),
                "gemm_warmup_s": getattr(runner, "gemm_warmup_s", None)}
     kv_blocks_free = engine.num_free_blocks == engine.block_manager.num_blocks
-    weight_bytes = None
+    weight_bytes = expert_bytes = None
     if engine.config.quantization:      # fp8 weights: the bytes the ranks hold (a tied lm_head once), for the floor
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters()) * opts.tensor_parallel_size
+        held = {name: p.numel() * p.element_size() for name, p in runner.model.named_parameters()}
+        weight_bytes = sum(held.values()) * opts.tensor_parallel_size
+        # a Qwen3-MoE's fp8 experts (their scales included), of which a step reads those its tokens pick
+        expert_bytes = sum(n for name, n in held.items() if ".experts." in name) * opts.tensor_parallel_size or None
     llm.shutdown()
     return {"wall_s": wall, "output_counts": [len(o.outputs[0].token_ids) for o in outputs],
             "kv_blocks_free": kv_blocks_free,
             "dtype_bytes": runner.dtype.itemsize, "kv_dtype_bytes": runner.kv_cache_dtype.itemsize,
-            "weight_bytes": weight_bytes,
+            "weight_bytes": weight_bytes, "expert_bytes": expert_bytes,
             "engine_version": None, "engine_config": config,
             "engine_stats": {"num_preemptions": engine.num_preemptions,
                              "prefix_cache_hit_tokens": engine.prefix_cache_hit_tokens,
@@ -280,7 +283,8 @@ def main(argv=None) -> int:
     experts = None
     if model_config.get("model_type") == "qwen3_moe":      # a step reads only the experts its tokens pick
         mc = ModelConfig.from_dict(model_config)
-        experts = (checkpoint_num_params(model, experts_only=True) * dtype_bytes, mc.num_experts, mc.num_experts_per_tok)
+        experts = (result.get("expert_bytes") or checkpoint_num_params(model, experts_only=True) * dtype_bytes,
+                   mc.num_experts, mc.num_experts_per_tok)
     floor = floor_report(workload_floor([len(p) for p in prompts], max_tokens,
                                         result.get("weight_bytes") or checkpoint_num_params(model) * dtype_bytes,
                                         kv_bytes_per_token(model_config, result["kv_dtype_bytes"]), experts),

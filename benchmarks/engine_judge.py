@@ -32,15 +32,17 @@ def judge_arguments(script: str, extra=None) -> tuple[argparse.Namespace, str]:
 
 
 def per_product_check(path: str, prompts: list[list[int]], tokens: int, product_attr: str, kernel, reference,
-                      kernel_name: str, **engine_options) -> dict:
+                      kernel_name: str, module_type: type | None = None, **engine_options) -> dict:
     """The engine on its Triton kernels (eager, bf16 on a GPU; on CPU the interpreter's, only
-    `kernel_name`), each call of `kernel` that a Linear module makes through its `product_attr`
-    checked against `reference` on the same arguments (the real shapes and activations of prefill
-    and decode steps; a residual the product adds into is cloned for the reference): the worst
-    error of a call relative to its largest output, the modules checked of all the model's Linear
-    modules, the fewest and most rows a call saw, and the output lengths."""
+    `kernel_name`), each call of `kernel` that a module of module_type (a Linear, unless given)
+    makes through its `product_attr` checked against `reference` on the same arguments (the real
+    shapes and activations of prefill and decode steps; a residual the product adds into is cloned
+    for the reference): the worst error of a call relative to its largest output, the modules
+    checked of all the model's modules of that type, the fewest and most rows a call saw, and the
+    output lengths."""
     from mini_engine import LLM, SamplingParams
     from mini_engine.layers.linear import Linear
+    module_type = module_type or Linear
     options = dict(max_num_seqs=64, num_kv_blocks=256, enforce_eager=True,
                    kernels="auto" if torch.cuda.is_available() else kernel_name) | engine_options
     llm = LLM(path, **options)
@@ -57,13 +59,13 @@ def per_product_check(path: str, prompts: list[list[int]], tokens: int, product_
         rows.append(args[0].shape[0])
         worst = max(worst, ((out.float() - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item())
         return out
-    linears = [module for module in llm.engine.runner.model.modules() if isinstance(module, Linear)]
-    triton = [module for module in linears if getattr(module, product_attr) is kernel]
+    candidates = [module for module in llm.engine.runner.model.modules() if isinstance(module, module_type)]
+    triton = [module for module in candidates if getattr(module, product_attr) is kernel]
     for module in triton:
         setattr(module, product_attr, checked)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
     llm.shutdown()
-    return dict(worst_rel_err=worst, modules=len(triton), linear_modules=len(linears),
+    return dict(worst_rel_err=worst, modules=len(triton), of_modules=len(candidates),
                 fewest_rows=min(rows, default=0), most_rows=max(rows, default=0),
                 output_lengths=sorted({len(o.outputs[0].token_ids) for o in outputs}))
 

@@ -6,6 +6,7 @@ import torch
 
 from mini_engine.distributed import check_divisible
 from mini_engine.json_files import read_json_file
+from mini_engine.kernels.fp8_linear import BLOCK
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
 from mini_engine.pooling_params import PROBLEM_TYPES, PoolerConfig, classifier_activation
 from mini_engine.quantization import QUANTIZATION_METHODS, QuantizationConfig, parse_quantization_config
@@ -89,10 +90,10 @@ class ModelConfig:
         rope_scaling = parse_rope_scaling(raw)
         _, params = rope_parameters(raw)
         quantization = parse_quantization_config(raw.get("quantization_config"))
-        if quantization is not None and moe:
-            raise ValueError(f"config.json: {quantization.method} Qwen3-MoE checkpoints are not supported (their "
-                             f"experts would need a quantized grouped GEMM); the dense Qwen3-*-FP8 and Qwen3-*-AWQ "
-                             f"ones are")
+        if quantization is not None and quantization.method == "awq" and moe:
+            raise ValueError("config.json: awq Qwen3-MoE checkpoints are not supported (their experts would need a "
+                             "4-bit grouped GEMM); the dense Qwen3-*-AWQ ones are, and fp8 Qwen3-MoE "
+                             "(Qwen3-30B-A3B-FP8)")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
         for name in required:
@@ -341,9 +342,6 @@ class EngineConfig:
         elif self.quantization == "awq":
             raise ValueError("quantization='awq' needs an AWQ checkpoint (Qwen3-*-AWQ: config.json's "
                              "quantization_config with quant_method 'awq'); this one has none")
-        elif self.quantization == "fp8" and self.model_config.num_experts:
-            raise ValueError("quantization='fp8' is not supported for Qwen3-MoE (the experts would need an fp8 "
-                             "grouped GEMM)")
         if not isinstance(self.enable_sleep_mode, bool):
             raise ValueError(f"enable_sleep_mode must be True or False, got {self.enable_sleep_mode!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -353,6 +351,7 @@ class EngineConfig:
                          "intermediate_size": mc.intermediate_size}
                         | ({"moe_intermediate_size": mc.moe_intermediate_size} if mc.num_experts else {}),
                         self.tensor_parallel_size)
+        self.check_fp8_experts()
         if self.tensor_parallel_size > 1 and self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"with tensor_parallel_size > 1, rank r runs on cuda:r: give device 'cuda' or 'cpu', "
                              f"not {self.device!r}")
@@ -380,6 +379,18 @@ class EngineConfig:
             if self.runner == "pooling":
                 raise ValueError("speculative_config is for generation: a pooling runner samples nothing")
             self.speculative_config = SpeculativeConfig.resolve(self.speculative_config)
+
+    def check_fp8_experts(self) -> None:
+        """fp8 Qwen3-MoE experts need each rank's share of an expert's gate and up rows in whole
+        128 x 128 blocks (layers.moe.FusedExperts.hold_fp8_weight): said here, before any weight loads.
+        Qwen3-30B-A3B's 768 columns make 1, 2 or 3 ranks (at 4, vLLM fails too: vllm-project/vllm#25292)."""
+        mc, n = self.model_config, self.tensor_parallel_size
+        if self.quantization != "fp8" or not mc.num_experts or (mc.moe_intermediate_size // n) % BLOCK == 0:
+            return
+        share = f" / tensor_parallel_size {n} = {mc.moe_intermediate_size // n}" if n > 1 else ""
+        raise ValueError(f"fp8 Qwen3-MoE experts need each rank's share of an expert's gate and up projections in "
+                         f"whole {BLOCK}-row blocks (one fp8 scale a {BLOCK} x {BLOCK} block): moe_intermediate_size "
+                         f"{mc.moe_intermediate_size}{share} rows is not" + ("; use fewer ranks" if n > 1 else ""))
 
     def resolve_runner(self) -> None:
         """runner "auto" as vLLM resolves it: a sequence classifier's checkpoint pools, any other generates. A

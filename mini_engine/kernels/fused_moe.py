@@ -21,16 +21,22 @@ import torch
 import torch.nn.functional as F
 
 from mini_engine.kernels.activation import silu_and_mul_ref
+from mini_engine.kernels.fp8_linear import fp8_linear_ref
 
 
 def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, residual: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I],
     topk_weights and topk_ids [T, K] -> [T, H]. transformers' loop over the experts hit, with its
     rounding: each expert's down output is rounded to the model dtype, multiplied by the routing
     weight in that dtype, and added into a model-dtype sum, in the same order (expert by expert;
     within an expert, by k, then by token). With residual, the sum is added into it (the decoder's
-    residual add) and residual returned. The CPU path of the engine."""
+    residual add) and residual returned. The CPU path of the engine.
+
+    With w13_scale and w2_scale, w13 and w2 are fp8 experts (kernels/fp8_fused_moe.py) and each of
+    an expert's two products is fp8_linear_ref's: its input quantized by row groups of 128, its
+    weight's 128 x 128 blocks dequantized, the product rounded to the model dtype."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden)
     # Pair q = k * T + t is transformers' order within an expert (torch.where over a [K, T] mask).
@@ -44,9 +50,17 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         pairs = order[start:start + count]
         start += count
         k, tokens = pairs // num_tokens, pairs % num_tokens
-        act = silu_and_mul_ref(F.linear(hidden[tokens], w13[expert]))
-        out.index_add_(0, tokens, F.linear(act, w2[expert]) * topk_weights[tokens, k, None])
+        act = silu_and_mul_ref(expert_linear_ref(hidden[tokens], w13, w13_scale, expert))
+        out.index_add_(0, tokens, expert_linear_ref(act, w2, w2_scale, expert) * topk_weights[tokens, k, None])
     return out if residual is None else residual.add_(out)
+
+
+def expert_linear_ref(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, expert: int) -> torch.Tensor:
+    """x times expert `expert`'s weight (of the stacked `weights`), transposed; with fp8 weights, their scales given, as
+    fp8_linear_ref multiplies."""
+    if scales is None:
+        return F.linear(x, weights[expert])
+    return fp8_linear_ref(x, weights[expert], scales[expert])
 
 
 @dataclass(frozen=True)
@@ -310,9 +324,16 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     act = silu_and_mul(gate_up)
     out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w2, out, topk_weights, align, top_k, True, cfg)
+    return sum_pairs(out, hidden, top_k, residual)
+
+
+def sum_pairs(pairs: torch.Tensor, hidden: torch.Tensor, top_k: int, residual: torch.Tensor | None) -> torch.Tensor:
+    """The experts' last launch: each token's K rows of pairs [T*K, H] summed, into a new tensor
+    shaped as hidden [T, H], or added into residual."""
+    num_tokens, hidden_size = hidden.shape
     total = torch.empty_like(hidden) if residual is None else residual
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out, total, hidden_size, TOP_K=top_k, BLOCK_H=block_h, ADD_OUT=residual is not None, num_warps=4,
+        pairs, total, hidden_size, TOP_K=top_k, BLOCK_H=block_h, ADD_OUT=residual is not None, num_warps=4,
         **pdl_options(hidden.device))
     return total

@@ -10,6 +10,7 @@ from torch import nn
 
 from mini_engine.kernels.fp8_linear import FP8
 from mini_engine.layers.linear import Linear
+from mini_engine.layers.moe import FusedExperts
 from mini_engine.quantization import QuantizationConfig
 
 
@@ -73,7 +74,10 @@ def load_model(model: nn.Module, path: str) -> None:
                 if (param.dtype == FP8) != (tensor.dtype == FP8):   # a cast would drop (or skip) the scales
                     raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
                                      + ("float8_e4m3fn (config.json's quantization_config says fp8)"
-                                        if param.dtype == FP8 else f"{param.dtype} (config.json says nothing of fp8)"))
+                                        if param.dtype == FP8 else f"{param.dtype} (config.json says nothing of fp8)"
+                                        if model.config.quantization is None else
+                                        f"{param.dtype} (only the decoder's projections and experts are fp8, less "
+                                        f"modules_to_not_convert: this tensor is kept in the model's dtype)"))
                 if (param.dtype == torch.int32) != (tensor.dtype == torch.int32):   # AWQ's packed words
                     raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
                                      + ("int32 (AWQ packs eight 4-bit values in each)" if param.dtype == torch.int32
@@ -167,21 +171,24 @@ def num_shards(model: nn.Module, param_name: str) -> int:
     return shards(attr) if callable(shards) else 1
 
 
-# One expert's projection in a Qwen3-MoE checkpoint: layers.{i}.mlp.experts.{e}.gate_proj.weight
-EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+# One expert's projection in a Qwen3-MoE checkpoint, or its fp8 scales:
+# layers.{i}.mlp.experts.{e}.gate_proj.weight (.weight_scale_inv)
+EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
+                           r"(?P<tensor>weight|weight_scale_inv)")
 
 
 def translate(model: nn.Module, ckpt_name: str) -> tuple[str, int | None]:
     """Checkpoint tensor name -> (our parameter name, shard index in a packed parameter or None).
-    An expert's projection is shard 2e (gate) or 2e + 1 (up) of w13_weight, or e of w2_weight."""
+    An expert's projection is shard 2e (gate) or 2e + 1 (up) of w13_weight, or e of w2_weight (its
+    fp8 scales the same shard of w13_weight_scale_inv or w2_weight_scale_inv)."""
     name = ckpt_name.removeprefix("model.")
     for old, new in model.renames(name).items():
         name = name.replace(old, new)
     if expert := EXPERT_TENSOR.fullmatch(name):
         e = int(expert["expert"])
         if expert["proj"] == "down_proj":
-            return f"{expert['experts']}.w2_weight", e
-        return f"{expert['experts']}.w13_weight", 2 * e + (expert["proj"] == "up_proj")
+            return f"{expert['experts']}.w2_{expert['tensor']}", e
+        return f"{expert['experts']}.w13_{expert['tensor']}", 2 * e + (expert["proj"] == "up_proj")
     for part, (packed, shard) in model.packed_modules_mapping.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{packed}."), shard
@@ -208,20 +215,36 @@ def module_of(model: nn.Module, param_name: str) -> nn.Module:
 
 def hold_quantized_weights(model: nn.Module, quantization: QuantizationConfig, use_triton: bool) -> None:
     """Before a quantized checkpoint loads: each projection that it stores quantized holds its
-    weight as the checkpoint does (layers.linear.Linear.hold_fp8_weight, hold_awq_weight), empty,
-    to be filled with the scales (and AWQ's zero points) beside it."""
+    weight as the checkpoint does (layers.linear.Linear.hold_fp8_weight, hold_awq_weight; a
+    Qwen3-MoE layer's experts, layers.moe.FusedExperts.hold_fp8_weight), empty, to be filled with
+    the scales (and AWQ's zero points) beside it. use_triton: the fp8 or AWQ products' kernel (the
+    experts take the grouped GEMM's, where their bf16 products would)."""
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if isinstance(module, Linear):
+            weights = [f"{name}.weight"]
+        elif isinstance(module, FusedExperts):
+            weights = [f"{name}.w13_weight", f"{name}.w2_weight"]
+        else:
             continue
-        weight = f"{name}.weight"
         stored = [untranslate(model, weight, shard).removesuffix(".weight")
-                  for shard in range(num_shards(model, weight))]
+                  for weight in weights for shard in range(num_shards(model, weight))]
         quantized = [quantization.quantizes(part) for part in stored]
         if all(quantized):
-            if quantization.method == "awq":
+            if isinstance(module, FusedExperts):
+                if quantization.method != "fp8":        # EngineConfig refuses these first
+                    raise ValueError(f"{quantization.method} Qwen3-MoE experts are not supported")
+                module.hold_fp8_weight()
+            elif quantization.method == "awq":
                 module.hold_awq_weight(quantization.group_size, use_triton)
             else:
                 module.hold_fp8_weight(use_triton)
         elif any(quantized):
-            raise ValueError(f"config.json: modules_to_not_convert keeps some of {stored} out of "
-                             f"{quantization.method} but not all; mini_engine runs them as one product")
+            kept = [part for part, q in zip(stored, quantized) if not q]
+            raise ValueError(f"config.json: modules_to_not_convert keeps some of {abridged(stored)} out of "
+                             f"{quantization.method} but not all ({abridged(kept)}); mini_engine runs them as one "
+                             f"product" + (" (a layer's experts: one grouped GEMM)" if len(weights) > 1 else ""))
+
+
+def abridged(names: list[str], most: int = 4) -> str:
+    """A list of names for an error message: a layer's experts have hundreds."""
+    return str(names) if len(names) <= most else f"[{', '.join(map(repr, names[:most]))}, ... {len(names)} in all]"

@@ -12,7 +12,7 @@ from mini_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from mini_engine.layers.layernorm import RMSNorm
 from mini_engine.layers.linear import Linear, NormedPackedLinear, RowParallelLinear
 from mini_engine.layers.lora import LoRAStep
-from mini_engine.layers.moe import Qwen3SparseMoeBlock
+from mini_engine.layers.moe import FusedExperts, Qwen3SparseMoeBlock
 from mini_engine.layers.pooler import ClassificationHead
 from mini_engine.layers.rotary_embedding import QKNormRopeKVWrite
 
@@ -124,10 +124,14 @@ class Qwen3ForCausalLM(nn.Module):
 
     def quantize_fp8(self, use_triton: bool) -> None:
         """quantization="fp8" over a bf16 checkpoint, once it is loaded and its norms folded: every
-        decoder projection's weight to fp8 blocks (the embedding, lm_head and the MoE router stay)."""
+        decoder projection's weight to fp8 blocks, a Qwen3-MoE layer's experts included (the
+        embedding, lm_head and the MoE router stay). use_triton: the projections' kernel (the
+        experts take the grouped GEMM's, where their bf16 products would)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantize_weight_fp8(use_triton)
+            elif isinstance(module, FusedExperts):
+                module.quantize_weight_fp8()
 
     def lora_modules(self) -> dict[str, Linear]:
         """The projections a LoRA adapter may change, by our name ("layers.0.self_attn.qkv_proj"):

@@ -146,8 +146,10 @@ def write_embedding_layout(source: str, path: str) -> str:
     return path
 
 
-# A dense decoder projection's weight, which an FP8 checkpoint stores in fp8.
-PROJECTION_WEIGHT = re.compile(r"(model\.layers\.\d+\.(?:self_attn\.[qkvo]|mlp\.(?:gate|up|down))_proj)\.weight")
+# A decoder projection's weight, which a quantized checkpoint stores quantized: attention's, a
+# dense MLP's, and a Qwen3-MoE layer's experts' (mlp.experts.{e}.gate_proj; not its router, mlp.gate).
+PROJECTION_WEIGHT = re.compile(r"(model\.layers\.\d+\.(?:self_attn\.[qkvo]|mlp\.(?:experts\.\d+\.)?(?:gate|up|down))"
+                               r"_proj)\.weight")
 
 
 def write_quantized_layout(source: str, path: str, quantize, modules_to_not_convert: list[str] | None,
@@ -176,9 +178,11 @@ def write_quantized_layout(source: str, path: str, quantize, modules_to_not_conv
 
 def write_fp8_layout(source: str, path: str, modules_to_not_convert: list[str] | None = None,
                      scale_dtype: torch.dtype = torch.float32) -> str:
-    """source's checkpoint as Qwen3-*-FP8 lays itself out: each decoder projection's weight in
-    float8_e4m3fn, 128 x 128 blocks, with its scales as `weight_scale_inv` (those of the modules
-    in modules_to_not_convert left as they are), and config.json's quantization_config."""
+    """source's checkpoint as Qwen3-*-FP8 (and Qwen3-30B-A3B-FP8) lays itself out: each decoder
+    projection's weight, each expert's too, in float8_e4m3fn, 128 x 128 blocks, with its scales as
+    `weight_scale_inv` (those of the modules in modules_to_not_convert left as they are), and
+    config.json's quantization_config. (Qwen3-30B-A3B-FP8 lists each layer's router, mlp.gate, in
+    modules_to_not_convert; it is never quantized here either way.)"""
     def quantize(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scales = quantize_fp8_weight_ref(weight)
         return {f"{module}.weight": q, f"{module}.weight_scale_inv": scales.to(scale_dtype)}

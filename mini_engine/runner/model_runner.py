@@ -104,15 +104,18 @@ def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, model_dty
 
 
 def check_fp8_kernels(config: EngineConfig, device: torch.device, kernels: frozenset[str]) -> bool:
-    """Whether fp8 weights' products take the Triton kernel: Triton's fp8 dot needs compute
-    capability 8.9 (Ada) or newer; on an older GPU it is refused, as for the fp8 KV cache."""
-    if config.quantization != "fp8" or "fp8_linear" not in kernels:
+    """Whether fp8 weights' products take the Triton kernel fp8_linear (a Qwen3-MoE's fp8 experts
+    take fused_moe's fp8 grouped GEMM where fused_moe is on): Triton's fp8 dot needs compute
+    capability 8.9 (Ada) or newer; on an older GPU they are refused, as for the fp8 KV cache."""
+    if config.quantization != "fp8":
         return False
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        others = ",".join(name for name in KERNEL_NAMES if name != "fp8_linear")
-        raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer for the Triton kernel "
-                         f"fp8_linear: leave it out, as kernels={others!r} (products in fp32 from the fp8 weights)")
-    return True
+    fp8_kernels = kernels & ({"fp8_linear", "fused_moe"} if config.model_config.num_experts else {"fp8_linear"})
+    if fp8_kernels and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        others = ",".join(name for name in KERNEL_NAMES if name not in fp8_kernels)
+        raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer for the Triton kernels "
+                         f"{sorted(fp8_kernels)}: leave them out, as kernels={others!r} (products in fp32 from the "
+                         f"fp8 weights)")
+    return "fp8_linear" in kernels
 
 
 class ModelRunner:

@@ -30,6 +30,7 @@ from torch import nn
 
 from mini_engine.kernels.fp8_linear import BLOCK, quantize_fp8_weight_ref
 from mini_engine.layers.linear import NormedPackedLinear
+from mini_engine.layers.moe import FusedExperts
 from mini_engine.model.loader import (AWQ_PARAMS, checkpoint_files, checkpoint_shape, checkpoint_target, module_of,
                                       num_shards, rank_slice, untranslate)
 
@@ -251,10 +252,15 @@ class WeightUpdater:
         self.discarded -= plan.written
 
     def write(self, module: nn.Module, param_name: str, shard: int | None, values: torch.Tensor) -> None:
-        """Copies values into the parameter's own storage (a packed one's rows of that shard); an fp8
-        weight takes the values' blocks and scales."""
+        """Copies values into the parameter's own storage (a packed one's rows of that shard, stacked
+        experts' one projection); an fp8 weight takes the values' blocks and scales."""
         param = self.params[param_name]
-        if param_name.endswith(".weight") and getattr(module, "weight_scale_inv", None) is not None:
+        expert_scales = getattr(module, f"{param_name.rpartition('.')[2]}_scale_inv", None)
+        if isinstance(module, FusedExperts) and expert_scales is not None:     # fp8 experts: one projection's
+            blocks, scales = quantize_fp8_weight_ref(values.to(param.device, self.dtype))
+            module.load_shard(param, blocks, shard)
+            module.load_shard(expert_scales, scales, shard)
+        elif param_name.endswith(".weight") and getattr(module, "weight_scale_inv", None) is not None:
             blocks, scales = stored_values(module, values.to(param.device, self.dtype))
             param.data[row_range(module, shard)].copy_(blocks)
             module.weight_scale_inv.data[row_range(module, shard, BLOCK)].copy_(scales)

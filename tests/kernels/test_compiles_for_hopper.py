@@ -1,5 +1,5 @@
-"""The top-k sampler's kernels, and the KV write into each cache type, compiled for the H200
-(sm_90) on this machine, GPU or not.
+"""The top-k sampler's kernels, the KV write into each cache type, and the fp8 and LoRA products,
+compiled for the H200 (sm_90) on this machine, GPU or not.
 
 Triton's interpreter runs what a GPU compile refuses: a kernel that reads a global which is not a
 tl.constexpr, or an `if` whose branches bind one name to blocks of two shapes. Triton 3.6 on the
@@ -101,6 +101,23 @@ def compile_fp8_linear() -> None:
         assert "cubin" in compiled.asm, cfg
 
 
+def compile_fp8_fused_moe() -> None:
+    """The fp8 experts' grouped GEMM (kernels/fp8_fused_moe.py) at each tile of fp8_moe_config, as
+    gate/up or down (a compile each, ~2 s): fp8 tiles of a gathered block of rows, each group's
+    scales a row's and a column's."""
+    from mini_engine.kernels import fp8_fused_moe as f
+    for cfg, down in ((f.FP8_DECODE_CONFIG, True), (f.FP8_DECODE_WIDE_CONFIG, False), (f.FP8_PREFILL_CONFIG, False)):
+        constexprs = dict(TOP_K=8, DOWN=down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, USE_PDL=True)
+        signature = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+                     "out_ptr": "*bf16", "topk_weights_ptr": "*bf16", "sorted_pair_ids_ptr": "*i32",
+                     "block_expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"} | {
+            name: "i32" for name in ("num_pairs", "N", "K", "num_groups", "stride_we", "stride_wn", "stride_se",
+                                     "stride_sn", "stride_om")} | dict.fromkeys(constexprs, "constexpr")
+        compiled = triton.compile(ASTSource(f._fp8_grouped_gemm_kernel, signature, constexprs=constexprs),
+                                  target=HOPPER, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        assert "cubin" in compiled.asm, (cfg, down)
+
+
 def compile_lora() -> None:
     """LoRA's expand kernel (kernels/lora.py) at a decode's and a prefill's tiles, one slot of a
     packed q/k/v (48 columns) and four (192): its branch on the block's slots and its masked loads."""
@@ -117,7 +134,8 @@ def compile_lora() -> None:
         assert "cubin" in compiled.asm, (rows, num_cols)
 
 
-@pytest.mark.parametrize("compile_fn", ["compile_all", "compile_kv_writes", "compile_fp8_linear", "compile_lora"])
+@pytest.mark.parametrize("compile_fn", ["compile_all", "compile_kv_writes", "compile_fp8_linear",
+                                        "compile_fp8_fused_moe", "compile_lora"])
 def test_kernels_compile_for_sm90(compile_fn):
     pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
