@@ -30,7 +30,7 @@ def fp8_fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 from mini_engine.kernels.activation import silu_and_mul  # noqa: E402
 from mini_engine.kernels.fp8_linear import BLOCK, FP8, quantize_fp8  # noqa: E402
-from mini_engine.kernels.fused_moe import MoeAlignment, MoeConfig, moe_align, sum_pairs  # noqa: E402
+from mini_engine.kernels.fused_moe import MoeAlignment, MoeConfig, moe_align, slot_block, sum_pairs  # noqa: E402
 from mini_engine.kernels.triton_utils import pdl_enter, pdl_options, tl, triton  # noqa: E402
 
 
@@ -50,15 +50,8 @@ def _fp8_grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, to
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
         return      # past the used slots: the grid is sized for the worst routing
-    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = pair_ids < num_pairs
-    if DOWN:
-        a_rows = pair_ids
-    else:
-        a_rows = pair_ids // TOP_K
-    expert = tl.load(block_expert_ids_ptr + block).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pair_ids, row_ok, a_rows, expert, cols, col_ok = slot_block(sorted_pair_ids_ptr, block_expert_ids_ptr, block,
+                                                                num_pairs, N, TOP_K, DOWN, BLOCK_M, BLOCK_N)
     a_row_ptrs = a_ptr + a_rows[:, None] * K
     a_scale_rows = a_scale_ptr + a_rows * num_groups
     w_row_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn

@@ -189,6 +189,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
 
 
 @triton.jit
+def slot_block(sorted_pair_ids_ptr, block_expert_ids_ptr, block, num_pairs, N, TOP_K: tl.constexpr,
+               DOWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A grouped GEMM program's rows and columns: its block's pair ids (int64) and which are real
+    (not sentinels), the activation rows they read (a token's for gate/up, the pair's own for
+    down), the block's expert, and its tile of output columns with their mask."""
+    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if DOWN:
+        a_rows = pair_ids
+    else:
+        a_rows = pair_ids // TOP_K
+    expert = tl.load(block_expert_ids_ptr + block).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair_ids, pair_ids < num_pairs, a_rows, expert, cols, cols < N
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
                          num_padded_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
                          TOP_K: tl.constexpr, DOWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -205,15 +221,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_pair_id
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
         return      # past the used slots: the grid is sized for the worst routing
-    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = pair_ids < num_pairs
-    if DOWN:
-        a_rows = pair_ids
-    else:
-        a_rows = pair_ids // TOP_K
-    expert = tl.load(block_expert_ids_ptr + block).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pair_ids, row_ok, a_rows, expert, cols, col_ok = slot_block(sorted_pair_ids_ptr, block_expert_ids_ptr, block,
+                                                                num_pairs, N, TOP_K, DOWN, BLOCK_M, BLOCK_N)
     # int64 row offsets: T*K rows of 2I columns pass 2^31 elements at long prefills.
     a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
     w_row_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
