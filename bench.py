@@ -105,15 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_checkpoint(cache_dir: str | None) -> str:
-    from mini_engine.model.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mini_engine")
-    path = os.path.join(cache_dir, "qwen3-tiny-random")
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        tmp = f"{path}.partial-{os.getpid()}"
-        write_random_checkpoint(tmp, QWEN3_0_6B | TINY_QWEN3)
-        if not os.path.exists(path):
-            os.replace(tmp, path)
-    return path
+    from mini_engine.model.random_checkpoint import QWEN3_0_6B, cached_checkpoint
+    return cached_checkpoint("qwen3-tiny-random", QWEN3_0_6B | TINY_QWEN3, cache_dir)
 
 
 def warm_up(llm, prompts: list[list[int]], sampling: dict) -> None:
@@ -133,14 +126,9 @@ def warm_up(llm, prompts: list[list[int]], sampling: dict) -> None:
 
 def awq_checkpoint(model: str, device: str) -> str:
     """model's AWQ layout (group 128), written once beside it (rounded on `device`)."""
-    from mini_engine.model.random_checkpoint import write_awq_layout
-    path = os.path.join(model, "awq-g128")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        tmp = f"{path}.partial-{os.getpid()}"
-        write_awq_layout(model, tmp, device=device)
-        if not os.path.exists(path):
-            os.replace(tmp, path)
-    return path
+    from mini_engine.model.random_checkpoint import write_awq_layout, written_once
+    return written_once(os.path.join(model, "awq-g128"),
+                        lambda folder: write_awq_layout(model, folder, device=device))
 
 
 def random_loras(model: str, count: int, rank: int) -> list:

@@ -19,7 +19,6 @@ its PyTorch path computes what the reference does.
    cuBLAS at prefill) against awq_linear_ref on its own arguments.
 5. After every run, every KV block is free.
 """
-import json
 import os
 import random
 import sys
@@ -27,7 +26,7 @@ import tempfile
 
 import torch
 
-from benchmarks.engine_judge import judge_arguments
+from benchmarks.engine_judge import dequantized_model, judge_arguments
 
 # AutoAWQ's packing order: nibble i of a word holds column AUTOAWQ_ORDER[i] of its eight.
 AUTOAWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -44,11 +43,7 @@ def unpack_autoawq(words: torch.Tensor) -> torch.Tensor:
 def awq_oracle(path: str, dtype: torch.dtype, device: str, attn_implementation: str = "eager"):
     """transformers over the AWQ checkpoint at `path`, each projection's weight dequantized
     (written once beside it, in fp32) as nn.Linear's [out, in]."""
-    import transformers
-    from safetensors.torch import load_file, save_file
-    folder = path.rstrip("/") + "-dequantized"
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        tensors = load_file(os.path.join(path, "model.safetensors"))
+    def dequantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in tensors.items():
             if name.endswith(".qweight"):
@@ -60,16 +55,8 @@ def awq_oracle(path: str, dtype: torch.dtype, device: str, attn_implementation: 
                 out[f"{module}.weight"] = weight_t.t().contiguous()
             elif not name.endswith((".qzeros", ".scales")):
                 out[name] = t
-        os.makedirs(folder, exist_ok=True)
-        save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
-        config.pop("quantization_config")
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(config, f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
-                                                              attn_implementation=attn_implementation)
-    return model.to(device).eval()
+        return out
+    return dequantized_model(path, dequantize, dtype, attn_implementation).to(device).eval()
 
 
 def per_call_check(path: str, prompts: list[list[int]], tokens: int, **engine_options) -> dict:

@@ -31,6 +31,29 @@ def judge_arguments(script: str, extra=None) -> tuple[argparse.Namespace, str]:
     return args, device
 
 
+def dequantized_model(path: str, dequantize, dtype: torch.dtype, attn_implementation: str):
+    """transformers over a quantized checkpoint's weights, unquantized: dequantize(its tensors) ->
+    the tensors of an unquantized checkpoint, written once beside it (path + "-dequantized", its
+    config.json without quantization_config) and loaded in dtype; on the CPU, not yet eval()."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from mini_engine.model.random_checkpoint import written_once
+
+    def write(folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        tensors = dequantize(load_file(os.path.join(path, "model.safetensors")))
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config.pop("quantization_config")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+    folder = written_once(path.rstrip("/") + "-dequantized", write)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                             attn_implementation=attn_implementation)
+
+
 def per_product_check(path: str, prompts: list[list[int]], tokens: int, product_attr: str, kernel, reference,
                       kernel_name: str, module_type: type | None = None, **engine_options) -> dict:
     """The engine on its Triton kernels (eager, bf16 on a GPU; on CPU the interpreter's, only

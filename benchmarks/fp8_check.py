@@ -24,7 +24,6 @@ bf16 rounding alone moves things.
 6. After every run, every KV block is free.
 """
 import gc
-import json
 import os
 import random
 import sys
@@ -33,7 +32,7 @@ import types
 
 import torch
 
-from benchmarks.engine_judge import judge_arguments
+from benchmarks.engine_judge import dequantized_model, judge_arguments
 
 
 def quantized(x: torch.Tensor) -> torch.Tensor:
@@ -75,28 +74,19 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: list
 def fp8_oracle(path: str, dtype: torch.dtype, device: str, attn_implementation: str = "eager"):
     """transformers over the FP8 checkpoint at `path`, dequantized by transformers' own code
     (written once beside it), with its fp8 projections' inputs quantized (quantize_input)."""
-    import transformers
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
     try:
         from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
     except ImportError:     # transformers before 5.2x has no such function (5.17 on the H200's machine)
         _dequantize_fp8_weight = dequantize_blocks
     print(f"fp8_oracle: weights dequantized by {_dequantize_fp8_weight.__module__}.{_dequantize_fp8_weight.__name__}")
-    folder = path.rstrip("/") + "-dequantized"
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    fp8 = {name.removesuffix("_scale_inv") for name in tensors if name.endswith("weight_scale_inv")}
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        os.makedirs(folder, exist_ok=True)
-        save_file({name: _dequantize_fp8_weight(t, tensors[name + "_scale_inv"], [128, 128], torch.float32)
-                   if name in fp8 else t for name, t in tensors.items() if not name.endswith("_scale_inv")},
-                  os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
-        config.pop("quantization_config")
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(config, f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
-                                                              attn_implementation=attn_implementation)
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        fp8 = {name.removesuffix("_scale_inv") for name in f.keys() if name.endswith("weight_scale_inv")}
+
+    def dequantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: _dequantize_fp8_weight(t, tensors[name + "_scale_inv"], [128, 128], torch.float32)
+                if name in fp8 else t for name, t in tensors.items() if not name.endswith("_scale_inv")}
+    model = dequantized_model(path, dequantize, dtype, attn_implementation)
     for name, module in model.named_modules():
         if f"{name}.weight" in fp8:
             module.register_forward_pre_hook(quantize_input)

@@ -94,16 +94,23 @@ def write_random_checkpoint(path: str, config: dict, dtype: torch.dtype = torch.
     return path
 
 
+def written_once(path: str, write) -> str:
+    """path, which write(folder) makes: written once into a folder of this process's own and moved
+    into place whole, so that a reader never sees half a checkpoint and a second writer's copy
+    never replaces the first's (each process that finds none writes its own, the first one stays)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        tmp = f"{path}.partial-{os.getpid()}"
+        write(tmp)
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+    return path
+
+
 def cached_checkpoint(name: str, config: dict, cache_dir: str | None = None, device: str = "cpu") -> str:
     """A random bf16 checkpoint of `config`'s shape, written once to cache_dir/name and reused."""
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mini_engine")
-    path = os.path.join(cache_dir, name)
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        tmp = path + ".partial"
-        write_random_checkpoint(tmp, config, device=device)
-        if not os.path.exists(path):        # else another process wrote it meanwhile
-            os.replace(tmp, path)
-    return path
+    return written_once(os.path.join(cache_dir, name),
+                        lambda folder: write_random_checkpoint(folder, config, device=device))
 
 
 def default_checkpoint(cache_dir: str | None = None, device: str = "cpu") -> str:
