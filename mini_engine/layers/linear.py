@@ -229,6 +229,10 @@ class PackedLinear(Linear):
         param.data.narrow(dim, start, self.output_sizes[shard] // per_index).copy_(loaded)
 
 
+# An AWQ projection's parameters (hold_awq_weight), named as the checkpoint names them: W^T's packed
+# values, zero points and scales.
+AWQ_PARAMS = ("qweight", "qzeros", "scales")
+
 # A packed layer's parameters that its projections fill in turn: the dimension they are stacked
 # along, and a projection's outputs an index of it holds (PackedLinear.shard_span).
 PROJECTION_PARAMS = {"weight": (0, 1), "bias": (0, 1), "weight_scale_inv": (0, BLOCK),

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mini_engine.kernels.fp8_linear import FP8
-from mini_engine.layers.linear import Linear
+from mini_engine.layers.linear import AWQ_PARAMS, Linear
 from mini_engine.layers.moe import FusedExperts
 from mini_engine.quantization import QuantizationConfig
 
@@ -143,8 +143,6 @@ def split_dim(module: nn.Module, param_name: str) -> int | None:
         return None
     return 1 - dim if attr in AWQ_PARAMS else dim
 
-
-AWQ_PARAMS = ("qweight", "qzeros", "scales")
 
 
 def rank_slice(module: nn.Module, param_name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,10 @@ from safetensors import safe_open
 from torch import nn
 
 from mini_engine.kernels.fp8_linear import BLOCK, quantize_fp8_weight_ref
-from mini_engine.layers.linear import NormedPackedLinear
+from mini_engine.layers.linear import AWQ_PARAMS, NormedPackedLinear
 from mini_engine.layers.moe import FusedExperts
-from mini_engine.model.loader import (AWQ_PARAMS, checkpoint_files, checkpoint_shape, checkpoint_target, module_of,
-                                      num_shards, rank_slice, untranslate)
+from mini_engine.model.loader import (checkpoint_files, checkpoint_shape, checkpoint_target, module_of, num_shards,
+                                      rank_slice, untranslate)
 
 # Weights whose values are given as float8 (or the scales beside them) are refused: an update gives
 # the weight in a wider dtype, and the engine makes the fp8 blocks and their scales.
