@@ -10,6 +10,7 @@ from mini_engine.kernels.fp8_fused_moe import (FP8_DECODE_CONFIG, FP8_DECODE_WID
                                                FP8_PREFILL_CONFIG, fp8_fused_moe, fp8_fused_moe_ref)
 from mini_engine.kernels.fp8_linear import (BLOCK, dequantize_fp8_ref, quantize_fp8_ref,  # noqa: E402
                                             quantize_fp8_weight_ref)
+from tests.kernels.test_fused_moe import random_routing  # noqa: E402
 
 # Tolerances relative to a call's largest output (assert_matches). fp32: the kernel sums gate/up
 # in another order than the reference, so a SwiGLU value on an e4m3 rounding boundary can quantize
@@ -56,12 +57,7 @@ def make_inputs(case: str, dtype: torch.dtype, device: str, seed: int = 0):
                                              / (2 * hidden_size ** 0.5))
     w2, w2_scale = quantize_fp8_weight_ref(block_varied((num_experts, hidden_size, intermediate_size), gen)
                                            / (2 * intermediate_size ** 0.5))
-    if routing == "one_expert":
-        ids = torch.full((num_tokens, top_k), 2)
-    else:
-        ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
-    weights = 0.1 + 0.9 * torch.rand(num_tokens, top_k, generator=gen)
-    weights = weights / weights.sum(dim=1, keepdim=True)
+    ids, weights = random_routing(num_tokens, num_experts, top_k, routing, gen)
     return (hidden.to(device, dtype), w13.to(device), w2.to(device), weights.to(device, dtype), ids.to(device),
             w13_scale.to(device), w2_scale.to(device))
 

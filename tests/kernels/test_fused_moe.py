@@ -28,6 +28,17 @@ CASES = {
 CONFIGS = {"block_m16": DECODE_CONFIG, "block_m32": DECODE_WIDE_CONFIG, "block_m128": PREFILL_CONFIG}
 
 
+def random_routing(num_tokens: int, num_experts: int, top_k: int, routing: str, gen: torch.Generator):
+    """Each token's top_k expert ids (all expert 2's where routing is "one_expert", else distinct
+    random ones) and routing weights that sum to 1."""
+    if routing == "one_expert":
+        ids = torch.full((num_tokens, top_k), 2)
+    else:
+        ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
+    weights = 0.1 + 0.9 * torch.rand(num_tokens, top_k, generator=gen)
+    return ids, weights / weights.sum(dim=1, keepdim=True)
+
+
 def make_inputs(case: str, dtype: torch.dtype, device: str, seed: int = 0):
     """(hidden, w13, w2, topk_weights, topk_ids): weights scaled so every stage stays O(1); each
     token's K experts distinct (as a router's top-k), except in "one_expert", where every pair of
@@ -37,12 +48,7 @@ def make_inputs(case: str, dtype: torch.dtype, device: str, seed: int = 0):
     hidden = torch.randn(num_tokens, hidden_size, generator=gen)
     w13 = torch.randn(num_experts, 2 * intermediate_size, hidden_size, generator=gen) / hidden_size ** 0.5
     w2 = torch.randn(num_experts, hidden_size, intermediate_size, generator=gen) / intermediate_size ** 0.5
-    if routing == "one_expert":
-        ids = torch.full((num_tokens, top_k), 2)
-    else:
-        ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
-    weights = 0.1 + 0.9 * torch.rand(num_tokens, top_k, generator=gen)
-    weights = weights / weights.sum(dim=1, keepdim=True)
+    ids, weights = random_routing(num_tokens, num_experts, top_k, routing, gen)
     return (hidden.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype), weights.to(device, dtype),
             ids.to(device))
 
