@@ -4,7 +4,12 @@ skinny kernel at few rows), for Qwen3-0.6B's and Qwen3-8B's four projections at 
 Timed as CUDA-graph replays that cycle through enough copies of the weights (>= 256 MB) that each
 call reads its weights from HBM, as a model's step does. One JSON line a shape and row count,
 microseconds a call: bf16, what awq_linear chose, dequantize + cuBLAS, and each fused candidate
-(label m<rows>n<columns>k<depth>w<warps>s<stages>)."""
+(label m<rows>n<columns>k<depth>w<warps>s<stages>).
+
+With --gemv, the FMA product's tiles instead (_awq_gemv_kernel, labels
+gemv_w<words>k<depth>w<warps>x<splits>) at 1 to 16 rows, beside bf16 and the tensor-core product
+that awq_tile picks."""
+import itertools
 import json
 import sys
 
@@ -28,24 +33,64 @@ def cycling(fn, copies: list):
     return call
 
 
+def projections():
+    """(name, N, K, the bf16 Linear, AWQ copies, bf16 copies of its weight) for each of SHAPES."""
+    from mini_engine.kernels.awq_linear import quantize_awq_ref
+    from mini_engine.layers.linear import Linear
+    torch.manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        linear = Linear(k, n, False, use_triton=True).cuda().bfloat16()
+        weights = quantize_awq_ref(linear.weight.detach().float().cpu(), 128)
+        yield (name, n, k, linear, [tuple(t.cuda() for t in weights) for _ in range(max(1, WORKING_SET // (n * k // 2)))],
+               [linear.weight.detach().clone() for _ in range(max(1, WORKING_SET // (n * k * 2)))])
+
+
+def gemv_sweep() -> int:
+    from mini_engine.kernels import awq_linear as a
+    chosen_tile, gemv_rows = a.awq_gemv_tile, a.GEMV_ROWS
+    for name, n, k, linear, awq_copies, bf16_copies in projections():
+        for rows in (1, 2, 4, 8, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            product = cycling(lambda w: a.awq_linear(x, *w), awq_copies)
+            line = {"shape": name, "rows": rows,
+                    "bf16_us": round(replay_us(cycling(lambda w: linear.dense_product(x, w), bf16_copies)), 2),
+                    "chosen": chosen_tile(n, k, 128, 132).__dict__ if rows <= gemv_rows else "tensor cores",
+                    "awq_chosen_us": round(replay_us(product), 2)}
+            try:
+                a.GEMV_ROWS = 0
+                line["tensor_cores_us"] = round(replay_us(product), 2)
+                a.GEMV_ROWS = 16
+                for words, depth, warps, split in itertools.product((8, 16, 32), (32, 64, 128), (4, 8), (1, 2, 4, 8)):
+                    # the [rows, depth, 8 words] product a thread holds, at most 1024 values
+                    if triton_rows(rows) * depth * words * 8 > 1024 * 32 * warps or k % (split * depth):
+                        continue
+                    tile = a.AwqGemvTile(words, depth, warps, split)
+                    a.awq_gemv_tile = lambda *_, tile=tile: tile
+                    line[f"gemv_w{words}k{depth}w{warps}x{split}"] = round(replay_us(product), 2)
+            finally:
+                a.awq_gemv_tile, a.GEMV_ROWS = chosen_tile, gemv_rows
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+def triton_rows(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("awq_sweep.py needs CUDA")
+    if "--gemv" in sys.argv[1:]:
+        return gemv_sweep()
     from mini_engine.kernels import awq_linear as a
-    from mini_engine.layers.linear import Linear
     candidates = {f"m{m}n{n}k{k}w{w}s{s}x{split}": a.AwqTile(m, n, k, w, s, split)
                   for m, n, k, w, s, splits in ((16, 32, 128, 4, 3, (1, 2, 4, 8)), (16, 64, 128, 4, 3, (1, 2, 4)),
                                                 (16, 128, 128, 4, 3, (1, 2)), (16, 64, 64, 4, 4, (1, 2)),
                                                 (32, 64, 128, 4, 3, (1, 2)), (64, 64, 64, 4, 3, (1, 2)),
                                                 (64, 128, 64, 8, 3, (1,)), (128, 128, 64, 8, 3, (1,)))
                   for split in splits}
-    chosen_tile, threshold = a.awq_tile, a.DEQUANTIZE_ROWS
-    torch.manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        linear = Linear(k, n, False, use_triton=True).cuda().bfloat16()
-        weights = a.quantize_awq_ref(linear.weight.detach().float().cpu(), 128)
-        awq_copies = [tuple(t.cuda() for t in weights) for _ in range(max(1, WORKING_SET // (n * k // 2)))]
-        bf16_copies = [linear.weight.detach().clone() for _ in range(max(1, WORKING_SET // (n * k * 2)))]
+    chosen_tile, threshold, gemv_rows = a.awq_tile, a.DEQUANTIZE_ROWS, a.GEMV_ROWS
+    for name, n, k, linear, awq_copies, bf16_copies in projections():
         for rows in (1, 8, 16, 32, 64, 128, 256, 512):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             line = {"shape": name, "rows": rows,
@@ -53,6 +98,7 @@ def main() -> int:
                     "chosen": "dequantize" if rows >= threshold else chosen_tile(rows, n, k, 128, 132).__dict__,
                     "awq_chosen_us": round(replay_us(cycling(lambda w: a.awq_linear(x, *w), awq_copies)), 2)}
             try:
+                a.GEMV_ROWS = 0
                 a.DEQUANTIZE_ROWS = 0
                 line["dequantize_cublas_us"] = round(replay_us(cycling(lambda w: a.awq_linear(x, *w), awq_copies)), 2)
                 a.DEQUANTIZE_ROWS = 1 << 30
@@ -63,7 +109,7 @@ def main() -> int:
                     a.awq_tile = lambda *_, tile=tile: tile
                     line[label] = round(replay_us(cycling(lambda w: a.awq_linear(x, *w), awq_copies)), 2)
             finally:
-                a.awq_tile, a.DEQUANTIZE_ROWS = chosen_tile, threshold
+                a.awq_tile, a.DEQUANTIZE_ROWS, a.GEMV_ROWS = chosen_tile, threshold, gemv_rows
             print(json.dumps(line), flush=True)
     return 0
 

@@ -15,10 +15,15 @@ A word does not hold its eight columns in order: AutoAWQ packs columns 0, 2, 4, 
 its nibbles 0..7 (an order its CUDA dequantization unpacks cheaply), so column j of a word sits
 in nibble AWQ_NIBBLE_OF_COLUMN[j].
 
-A decode step's few rows read 4 bits a weight instead of 16: the product dequantizes each tile
-of W as it loads it and feeds the tensor cores in the activations' dtype (awq_linear). From
-DEQUANTIZE_ROWS rows up the whole weight is dequantized once into the activations' dtype for
-cuBLAS instead (vLLM's rule, which draws the line at 256 rows).
+A decode step's few rows read 4 bits a weight instead of 16, three ways (awq_linear):
+- up to GEMV_ROWS rows, a product without tensor cores (_awq_gemv_kernel): each program unpacks a
+  tile of words in registers and multiplies the rows' inputs into it with fp32 FMAs. The tensor
+  cores' path must lay the dequantized tile out in shared memory for the MMA, and that round trip,
+  not the 4-bit reads, set its speed (NOTES entry 60: 1.0-1.3x bf16's time even at one row);
+- up to DEQUANTIZE_ROWS rows, a tensor-core product that dequantizes each tile of W as it loads
+  it and feeds the MMA in the activations' dtype (_awq_gemm_kernel);
+- from DEQUANTIZE_ROWS rows up, the whole weight dequantized once into the activations' dtype
+  for cuBLAS (vLLM's rule, which draws the line at 256 rows).
 """
 import torch
 import torch.nn.functional as F
@@ -32,6 +37,9 @@ AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_COLUMN_OF_NIBBLE.index(j) for j in range(PACK))
 # Rows from which the product dequantizes the weight for cuBLAS instead of dequantizing tiles
 # (benchmarks/awq_sweep.py: from 64 rows the pair wins on most of Qwen3's projections).
 DEQUANTIZE_ROWS = 64
+# Rows up to which the product runs on FMAs (_awq_gemv_kernel), without tensor cores: a row's
+# FMAs a weight come on top of the unpacking's few operations, which a batch shares.
+GEMV_ROWS = 8
 
 
 def pack_awq_ref(values: torch.Tensor) -> torch.Tensor:
@@ -97,6 +105,55 @@ def _awq_unpack(words, BLOCK_N: tl.constexpr):
     shifts = ((j // 2) + (j % 2) * 4) * 4
     values = (words[:, :, None] >> shifts[None, None, :]) & 0xF
     return tl.reshape(values, [words.shape[0], BLOCK_N])
+
+
+@triton.jit
+def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K,
+                     k_per_split, stride_xm, stride_om, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[M, N] (+)= x[M, K] W^T for M <= ROWS, on FMAs. Program (word tile, split) holds BLOCK_W
+    words of columns (8 BLOCK_W columns) as [BLOCK_W, 8] tiles, so the unpacking needs no reshape:
+    column j of a word is nibble j // 2 + 4 (j % 2). It sums k_per_split inputs (whole K tiles,
+    each inside one group) from split * k_per_split; with SPLIT, its fp32 partial goes to
+    partial[split] for kernels.linear's _sum_splits_kernel (no bias then). W stays in fp32: the
+    tensor-core paths round it to x's dtype first, this one need not."""
+    pid_w, split = tl.program_id(0), tl.program_id(1)
+    words = N // 8
+    word = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    j = tl.arange(0, 8)
+    shifts = ((j // 2) + (j % 2) * 4) * 4
+    cols = word[:, None] * 8 + j[None, :]                                   # [BLOCK_W, 8]
+    word_ok = word < words
+    col_ok = word_ok[:, None] & (j < 8)[None, :]
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([ROWS, BLOCK_W, 8], tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        q = tl.load(qweight_ptr + (k0 + ks)[:, None].to(tl.int64) * words + word[None, :], mask=word_ok[None, :],
+                    other=0)
+        group = k0 // GROUP
+        z = tl.load(qzeros_ptr + group * words + word, mask=word_ok, other=0)
+        s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        zs = ((z[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) * s                  # z * s
+        w = ((q[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32) * s[None] - zs[None]  # [BLOCK_K, BLOCK_W, 8]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, :, None, None] * w[None], axis=1)
+    mask = row_ok[:, None, None] & col_ok[None]
+    if SPLIT:
+        tl.store(partial_ptr + (split * M + rows.to(tl.int64))[:, None, None] * N + cols[None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None]
+        out_ptrs = out_ptr + rows[:, None, None].to(tl.int64) * stride_om + cols[None]
+        if ADD_OUT:
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -204,6 +261,28 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return out
 
 
+@dataclass(frozen=True)
+class AwqGemvTile:
+    block_w: int            # words of columns a program (8 columns each)
+    block_k: int
+    num_warps: int = 4
+    split_k: int = 1
+
+
+def awq_gemv_tile(out_features: int, in_features: int, group_size: int, num_sms: int) -> AwqGemvTile:
+    """The FMA product's tile; the same at every row count, so that a row's sums run in the same
+    order whether a CUDA graph pads its batch or not. 16 words (128 columns) by 64 inputs, and
+    K split until about three programs an SM (up to 8 splits), each split whole K tiles."""
+    block_w, block_k = 16, 64
+    while group_size % block_k:
+        block_k //= 2
+    programs = -(-out_features // (8 * block_w))
+    split_k = 1
+    while split_k < 8 and programs * split_k * 2 <= 3 * num_sms and in_features % (2 * split_k * block_k) == 0:
+        split_k *= 2
+    return AwqGemvTile(block_w, block_k, split_k=split_k)
+
+
 def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                residual: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """awq_linear_ref on Triton: x [M, K] with contiguous rows -> [M, N] in x's dtype (with
@@ -220,22 +299,32 @@ def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     out = product_output(x, n, residual)
     if m == 0:
         return out
-    tile = awq_tile(m, n, k, group_size, num_sms(x.device))
+    pdl = pdl_options(x.device)
+    gemv = m <= GEMV_ROWS
+    tile = (awq_gemv_tile(n, k, group_size, num_sms(x.device)) if gemv
+            else awq_tile(m, n, k, group_size, num_sms(x.device)))
     if bias is not None and tile.split_k > 1:       # the splits' sum adds no bias
         tile = dataclasses.replace(tile, split_k=1)
     partial = out
     if tile.split_k > 1:
         partial = torch.empty(tile.split_k, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), tile.split_k)
-    pdl = pdl_options(x.device)
-    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, out if bias is None else bias, out, partial, m, n, k,
-                           x.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                           BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, HAS_BIAS=bias is not None,
-                           ADD_OUT=residual is not None,
-                           DOT_IN_FP32=x.device.type == "cpu",
-                           # fp32 activations get fp32 products, not TF32 (bf16/fp16 ignore this)
-                           INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                           num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl)
+    bias_or_out = out if bias is None else bias
+    if gemv:
+        _awq_gemv_kernel[(triton.cdiv(n // 8, tile.block_w), tile.split_k)](
+            x, qweight, qzeros, scales, bias_or_out, out, partial, m, n, k, k // tile.split_k, x.stride(0),
+            out.stride(0), GROUP=group_size, ROWS=triton.next_power_of_2(m), BLOCK_W=tile.block_w,
+            BLOCK_K=tile.block_k, SPLIT=tile.split_k > 1, HAS_BIAS=bias is not None, ADD_OUT=residual is not None,
+            num_warps=tile.num_warps, **pdl)
+    else:
+        grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), tile.split_k)
+        _awq_gemm_kernel[grid](x, qweight, qzeros, scales, bias_or_out, out, partial, m, n, k,
+                               x.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=tile.block_m,
+                               BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k,
+                               HAS_BIAS=bias is not None, ADD_OUT=residual is not None,
+                               DOT_IN_FP32=x.device.type == "cpu",
+                               # fp32 activations get fp32 products, not TF32 (bf16/fp16 ignore this)
+                               INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                               num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl)
     if tile.split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=tile.split_k,

@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-from mini_engine.kernels.awq_linear import (AWQ_MAX, DEQUANTIZE_ROWS, awq_linear_ref, dequantize_awq_ref,
+from mini_engine.kernels.awq_linear import (AWQ_MAX, DEQUANTIZE_ROWS, GEMV_ROWS, awq_linear_ref, dequantize_awq_ref,
                                             pack_awq_ref, quantize_awq_ref, unpack_awq_ref)
 
 requires_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -69,7 +69,7 @@ def random_awq(n: int, k: int, group_size: int, device) -> tuple[torch.Tensor, .
 
 
 @requires_triton
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 100])
+@pytest.mark.parametrize("rows", [GEMV_ROWS + 1, 12, 16, 33, 64, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_product_matches_reference(device, rows, dtype):
     from mini_engine.kernels.awq_linear import awq_linear, awq_tile
@@ -88,10 +88,31 @@ def test_fused_product_matches_reference(device, rows, dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize("rows", [3, DEQUANTIZE_ROWS + 5])
+@pytest.mark.parametrize("rows", range(1, GEMV_ROWS + 1))
+def test_fma_product_matches_reference(device, rows):
+    """The FMA product (rows up to GEMV_ROWS): K split or not, a partial word tile (200 columns
+    are 25 words), one group over the whole input, in fp32 (to its last bits: no rounding of W
+    then) and bf16 (a bf16 output's last bit, W rounded by the reference only)."""
+    from mini_engine.kernels.awq_linear import awq_gemv_tile, awq_linear
+    from mini_engine.kernels.triton_utils import num_sms
+    torch.manual_seed(rows)
+    sms = num_sms(torch.device(device))
+    assert awq_gemv_tile(200, 256, 256, sms).split_k > 1 and awq_gemv_tile(1024, 512, 128, 4).split_k == 1
+    for n, k, group_size in ((200, 256, 256), (40, 96, 32), (1024, 512, 128)):
+        weights = random_awq(n, k, group_size, device)
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            x = torch.randn(rows, k, device=device).to(dtype)
+            expected = awq_linear_ref(x, *weights).float()
+            out = awq_linear(x, *weights)
+            assert out.dtype == dtype and out.shape == (rows, n)
+            torch.testing.assert_close(out.float(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
+
+
+@requires_triton
+@pytest.mark.parametrize("rows", [3, GEMV_ROWS + 3, DEQUANTIZE_ROWS + 5])
 def test_residual_and_bias(device, rows):
     """The product added into the residual stream (rounded first, as linear_ref), with a bias;
-    and the dequantize-then-cuBLAS path from DEQUANTIZE_ROWS rows."""
+    on FMAs, on the tensor cores, and the dequantize-then-cuBLAS path from DEQUANTIZE_ROWS rows."""
     from mini_engine.kernels.awq_linear import awq_linear
     torch.manual_seed(1)
     weights = random_awq(32, 256, 32, device)          # at 3 rows, K split: the residual added by the sum
