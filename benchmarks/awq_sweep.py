@@ -6,10 +6,7 @@ call reads its weights from HBM, as a model's step does. One JSON line a shape a
 microseconds a call: bf16, what awq_linear chose, dequantize + cuBLAS, and each fused candidate
 (label m<rows>n<columns>k<depth>w<warps>s<stages>).
 
-With --gemv, the FMA product's tiles instead (_awq_gemv_kernel, labels
-gemv_w<words>k<depth>w<warps>x<splits>) at 1 to 16 rows, beside bf16 and the tensor-core product
-that awq_tile picks."""
-import itertools
+With --gemv, the FMA product (_awq_gemv_kernel) at 1 to 8 rows instead (gemv_sweep)."""
 import json
 import sys
 
@@ -46,35 +43,34 @@ def projections():
 
 
 def gemv_sweep() -> int:
+    """At 1-8 rows: bf16, what awq_linear chose, and with the unpacked values made floats by
+    conversion or by their bits (magic0/magic1), the tensor-core product at awq_tile's tile and
+    the FMA product at a few tiles (the full grid of tiles: profiles/session61_call2_gemv_sweep.log)."""
     from mini_engine.kernels import awq_linear as a
-    chosen_tile, gemv_rows = a.awq_gemv_tile, a.GEMV_ROWS
+    chosen_tile, gemv_rows, magic = a.awq_gemv_tile, a.GEMV_ROWS, a.DEQUANTIZE_BY_MAGIC
+    tiles = [a.AwqGemvTile(w, k, 4, 8) for w, k in ((16, 128), (8, 128), (16, 64), (32, 64))]
     for name, n, k, linear, awq_copies, bf16_copies in projections():
-        for rows in (1, 2, 4, 8, 16):
+        for rows in (1, 2, 4, 8):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             product = cycling(lambda w: a.awq_linear(x, *w), awq_copies)
             line = {"shape": name, "rows": rows,
                     "bf16_us": round(replay_us(cycling(lambda w: linear.dense_product(x, w), bf16_copies)), 2),
-                    "chosen": chosen_tile(n, k, 128, 132).__dict__ if rows <= gemv_rows else "tensor cores",
+                    "chosen": chosen_tile(n, k, 128).__dict__ if rows <= gemv_rows else "tensor cores",
                     "awq_chosen_us": round(replay_us(product), 2)}
             try:
-                a.GEMV_ROWS = 0
-                line["tensor_cores_us"] = round(replay_us(product), 2)
-                a.GEMV_ROWS = 16
-                for words, depth, warps, split in itertools.product((8, 16, 32), (32, 64, 128), (4, 8), (1, 2, 4, 8)):
-                    # the [rows, depth, 8 words] product a thread holds, at most 1024 values
-                    if triton_rows(rows) * depth * words * 8 > 1024 * 32 * warps or k % (split * depth):
-                        continue
-                    tile = a.AwqGemvTile(words, depth, warps, split)
-                    a.awq_gemv_tile = lambda *_, tile=tile: tile
-                    line[f"gemv_w{words}k{depth}w{warps}x{split}"] = round(replay_us(product), 2)
+                for a.DEQUANTIZE_BY_MAGIC in (False, True):
+                    a.GEMV_ROWS = 0
+                    line[f"tensor_cores_magic{int(a.DEQUANTIZE_BY_MAGIC)}_us"] = round(replay_us(product), 2)
+                    a.GEMV_ROWS = 8
+                    for tile in tiles:
+                        if k % (tile.split_k * tile.block_k) == 0:
+                            a.awq_gemv_tile = lambda *_, tile=tile: tile
+                            label = f"gemv_w{tile.block_w}k{tile.block_k}_magic{int(a.DEQUANTIZE_BY_MAGIC)}"
+                            line[label] = round(replay_us(product), 2)
             finally:
-                a.awq_gemv_tile, a.GEMV_ROWS = chosen_tile, gemv_rows
+                a.awq_gemv_tile, a.GEMV_ROWS, a.DEQUANTIZE_BY_MAGIC = chosen_tile, gemv_rows, magic
             print(json.dumps(line), flush=True)
     return 0
-
-
-def triton_rows(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
 
 
 def main() -> int:
