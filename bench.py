@@ -87,8 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--quantization", choices=["fp8"], help="mini only: fp8 weights (an FP8 checkpoint "
                         "is fp8 without it; with it a bf16 one is quantized as it loads)")
-    engine.add_argument("--awq", action="store_true", help="mini only: run the checkpoint as Qwen3-*-AWQ lays itself "
-                        "out, 4-bit weights in groups of 128 (written once beside it by write_awq_layout)")
+    four_bit = engine.add_mutually_exclusive_group()
+    four_bit.add_argument("--awq", action="store_true", help="mini only: run the checkpoint as Qwen3-*-AWQ lays "
+                          "itself out, 4-bit weights in groups of 128 (written once beside it by write_awq_layout)")
+    four_bit.add_argument("--gptq", action="store_true", help="mini only: run the checkpoint as Qwen3-*-GPTQ-Int4 "
+                          "lays itself out, 4-bit weights in groups of 128, v1 zero points (written once beside it by "
+                          "write_gptq_layout; repacked into AWQ's layout as it loads)")
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--no-async-scheduling", action="store_true", help="mini only: each step waits for its tokens")
     engine.add_argument("--speculative-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
@@ -124,11 +128,11 @@ def warm_up(llm, prompts: list[list[int]], sampling: dict) -> None:
                   for i in range(len(lengths))], use_tqdm=False)
 
 
-def awq_checkpoint(model: str, device: str) -> str:
-    """model's AWQ layout (group 128), written once beside it (rounded on `device`)."""
-    from mini_engine.model.random_checkpoint import write_awq_layout, written_once
-    return written_once(os.path.join(model, "awq-g128"),
-                        lambda folder: write_awq_layout(model, folder, device=device))
+def four_bit_checkpoint(model: str, method: str, device: str) -> str:
+    """model's AWQ or GPTQ layout (`method`; group 128), written once beside it (rounded on `device`)."""
+    from mini_engine.model.random_checkpoint import write_awq_layout, write_gptq_layout, written_once
+    write = {"awq": write_awq_layout, "gptq": write_gptq_layout}[method]
+    return written_once(os.path.join(model, f"{method}-g128"), lambda folder: write(model, folder, device=device))
 
 
 def random_loras(model: str, count: int, rank: int) -> list:
@@ -250,8 +254,8 @@ def main(argv=None) -> int:
     else:
         from mini_engine.model.random_checkpoint import default_checkpoint
         model = default_checkpoint(opts.cache_dir, device="cuda" if has_cuda else "cpu")
-    if opts.awq:
-        model = awq_checkpoint(model, "cuda" if has_cuda else "cpu")
+    if opts.awq or opts.gptq:
+        model = four_bit_checkpoint(model, "awq" if opts.awq else "gptq", "cuda" if has_cuda else "cpu")
     prompts, max_tokens = make_workload(opts.num_seqs, **WORKLOADS[workload])
     input_tokens, output_tokens = sum(map(len, prompts)), sum(max_tokens)
 

@@ -9,7 +9,8 @@ from mini_engine.json_files import read_json_file
 from mini_engine.kernels.fp8_linear import BLOCK
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
 from mini_engine.pooling_params import PROBLEM_TYPES, PoolerConfig, classifier_activation
-from mini_engine.quantization import QUANTIZATION_METHODS, QuantizationConfig, parse_quantization_config
+from mini_engine.quantization import (QUANTIZATION_METHODS, AwqConfig, QuantizationConfig,
+                                      parse_quantization_config)
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.speculative import SpeculativeConfig
@@ -52,7 +53,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # A quantized checkpoint's quantization_config (Qwen3-*-FP8, Qwen3-*-AWQ:
+    # A quantized checkpoint's quantization_config (Qwen3-*-FP8, Qwen3-*-AWQ, Qwen3-*-GPTQ-Int4:
     # mini_engine/quantization.py), or None.
     quantization: QuantizationConfig | None = None
     # A sequence classifier (architectures Qwen3ForSequenceClassification or its MoE twin: fine-tuned
@@ -90,10 +91,10 @@ class ModelConfig:
         rope_scaling = parse_rope_scaling(raw)
         _, params = rope_parameters(raw)
         quantization = parse_quantization_config(raw.get("quantization_config"))
-        if quantization is not None and quantization.method == "awq" and moe:
-            raise ValueError("config.json: awq Qwen3-MoE checkpoints are not supported (their experts would need a "
-                             "4-bit grouped GEMM); the dense Qwen3-*-AWQ ones are, and fp8 Qwen3-MoE "
-                             "(Qwen3-30B-A3B-FP8)")
+        if isinstance(quantization, AwqConfig) and moe:
+            raise ValueError(f"config.json: {quantization.method} Qwen3-MoE checkpoints are not supported (their "
+                             "experts would need a 4-bit grouped GEMM); the dense Qwen3-*-AWQ and -GPTQ-Int4 ones are, "
+                             "and fp8 Qwen3-MoE (Qwen3-30B-A3B-FP8)")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "rms_norm_eps", "max_position_embeddings"]
         for name in required:
@@ -282,10 +283,10 @@ class EngineConfig:
     # (mini_engine/speculative.py). Steps that propose drafts run synchronously.
     speculative_config: dict | SpeculativeConfig | None = None
     # As vLLM's --quantization: None, whatever the checkpoint is (an FP8 checkpoint runs in fp8,
-    # an AWQ one in 4-bit); "fp8", which also quantizes a bf16 checkpoint's projections to fp8
+    # an AWQ or GPTQ one in 4-bit); "fp8", which also quantizes a bf16 checkpoint's projections to fp8
     # blocks as it loads them (mini_engine/quantization.py): half the weights' bytes, fp8 tensor
-    # cores for prefill; or "awq", which only an AWQ checkpoint can be (its 4-bit weights come
-    # from a calibration the engine does not run).
+    # cores for prefill; or "awq" or "gptq", which only an AWQ or GPTQ checkpoint can be (its 4-bit
+    # weights come from a calibration the engine does not run).
     quantization: str | None = None
     # As vLLM's: LoRA adapters (mini_engine/lora.py). enable_lora gives every decoder projection
     # max_loras slots of rank up to max_lora_rank (the adapters one step may mix); max_cpu_loras
@@ -339,9 +340,11 @@ class EngineConfig:
                              f"(config.json's quantization_config): leave quantization unset")
         if checkpoint is not None:
             self.quantization = checkpoint.method
-        elif self.quantization == "awq":
-            raise ValueError("quantization='awq' needs an AWQ checkpoint (Qwen3-*-AWQ: config.json's "
-                             "quantization_config with quant_method 'awq'); this one has none")
+        elif self.quantization in ("awq", "gptq"):
+            article = "an" if self.quantization == "awq" else "a"
+            raise ValueError(f"quantization={self.quantization!r} needs {article} {self.quantization.upper()} "
+                             f"checkpoint (config.json's quantization_config with quant_method "
+                             f"{self.quantization!r}); this one has none")
         if not isinstance(self.enable_sleep_mode, bool):
             raise ValueError(f"enable_sleep_mode must be True or False, got {self.enable_sleep_mode!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -633,9 +633,10 @@ class LLMEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (weights offloaded to the host) or 2 (weights discarded), "
                              f"got {level!r}")
-        if level == 2 and self.config.quantization == "awq":
-            raise ValueError("sleep(level=2) discards the weights for load_weights to give again, which AWQ's "
-                             "4-bit weights cannot be: use level 1 (offloaded to the host)")
+        if level == 2 and self.config.quantization in ("awq", "gptq"):
+            raise ValueError(f"sleep(level=2) discards the weights for load_weights to give again, which "
+                             f"{self.config.quantization.upper()}'s 4-bit weights cannot be: use level 1 (offloaded "
+                             f"to the host)")
         if self.is_sleeping():
             logger.warning("the engine is already asleep")
             return

@@ -23,9 +23,10 @@ class Linear(nn.Linear):
     float8_e4m3fn in 128 x 128 blocks, each with its fp32 scale in weight_scale_inv, and the
     product is kernels/fp8_linear.py's.
 
-    With AWQ weights (hold_awq_weight: an AWQ checkpoint), `weight` is None and the layer holds the
-    checkpoint's qweight, qzeros and scales (4 bits a weight, a scale and zero point a group of
-    input rows); the product is kernels/awq_linear.py's."""
+    With AWQ weights (hold_awq_weight: an AWQ checkpoint, or a GPTQ one, repacked as it loads by
+    model/gptq_repack.py), `weight` is None and the layer holds the checkpoint's qweight, qzeros
+    and scales (4 bits a weight, a scale and zero point a group of input rows); the product is
+    kernels/awq_linear.py's."""
     # Under tensor parallelism, the dimension of the checkpoint's weight that a rank holds a slice
     # of (model/loader.py cuts it): 0, output rows (a column-parallel layer); 1, input columns
     # (row-parallel); None, all of it.

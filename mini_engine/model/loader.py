@@ -1,5 +1,6 @@
 """Loads a Hugging Face safetensors checkpoint into Qwen3ForCausalLM, packing q/k/v and gate/up
-(and, for Qwen3-MoE, stacking each layer's experts: layers.moe.FusedExperts)."""
+(and, for Qwen3-MoE, stacking each layer's experts: layers.moe.FusedExperts). A GPTQ checkpoint's
+tensors become AWQ's as they are read (model/gptq_repack.py)."""
 import json
 import os
 import re
@@ -11,7 +12,8 @@ from torch import nn
 from mini_engine.kernels.fp8_linear import FP8
 from mini_engine.layers.linear import AWQ_PARAMS, Linear
 from mini_engine.layers.moe import FusedExperts
-from mini_engine.quantization import QuantizationConfig
+from mini_engine.model.gptq_repack import as_awq_tensor, check_g_idx, stored_shape
+from mini_engine.quantization import AwqConfig, GptqConfig, QuantizationConfig
 
 
 def checkpoint_files(path: str) -> dict[str, list[str] | None]:
@@ -42,6 +44,8 @@ def load_model(model: nn.Module, path: str) -> None:
     loaded: set[tuple[str, int]] = set()
     needed = {(name, shard) for name in params for shard in range(num_shards(model, name))}
     tied_copy = None
+    # A GPTQ checkpoint's tensors become AWQ's as they are read (model/gptq_repack.py).
+    gptq = model.config.quantization if isinstance(model.config.quantization, GptqConfig) else None
     for file, names in checkpoint_files(path).items():
         try:
             handle = safe_open(file, framework="pt")
@@ -58,6 +62,10 @@ def load_model(model: nn.Module, path: str) -> None:
                 if tied and ckpt_name == "lm_head.weight":
                     tied_copy = f.get_tensor(ckpt_name)    # some exporters write the tied copy too
                     continue
+                if (gptq is not None and ckpt_name.endswith(".g_idx")
+                        and gptq.quantizes(ckpt_name.removesuffix(".g_idx"))):
+                    check_g_idx(file, ckpt_name, f.get_tensor(ckpt_name), gptq.group_size)
+                    continue
                 try:
                     name, shard = checkpoint_target(model, params, ckpt_name)
                 except ValueError as e:
@@ -66,6 +74,8 @@ def load_model(model: nn.Module, path: str) -> None:
                 tensor = f.get_tensor(ckpt_name)
                 module = module_of(model, name)
                 expected = checkpoint_shape(model, name, shard)
+                if gptq is not None:
+                    expected = stored_shape(name, expected)
                 if tuple(tensor.shape) != expected:
                     raise ValueError(f"{file}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {expected}" + (f" (config.json's id2label or num_labels: "
@@ -80,8 +90,10 @@ def load_model(model: nn.Module, path: str) -> None:
                                         f"modules_to_not_convert: this tensor is kept in the model's dtype)"))
                 if (param.dtype == torch.int32) != (tensor.dtype == torch.int32):   # AWQ's packed words
                     raise ValueError(f"{file}: tensor {ckpt_name!r} is {tensor.dtype}, expected "
-                                     + ("int32 (AWQ packs eight 4-bit values in each)" if param.dtype == torch.int32
+                                     + ("int32 (eight 4-bit values packed in each)" if param.dtype == torch.int32
                                         else f"{param.dtype}"))
+                if gptq is not None:
+                    tensor = as_awq_tensor(name, tensor, gptq)
                 tensor = rank_slice(module, name, tensor)
                 with torch.no_grad():
                     if shard is None:
@@ -232,13 +244,14 @@ def hold_quantized_weights(model: nn.Module, quantization: QuantizationConfig, u
                 if quantization.method != "fp8":        # EngineConfig refuses these first
                     raise ValueError(f"{quantization.method} Qwen3-MoE experts are not supported")
                 module.hold_fp8_weight()
-            elif quantization.method == "awq":
+            elif isinstance(quantization, AwqConfig):       # a GPTQ checkpoint's too, repacked as it loads
                 module.hold_awq_weight(quantization.group_size, use_triton)
             else:
                 module.hold_fp8_weight(use_triton)
         elif any(quantized):
             kept = [part for part, q in zip(stored, quantized) if not q]
-            raise ValueError(f"config.json: modules_to_not_convert keeps some of {abridged(stored)} out of "
+            kept_by = "modules_to_not_convert" + (" or dynamic" if isinstance(quantization, GptqConfig) else "")
+            raise ValueError(f"config.json: {kept_by} keeps some of {abridged(stored)} out of "
                              f"{quantization.method} but not all ({abridged(kept)}); mini_engine runs them as one "
                              f"product" + (" (a layer's experts: one grouped GEMM)" if len(weights) > 1 else ""))
 

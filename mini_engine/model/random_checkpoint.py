@@ -212,3 +212,63 @@ def write_awq_layout(source: str, path: str, group_size: int = 128,
     return write_quantized_layout(source, path, quantize, modules_to_not_convert,
                                   {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                                    "version": "gemm"})
+
+
+def quantize_gptq_ref(weight: torch.Tensor, group_size: int, sym: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q [K, N], zeros [K/group, N], scales [K/group, N] fp16), rounded to nearest as
+    GPTQ's Quantizer rounds (its find_params: the range widened to hold 0; sym, a range symmetric
+    about 0 and zero point 8), without GPTQ's error feedback, which needs calibration data: the
+    layout is the same."""
+    n, k = weight.shape
+    groups = weight.float().t().reshape(k // group_size, group_size, n)
+    low, high = groups.amin(dim=1).clamp(max=0), groups.amax(dim=1).clamp(min=0)
+    if sym:
+        high = torch.maximum(-low, high)
+        low = torch.where(low < 0, -high, low)
+    scales = ((high - low).clamp(min=1e-5) / 15).half()
+    zeros = torch.full_like(low, 8) if sym else torch.round(-low / scales.float())
+    q = (torch.round(groups / scales.float()[:, None]) + zeros[:, None]).clamp(0, 15)
+    return q.reshape(k, n).long(), zeros.long(), scales
+
+
+def pack_plain_nibbles(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """values 0..15 -> int64 words of eight along `dim`, values 8i .. 8i + 7 in word i's nibbles
+    0 .. 7: GPTQ's order, for qweight's rows and qzeros' columns alike."""
+    values = values.long().movedim(dim, -1)
+    return sum(values[..., j::8] << (4 * j) for j in range(8)).movedim(-1, dim).contiguous()
+
+
+def int32_words(words: torch.Tensor) -> torch.Tensor:
+    """int64 words, modulo 2^32, as the int32s with the same bits."""
+    words = words % (1 << 32)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def gptq_tensors(weight: torch.Tensor, group_size: int, sym: bool, zeros_less_one: bool) -> dict[str, torch.Tensor]:
+    """W [N, K] as GPTQ stores it (model/gptq_repack.py): qweight, qzeros, scales, g_idx (the rows in
+    order). zeros_less_one (checkpoint_format "gptq", v1): each int32 word of zero points less
+    0x11111111, as GPTQModel writes v1 (convert_gptq_v2_to_v1_format_module)."""
+    q, zeros, scales = quantize_gptq_ref(weight, group_size, sym)
+    qzeros = pack_plain_nibbles(zeros, 1) - (0x11111111 if zeros_less_one else 0)
+    g_idx = torch.arange(weight.shape[1], device=weight.device) // group_size
+    return {"qweight": int32_words(pack_plain_nibbles(q, 0)), "qzeros": int32_words(qzeros), "scales": scales,
+            "g_idx": g_idx.to(torch.int32)}
+
+
+def write_gptq_layout(source: str, path: str, group_size: int = 128, sym: bool = True, checkpoint_format: str = "gptq",
+                      desc_act: bool = False, modules_to_not_convert: list[str] | None = None,
+                      device: str = "cpu") -> str:
+    """source's checkpoint as AutoGPTQ and GPTQModel lay one out (Qwen3-*-GPTQ-Int4, quant_method
+    "gptq"): each decoder projection's weight as qweight, qzeros, scales and g_idx (gptq_tensors),
+    in groups of group_size input rows (-1: the whole input), the zero points stored as
+    checkpoint_format says ("gptq": v1, "gptq_v2"); the other tensors (and the modules in
+    modules_to_not_convert) as they are. desc_act goes into config.json only: the rows stay in
+    order, as GPTQ's act-order with static groups leaves them. device: where the rounding is done."""
+    def quantize(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = gptq_tensors(weight.to(device), group_size if group_size > 0 else weight.shape[1], sym,
+                               checkpoint_format == "gptq")
+        return {f"{module}.{name}": t.cpu() for name, t in tensors.items()}
+    return write_quantized_layout(source, path, quantize, modules_to_not_convert,
+                                  {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act,
+                                   "sym": sym, "lm_head": False, "checkpoint_format": checkpoint_format})

@@ -27,6 +27,7 @@ from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_
 from mini_engine.layers.moe import Qwen3SparseMoeBlock
 from mini_engine.model.loader import hold_quantized_weights, load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
+from mini_engine.quantization import AwqConfig
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.lora_adapters import LoRAAdapters
@@ -181,7 +182,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         fp8_triton = check_fp8_kernels(config, self.device, self.kernels)
         if mc.quantization is not None:
-            use_triton = "awq_linear" in self.kernels if mc.quantization.method == "awq" else fp8_triton
+            use_triton = "awq_linear" in self.kernels if isinstance(mc.quantization, AwqConfig) else fp8_triton
             hold_quantized_weights(self.model, mc.quantization, use_triton)
         load_model(self.model, config.model)
         if config.quantization == "fp8" and mc.quantization is None:

@@ -160,8 +160,10 @@ class WeightUpdater:
         if param_name.endswith("weight_scale_inv"):
             raise ValueError(f"tensor {name!r}: fp8 scales are made by the engine: give the weight in bf16 or fp32")
         if param_name.rpartition(".")[2] in AWQ_PARAMS:
-            raise ValueError(f"tensor {name!r}: load_weights does not update AWQ's 4-bit weights (their rounding "
-                             f"comes from a calibration the engine does not run); start an engine on the new checkpoint")
+            method = self.model.config.quantization.method.upper()
+            raise ValueError(f"tensor {name!r}: load_weights does not update {method}'s 4-bit weights (their "
+                             f"rounding comes from a calibration the engine does not run); start an engine on the new "
+                             f"checkpoint")
         expected = checkpoint_shape(self.model, param_name, shard)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")

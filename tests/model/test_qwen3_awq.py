@@ -47,7 +47,8 @@ def oracle(path: str):
 
 
 @torch.inference_mode()
-def oracle_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
+def oracle_greedy(path: str, prompts: list[list[int]], oracle=oracle) -> list[list[int]]:
+    """oracle(path)'s greedy tokens (the GPTQ tests pass theirs)."""
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -96,15 +97,19 @@ def test_an_awq_checkpoint_is_read_as_awq(awq_checkpoint):
     ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
 ])
 def test_other_awq_configs_are_clear_errors(tmp_path, change, message):
-    (tmp_path / "config.json").write_text(json.dumps(AWQ_TINY | {"quantization_config": AWQ_FIELDS | change}))
+    assert_config_refused(tmp_path, AWQ_TINY | {"quantization_config": AWQ_FIELDS | change}, message)
+
+
+def assert_config_refused(folder, config: dict, message: str) -> None:
+    """EngineConfig over a folder of this config.json alone refuses it, saying `message`."""
+    (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
-        EngineConfig(str(tmp_path), device="cpu")
+        EngineConfig(str(folder), device="cpu")
 
 
 def test_awq_is_refused_where_it_cannot_be(tmp_path, source, awq_checkpoint):
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config("moe-mixed") | {"quantization_config": AWQ_FIELDS}))
-    with pytest.raises(ValueError, match="awq Qwen3-MoE checkpoints are not supported"):
-        EngineConfig(str(tmp_path), device="cpu")
+    assert_config_refused(tmp_path, tiny_config("moe-mixed") | {"quantization_config": AWQ_FIELDS},
+                          "awq Qwen3-MoE checkpoints are not supported")
     with pytest.raises(ValueError, match="quantization='awq' needs an AWQ checkpoint"):
         EngineConfig(source, device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="quantization='fp8', but the checkpoint is awq"):

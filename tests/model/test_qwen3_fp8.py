@@ -111,7 +111,7 @@ FP8_FIELDS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynami
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
     ({"fmt": "e5m2"}, "fp8 format 'e5m2' is not supported"),
     ({"activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
     ({"weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\] is not supported"),
