@@ -6,7 +6,7 @@ call reads its weights from HBM, as a model's step does. One JSON line a shape a
 microseconds a call: bf16, what awq_linear chose, dequantize + cuBLAS, and each fused candidate
 (label m<rows>n<columns>k<depth>w<warps>s<stages>).
 
-With --gemv, the FMA product (_awq_gemv_kernel) at 1 to 8 rows instead (gemv_sweep)."""
+With --gemv, the FMA product (_awq_gemv_kernel) at 1 to 4 rows instead (gemv_sweep)."""
 import json
 import sys
 
@@ -43,14 +43,14 @@ def projections():
 
 
 def gemv_sweep() -> int:
-    """At 1-8 rows: bf16, what awq_linear chose, and with the unpacked values made floats by
-    conversion or by their bits (magic0/magic1), the tensor-core product at awq_tile's tile and
-    the FMA product at a few tiles (the full grid of tiles: profiles/session61_call2_gemv_sweep.log)."""
+    """At 1-4 rows: bf16, what awq_linear chose, the tensor-core product at awq_tile's tile and
+    the FMA product at a few tiles (a grid of 18 tiles and 4 splits at 1-16 rows:
+    profiles/session61_call2_gemv_sweep.log)."""
     from mini_engine.kernels import awq_linear as a
-    chosen_tile, gemv_rows, magic = a.awq_gemv_tile, a.GEMV_ROWS, a.DEQUANTIZE_BY_MAGIC
+    chosen_tile, gemv_rows = a.awq_gemv_tile, a.GEMV_ROWS
     tiles = [a.AwqGemvTile(w, k, 4, 8) for w, k in ((16, 128), (8, 128), (16, 64), (32, 64))]
     for name, n, k, linear, awq_copies, bf16_copies in projections():
-        for rows in (1, 2, 4, 8):
+        for rows in (1, 2, 4):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             product = cycling(lambda w: a.awq_linear(x, *w), awq_copies)
             line = {"shape": name, "rows": rows,
@@ -58,17 +58,15 @@ def gemv_sweep() -> int:
                     "chosen": chosen_tile(n, k, 128).__dict__ if rows <= gemv_rows else "tensor cores",
                     "awq_chosen_us": round(replay_us(product), 2)}
             try:
-                for a.DEQUANTIZE_BY_MAGIC in (False, True):
-                    a.GEMV_ROWS = 0
-                    line[f"tensor_cores_magic{int(a.DEQUANTIZE_BY_MAGIC)}_us"] = round(replay_us(product), 2)
-                    a.GEMV_ROWS = 8
-                    for tile in tiles:
-                        if k % (tile.split_k * tile.block_k) == 0:
-                            a.awq_gemv_tile = lambda *_, tile=tile: tile
-                            label = f"gemv_w{tile.block_w}k{tile.block_k}_magic{int(a.DEQUANTIZE_BY_MAGIC)}"
-                            line[label] = round(replay_us(product), 2)
+                a.GEMV_ROWS = 0
+                line["tensor_cores_us"] = round(replay_us(product), 2)
+                a.GEMV_ROWS = 8
+                for tile in tiles:
+                    if k % (tile.split_k * tile.block_k) == 0:
+                        a.awq_gemv_tile = lambda *_, tile=tile: tile
+                        line[f"gemv_w{tile.block_w}k{tile.block_k}"] = round(replay_us(product), 2)
             finally:
-                a.awq_gemv_tile, a.GEMV_ROWS, a.DEQUANTIZE_BY_MAGIC = chosen_tile, gemv_rows, magic
+                a.awq_gemv_tile, a.GEMV_ROWS = chosen_tile, gemv_rows
             print(json.dumps(line), flush=True)
     return 0
 

@@ -19,7 +19,9 @@ A decode step's few rows read 4 bits a weight instead of 16, three ways (awq_lin
 - up to GEMV_ROWS rows, a product without tensor cores (_awq_gemv_kernel): each program unpacks a
   tile of words in registers and multiplies the rows' inputs into it with fp32 FMAs. The tensor
   cores' path must lay the dequantized tile out in shared memory for the MMA, and that round trip,
-  not the 4-bit reads, set its speed (NOTES entry 60: 1.0-1.3x bf16's time even at one row);
+  not the 4-bit reads, set its speed (NOTES entry 60: 1.0-1.3x bf16's time even at one row).
+  Neither reaches the 4-bit bytes' speed: at one row the FMA product runs at about bf16's time
+  (NOTES entry 61; making the values floats by their bits instead of a conversion did not help);
 - up to DEQUANTIZE_ROWS rows, a tensor-core product that dequantizes each tile of W as it loads
   it and feeds the MMA in the activations' dtype (_awq_gemm_kernel);
 - from DEQUANTIZE_ROWS rows up, the whole weight dequantized once into the activations' dtype
@@ -41,8 +43,6 @@ DEQUANTIZE_ROWS = 64
 # FMAs a weight come on top of the unpacking's few operations, which a batch shares (session 61's
 # sweep: faster than the tensor cores at one row, even at two, slower from four).
 GEMV_ROWS = 1
-# Unpacked values made floats by their bits (2^23 + v) instead of by conversion (A/B switch, session 61).
-DEQUANTIZE_BY_MAGIC = True
 
 
 def pack_awq_ref(values: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _awq_unpack(words, BLOCK_N: tl.constexpr):
 def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K,
                      k_per_split, stride_xm, stride_om, GROUP: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, MAGIC: tl.constexpr = True):
+                     ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr):
     """out[M, N] (+)= x[M, K] W^T for M <= ROWS, on FMAs. Program (word tile, split) holds BLOCK_W
     words of columns (8 BLOCK_W columns) as [BLOCK_W, 8] tiles, so the unpacking needs no reshape:
     column j of a word is nibble j // 2 + 4 (j % 2). It sums k_per_split inputs (whole K tiles,
@@ -141,13 +141,8 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         group = k0 // GROUP
         z = tl.load(qzeros_ptr + group * words + word, mask=word_ok, other=0)
         s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if MAGIC:   # 2^23 + v as the float whose mantissa is v: no int-to-float conversion, a slow instruction
-            z_2p23 = (((z[:, None] >> shifts[None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            q_2p23 = (((q[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            w = (q_2p23 - z_2p23[None]) * s[None]                                   # (q - z) * s, exactly
-        else:
-            zs = ((z[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) * s                  # z * s
-            w = ((q[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32) * s[None] - zs[None]  # [BLOCK_K, BLOCK_W, 8]
+        zs = ((z[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) * s                  # z * s
+        w = ((q[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32) * s[None] - zs[None]  # [BLOCK_K, BLOCK_W, 8]
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None],
                     other=0.0).to(tl.float32)
         acc += tl.sum(x[:, :, None, None] * w[None], axis=1)
@@ -168,8 +163,7 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
 def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K,
                      stride_xm, stride_om, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr,
-                     DOT_IN_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-                     MAGIC: tl.constexpr = True):
+                     DOT_IN_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[M, N] (+)= x[M, K] W^T, W's tiles dequantized as they load. BLOCK_K divides GROUP, so a
     K tile lies in one group: one row of zeros and scales a tile. N is whole words (8 | N), and
     a tile's columns whole words too (8 | BLOCK_N). Program (n tile, m tile, split) sums the
@@ -193,13 +187,8 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         group = k0 // GROUP
         z = tl.load(qzeros_ptr + group * words + word_cols, mask=word_ok, other=0)
         s = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if MAGIC:   # as _awq_gemv_kernel's
-            z_2p23 = (_awq_unpack(z[None, :], BLOCK_N) | 0x4B000000).to(tl.float32, bitcast=True)
-            q_2p23 = (_awq_unpack(q, BLOCK_N) | 0x4B000000).to(tl.float32, bitcast=True)
-            w = ((q_2p23 - z_2p23) * s[None, :]).to(x.dtype)
-        else:
-            zs = _awq_unpack(z[None, :], BLOCK_N).to(tl.float32) * s[None, :]          # z * s, a row a tile
-            w = (_awq_unpack(q, BLOCK_N).to(tl.float32) * s[None, :] - zs).to(x.dtype)  # (q - z) * s
+        zs = _awq_unpack(z[None, :], BLOCK_N).to(tl.float32) * s[None, :]          # z * s, a row a tile
+        w = (_awq_unpack(q, BLOCK_N).to(tl.float32) * s[None, :] - zs).to(x.dtype)  # (q - z) * s
         if DOT_IN_FP32:         # the interpreter has no bf16 dot: W rounded to x's dtype all the same
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, w, input_precision=INPUT_PRECISION)
@@ -328,7 +317,7 @@ def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
             x, qweight, qzeros, scales, bias_or_out, out, partial, m, n, k, k // tile.split_k, x.stride(0),
             out.stride(0), GROUP=group_size, ROWS=triton.next_power_of_2(m), BLOCK_W=tile.block_w,
             BLOCK_K=tile.block_k, SPLIT=tile.split_k > 1, HAS_BIAS=bias is not None, ADD_OUT=residual is not None,
-            MAGIC=DEQUANTIZE_BY_MAGIC, num_warps=tile.num_warps, **pdl)
+            num_warps=tile.num_warps, **pdl)
     else:
         grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), tile.split_k)
         _awq_gemm_kernel[grid](x, qweight, qzeros, scales, bias_or_out, out, partial, m, n, k,
@@ -338,8 +327,7 @@ def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
                                DOT_IN_FP32=x.device.type == "cpu",
                                # fp32 activations get fp32 products, not TF32 (bf16/fp16 ignore this)
                                INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                               MAGIC=DEQUANTIZE_BY_MAGIC, num_warps=tile.num_warps, num_stages=tile.num_stages,
-                               **pdl)
+                               num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl)
     if tile.split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=tile.split_k,

@@ -71,11 +71,8 @@ def random_awq(n: int, k: int, group_size: int, device) -> tuple[torch.Tensor, .
 @requires_triton
 @pytest.mark.parametrize("rows", [GEMV_ROWS + 1, 7, 16, 33, 64, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("magic", [True, False])
-def test_fused_product_matches_reference(device, rows, dtype, magic, monkeypatch):
-    from mini_engine.kernels import awq_linear as module
+def test_fused_product_matches_reference(device, rows, dtype):
     from mini_engine.kernels.awq_linear import awq_linear, awq_tile
-    monkeypatch.setattr(module, "DEQUANTIZE_BY_MAGIC", magic)
     from mini_engine.kernels.triton_utils import num_sms
     torch.manual_seed(rows)
     # 32 columns over 256 inputs: one column tile, so K splits in 2-4 (the splits' sum kernel)
@@ -92,8 +89,7 @@ def test_fused_product_matches_reference(device, rows, dtype, magic, monkeypatch
 
 @requires_triton
 @pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize("magic", [True, False])
-def test_fma_product_matches_reference(device, rows, magic, monkeypatch):
+def test_fma_product_matches_reference(device, rows, monkeypatch):
     """The FMA product, at up to 8 rows (the engine takes it to GEMV_ROWS): K split or not, a
     partial word tile (200 columns are 25 words), one group over the whole input, in fp32 (to its
     last bits: no rounding of W then) and bf16 (a bf16 output's last bit, W rounded by the
@@ -101,7 +97,6 @@ def test_fma_product_matches_reference(device, rows, magic, monkeypatch):
     from mini_engine.kernels import awq_linear as module
     from mini_engine.kernels.awq_linear import awq_gemv_tile, awq_linear
     monkeypatch.setattr(module, "GEMV_ROWS", 8)
-    monkeypatch.setattr(module, "DEQUANTIZE_BY_MAGIC", magic)
     torch.manual_seed(rows)
     assert awq_gemv_tile(200, 256, 256).split_k == 2 and awq_gemv_tile(40, 96, 32).split_k == 1
     for n, k, group_size in ((200, 256, 256), (40, 96, 32), (1024, 512, 128)):
