@@ -1,6 +1,8 @@
 """Speculative decoding by n-gram lookup on the GPU (speculative_config, mini_engine/speculative.py):
 the same tokens as plain decoding, and what it does to a request's speed (--cpu-dry-run checks
-the script on CPU with a tiny model).
+the script on CPU with a tiny model). With --draft-model PATH (or "self": each checkpoint drafts for
+itself, so every draft is right and the draft costs what the target does), the same checks and
+timings with a draft model (runner/draft_model.py) in place of the n-gram lookup.
 
 Correctness, on gpu_correctness.py's checkpoint (Qwen3-0.6B's shape, N(0, 0.06) weights, whose
 greedy outputs vary), in bf16 with CUDA graphs, against the same engine without drafts:
@@ -36,6 +38,7 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.25)
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--speed-only", action="store_true", help="skip the correctness runs")
+    ap.add_argument("--draft-model", default=None, help="a draft model's folder, or 'self', in place of ngram")
     args = ap.parse_args()
     if not args.cpu_dry_run and not torch.cuda.is_available():
         sys.exit("spec_decode_check.py needs a GPU (or --cpu-dry-run)")
@@ -62,7 +65,15 @@ def main() -> int:
         llm = LLM(model, **(engine_kwargs | kw))
         if dev == "cuda":       # as if the pool were uninitialised: a stale slot read shows as NaN
             llm.engine.runner.kv_cache.fill_(float("nan"))
+            if llm.engine.draft is not None:
+                llm.engine.draft.runner.kv_cache.fill_(float("nan"))
         return llm
+
+    def speculative(model) -> dict:
+        if args.draft_model is None:
+            return NGRAM
+        return {"method": "draft_model", "num_speculative_tokens": NGRAM["num_speculative_tokens"],
+                "model": model if args.draft_model == "self" else args.draft_model}
 
     def generate(llm, batch, params):
         outs = llm.generate(batch, params, use_tqdm=False)
@@ -117,7 +128,7 @@ def main() -> int:
             if not entry["ok"]:
                 failures.append(f"{label}: {name}: {entry}")
 
-        plain, spec = engine(path), engine(path, speculative_config=NGRAM)
+        plain, spec = engine(path), engine(path, speculative_config=speculative(path))
         greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         for name, batch in (("8 prompts", prompts), ("3 prompts", prompts[1:4])):
             spec.engine.spec_decode_stats = SpecDecodeStats()
@@ -132,7 +143,7 @@ def main() -> int:
         free_gpu()
         # Drafts once three requests are left: asynchronous steps without them first (and graphs of
         # more rows), then synchronous ones with them.
-        later = engine(path, speculative_config=NGRAM | {"disable_by_batch_size": 3})
+        later = engine(path, speculative_config=speculative(path) | {"disable_by_batch_size": 3})
         staggered = [SamplingParams(temperature=0, max_tokens=args.tokens // 4 * (1 + i % 4), ignore_eos=True)
                      for i in range(len(prompts))]
         judge("greedy, drafts below 3 requests", prompts, generate(later, prompts, staggered),
@@ -142,7 +153,7 @@ def main() -> int:
         # Every prompt's blocks and four more: all are admitted, and their outputs outgrow the pool.
         block_size = 16 if args.cpu_dry_run else 64
         num_blocks = sum(-(-len(p) // block_size) for p in prompts) + 4
-        small = engine(path, speculative_config=NGRAM, num_kv_blocks=num_blocks, block_size=block_size)
+        small = engine(path, speculative_config=speculative(path), num_kv_blocks=num_blocks, block_size=block_size)
         judge("greedy, a pool that preempts", prompts, generate(small, prompts, greedy),
               generate(plain, prompts, greedy), stats=small.engine.spec_decode_stats)
         results[f"{label}: greedy, a pool that preempts"]["preemptions"] = small.engine.num_preemptions
@@ -159,16 +170,16 @@ def main() -> int:
         check("std 0.02 (bench.py's)", bench_checkpoint)
 
     # Speed: one request and four, 512 greedy tokens after a 512-token prompt.
-    speed = {}
+    speed, drafting = {}, "ngram" if args.draft_model is None else "draft model"
     for label, model in (("std 0.06", path), ("std 0.02 (bench.py's)", bench_checkpoint)):
         plain = engine(model, enable_prefix_caching=False)
-        spec = engine(model, enable_prefix_caching=False, speculative_config=NGRAM)
+        spec = engine(model, enable_prefix_caching=False, speculative_config=speculative(model))
         for num in (1, 4):
             batch = [[rng.randrange(vocab) for _ in range(512)] for _ in range(num)]
             params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
             row = {}
             for kind, llm, asynchronous in (("plain", plain, True), ("plain, synchronous", plain, False),
-                                            ("ngram", spec, True)):
+                                            (drafting, spec, True)):
                 llm.engine.config.async_scheduling = asynchronous
                 generate(llm, batch, params)       # warm-up
                 llm.engine.spec_decode_stats = SpecDecodeStats()
@@ -180,7 +191,7 @@ def main() -> int:
                 tokens = sum(len(o) for o in outs)
                 row[kind] = dict(wall_s=round(min(walls), 4), out_tok_s=round(tokens / min(walls), 1),
                                  ms_per_token_a_request=round(1000 * min(walls) / (tokens / num), 4))
-                if kind == "ngram":
+                if kind == drafting:
                     s = llm.engine.spec_decode_stats
                     row[kind] |= dict(acceptance_rate=round(s.acceptance_rate, 3),
                                       mean_acceptance_length=round(s.mean_acceptance_length, 3),
@@ -188,7 +199,7 @@ def main() -> int:
                     row["outputs equal"] = outs == plain_outs
                 else:
                     plain_outs = outs
-            row["speedup vs plain"] = round(row["plain"]["wall_s"] / row["ngram"]["wall_s"], 3)
+            row["speedup vs plain"] = round(row["plain"]["wall_s"] / row[drafting]["wall_s"], 3)
             speed[f"{label}, {num} request{'s' if num > 1 else ''}"] = row
         del plain, spec
         free_gpu()

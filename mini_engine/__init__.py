@@ -1,4 +1,6 @@
 """mini_engine: a small vLLM-style inference engine for Qwen3."""
+__version__ = "0.1.0"     # pyproject.toml reads it (setuptools' dynamic version)
+
 from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from mini_engine.llm import LLM
 from mini_engine.lora import LoRARequest

@@ -75,6 +75,7 @@ class BeamSearchSequence:
     text: str | None = None         # the tokens' text (the prompt's too), filled once it is returned
     finish_reason: str | None = None    # "stop" (EOS) or "length" (max_tokens), once returned
     stop_reason: int | None = None      # the EOS token id that ended it
+    cache_salt: str | None = None       # its prompt's (vLLM's cache_salt), which each step's request keeps
 
 
 @dataclass
@@ -127,17 +128,18 @@ class BeamSearch:
 
         search = BeamSearch(prompt_token_ids, loras, params, eos_token_ids)
         while beams := search.step_requests():
-            ...run each beam's tokens (under its LoRA) as a one-token request of params.step_params()...
+            ...run each beam's tokens (under its LoRA and cache salt) as a one-token request of
+            params.step_params()...
             search.advance(their outputs, in order: each one's sampled token and logprobs)
         best = search.result()
     """
 
     def __init__(self, prompt_token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
-                 eos_token_ids: frozenset[int]):
+                 eos_token_ids: frozenset[int], cache_salts: list[str | None] | None = None):
         self.params = params
         self.eos_token_ids = eos_token_ids
-        self.prompts = [PromptBeams([BeamSearchSequence(list(ids), lora_request=lora)])
-                        for ids, lora in zip(prompt_token_ids, loras)]
+        self.prompts = [PromptBeams([BeamSearchSequence(list(ids), lora_request=lora, cache_salt=salt)])
+                        for ids, lora, salt in zip(prompt_token_ids, loras, cache_salts or [None] * len(loras))]
         self.num_steps = 0
 
     def score(self, beam: BeamSearchSequence) -> float:
@@ -165,7 +167,8 @@ class BeamSearch:
                 top = output.logprobs[0].top
                 for token, logprob in step_candidates(output):
                     child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [SampleLogprobs(logprob, top)],
-                                               beam.lora_request, beam.cum_logprob + logprob)
+                                               beam.lora_request, beam.cum_logprob + logprob,
+                                               cache_salt=beam.cache_salt)
                     if token in self.eos_token_ids and not params.ignore_eos:
                         child.finish_reason, child.stop_reason = "stop", token
                         prompt.completed.append(child)
@@ -186,33 +189,37 @@ class BeamSearch:
         return best
 
 
-# Runs one step: each beam's token ids (and LoRA adapter) as a one-token request, in that order.
-StepRunner = Callable[[list[list[int]], list[LoRARequest | None]], list[RequestOutput]]
+# Runs one step: each beam's token ids (under its LoRA adapter and cache salt) as a one-token
+# request, in that order.
+StepRunner = Callable[[list[BeamSearchSequence]], list[RequestOutput]]
 
 
 def run_beam_search(prompt_token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
                     eos_token_ids: frozenset[int], run_step: StepRunner, decode: Callable[[list[int]], str],
-                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, concurrency_limit: int | None = None,
+                    cache_salts: list[str | None] | None = None) -> list[BeamSearchOutput]:
     """Each prompt's best params.beam_width sequences, best first. eos_token_ids: the tokens that
     end a beam (unless params.ignore_eos); decode: token ids to text; concurrency_limit (vLLM's):
-    the prompts searched at a time (their beams are one step's requests), None for all."""
+    the prompts searched at a time (their beams are one step's requests), None for all;
+    cache_salts: each prompt's, or None."""
     if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or
                                           isinstance(concurrency_limit, bool) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
     batch = concurrency_limit or max(len(prompt_token_ids), 1)
+    cache_salts = cache_salts or [None] * len(prompt_token_ids)
     return [output for start in range(0, len(prompt_token_ids), batch)
             for output in search_prompts(prompt_token_ids[start:start + batch], loras[start:start + batch], params,
-                                         eos_token_ids, run_step, decode, use_tqdm)]
+                                         eos_token_ids, run_step, decode, use_tqdm, cache_salts[start:start + batch])]
 
 
 def search_prompts(prompt_token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
                    eos_token_ids: frozenset[int], run_step: StepRunner, decode: Callable[[list[int]], str],
-                   use_tqdm: bool) -> list[BeamSearchOutput]:
+                   use_tqdm: bool, cache_salts: list[str | None]) -> list[BeamSearchOutput]:
     """run_beam_search's prompts, all at once, each step one run_step of every live beam."""
-    search = BeamSearch(prompt_token_ids, loras, params, eos_token_ids)
+    search = BeamSearch(prompt_token_ids, loras, params, eos_token_ids, cache_salts)
     with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True) as bar:
         while beams := search.step_requests():
-            outputs = run_step([beam.tokens for beam in beams], [beam.lora_request for beam in beams])
+            outputs = run_step(beams)
             search.advance([output.outputs[0] for output in outputs])
             bar.update()
     results = []

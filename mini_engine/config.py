@@ -280,7 +280,8 @@ class EngineConfig:
     pooler_config: dict | PoolerConfig | None = None
     # As vLLM's: speculative decoding, {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": ..., "prompt_lookup_min": ..., "disable_by_batch_size": ...}
-    # (mini_engine/speculative.py). Steps that propose drafts run synchronously.
+    # (mini_engine/speculative.py), or {"method": "draft_model", "model": path, "num_speculative_tokens":
+    # k} (runner/draft_model.py). Steps that propose drafts run synchronously.
     speculative_config: dict | SpeculativeConfig | None = None
     # As vLLM's --quantization: None, whatever the checkpoint is (an FP8 checkpoint runs in fp8,
     # an AWQ or GPTQ one in 4-bit); "fp8", which also quantizes a bf16 checkpoint's projections to fp8
@@ -382,6 +383,32 @@ class EngineConfig:
             if self.runner == "pooling":
                 raise ValueError("speculative_config is for generation: a pooling runner samples nothing")
             self.speculative_config = SpeculativeConfig.resolve(self.speculative_config)
+            if self.speculative_config.method == "draft_model":
+                self.check_draft_model()
+
+    def check_draft_model(self) -> None:
+        """A draft model (speculative_config's "draft_model") drafts tokens the target reads by id,
+        so both must share one vocabulary, and it must reach max_model_len; it runs beside the
+        target on the target's one device, in the target's KV blocks (runner/draft_model.py)."""
+        spec = self.speculative_config
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model runs beside a target on one device; "
+                             "tensor_parallel_size > 1 with a draft model is not supported")
+        if self.enable_sleep_mode:
+            raise ValueError("speculative_config: sleep mode with a draft model is not supported (sleep would "
+                             "give back the target's memory and not the draft's)")
+        try:
+            draft = ModelConfig.from_pretrained(spec.model)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} cannot be read: {e}") from None
+        if draft.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocab_size {draft.vocab_size} differs from the "
+                             f"target's {self.model_config.vocab_size}: its drafts would be other tokens")
+        if draft.max_positions < self.max_model_len:
+            raise ValueError(f"speculative_config: the draft model reaches {draft.max_positions} positions, fewer "
+                             f"than max_model_len={self.max_model_len}; lower max_model_len")
+        if draft.num_labels:
+            raise ValueError("speculative_config: the draft model is a sequence classifier: it cannot draft tokens")
 
     def check_fp8_experts(self) -> None:
         """fp8 Qwen3-MoE experts need each rank's share of an expert's gate and up rows in whole

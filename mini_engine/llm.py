@@ -8,11 +8,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, run_beam_search
 from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
-from mini_engine.engine.sequence import Sequence
+from mini_engine.engine.sequence import Sequence, check_cache_salt
 from mini_engine.layers.pooler import cosine_similarity, task_output
 from mini_engine.lora import LoRARequest
 from mini_engine.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
@@ -24,13 +24,24 @@ from mini_engine.tokenizer import encode_pair
 
 
 def unwrap_prompt(prompt):
-    """vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, as what they hold. Other
-    keys (multi_modal_data, ...) ask for what this engine does not do, so they are refused."""
+    """vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids} (TextPrompt, TokensPrompt),
+    each with an optional "cache_salt" (prompt_cache_salt), as the text or ids they hold. Other keys
+    (multi_modal_data, ...) ask for what this engine does not do, so they are refused."""
     if not isinstance(prompt, dict):
         return prompt
-    if prompt.keys() in ({"prompt"}, {"prompt_token_ids"}):
-        return next(iter(prompt.values()))
-    raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
+    content = prompt.keys() - {"cache_salt"}
+    if content in ({"prompt"}, {"prompt_token_ids"}):
+        return prompt[content.pop()]
+    raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and may hold 'cache_salt'; got "
+                     f"keys {sorted(prompt)}")
+
+
+def prompt_cache_salt(prompt) -> str | None:
+    """A prompt dict's cache_salt (vLLM's): its prefix-cache blocks serve only prompts of the same
+    salt. As in vLLM, an empty one is none."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    check_cache_salt(salt)
+    return salt or None
 
 
 @dataclass
@@ -153,9 +164,10 @@ class LLM:
                     params: BeamSearchParams, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: each prompt's best params.beam_width sequences, best first, each
-        one-token step a generate() of every live beam (mini_engine/beam_search.py). Prompts and
-        lora_request as generate's. Each step asks 2 x beam_width logprobs, which max_logprobs bounds
-        (as in vLLM, a wider beam is refused: start the LLM with a larger max_logprobs).
+        one-token step a generate() of every live beam (mini_engine/beam_search.py). Prompts (a
+        dict's cache_salt kept by every step of its beams) and lora_request as generate's. Each step
+        asks 2 x beam_width logprobs, which max_logprobs bounds (as in vLLM, a wider beam is refused:
+        start the LLM with a larger max_logprobs).
         concurrency_limit (vLLM's): search that many prompts at a time, None all at once."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
@@ -177,20 +189,23 @@ class LLM:
         # Every beam grows from its prompt to max_tokens more tokens: checked whole now, as generate's
         # requests are, so that no step fails half-way through the search.
         whole = dataclasses.replace(step_params, max_tokens=params.max_tokens)
-        prompt_token_ids = []
+        prompt_token_ids, cache_salts = [], []
         for i, prompt in enumerate(prompts):
             try:
                 ids = [int(t) for t in self.engine.tokenize(unwrap_prompt(prompt))]
+                cache_salts.append(prompt_cache_salt(prompt))
                 self.engine.validate(ids, whole)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
             prompt_token_ids.append(ids)
 
-        def run_step(token_ids: list[list[int]], step_loras: list[LoRARequest | None]) -> list[RequestOutput]:
-            return self.generate(token_ids, step_params, use_tqdm=False, lora_request=step_loras)
+        def run_step(beams: list[BeamSearchSequence]) -> list[RequestOutput]:
+            step_prompts = [{"prompt_token_ids": beam.tokens, "cache_salt": beam.cache_salt} for beam in beams]
+            return self.generate(step_prompts, step_params, use_tqdm=False,
+                                 lora_request=[beam.lora_request for beam in beams])
 
         return run_beam_search(prompt_token_ids, loras, params, self.engine.eos_token_ids, run_step,
-                               self.decode_with_special_tokens, use_tqdm, concurrency_limit)
+                               self.decode_with_special_tokens, use_tqdm, concurrency_limit, cache_salts)
 
     def decode_with_special_tokens(self, token_ids: list[int]) -> str:
         """A beam's text, as vLLM's tokenizer.decode gives it: special tokens (a chat template's) kept."""
@@ -459,6 +474,7 @@ class LLM:
                 if k == 0:                       # a prompt's completions share its token ids
                     admission.last_prompt_ids = engine.tokenize(unwrap_prompt(prompt), params)
                 ids = admission.last_prompt_ids
+                cache_salt = prompt_cache_salt(prompt)
                 engine.validate(ids, params)
             except (ValueError, TypeError) as e:
                 for seq in seqs:
@@ -468,7 +484,7 @@ class LLM:
             # One completion takes its prompt's request id; several, vLLM's ids for its children.
             request_id = admission.request_ids[i] if n == 1 else f"{k}_{admission.request_ids[i]}"
             seq = engine.add_request(ids, params, request_id, validated=True, priority=admission.priorities[i],
-                                     lora_request=admission.loras[i])
+                                     lora_request=admission.loras[i], cache_salt=cache_salt)
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if isinstance(params, SamplingParams) and params.stop:

@@ -5,6 +5,7 @@ checkpoint (Qwen3-0.6B's shape, random weights, no tokenizer: prompts as token i
 import argparse
 import json
 import logging
+import os
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -65,6 +66,30 @@ def chat_template_text(value: str) -> str:
     return text
 
 
+def json_list(value: str) -> list[str]:
+    """vLLM's form for --allowed-origins and its siblings: a JSON list, '["https://a.example"]'."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, got {value}")
+    return items
+
+
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    # As vLLM's build_app: --api-key wins over VLLM_API_KEY, and an empty key is none.
+    api_keys = tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key)
+    return ServingOptions(
+        chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, api_keys=api_keys,
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs)
+
+
 def served_name(args: argparse.Namespace) -> str:
     return args.served_model_name or args.model or "qwen3-0.6b-random"
 
@@ -102,10 +127,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="accept a request's own chat_template (else a 400)")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help='logprobs name each token "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
+    # Deployment, as vLLM's flags, names and defaults.
+    parser.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                        help="requests need `Authorization: Bearer KEY`, one of these (default: VLLM_API_KEY's "
+                        "value, if set), except /health, /ping, /version, /metrics and the docs")
+    for what in ("origins", "methods", "headers"):
+        parser.add_argument(f"--allowed-{what}", type=json_list, default=["*"], metavar="JSON_LIST",
+                            help=f'CORS: the allowed {what}, as a JSON list (default: ["*"])')
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--ssl-keyfile", default=None, help="HTTPS: the key file")
+    parser.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file")
+    parser.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates file")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="whether a client certificate is required (the ssl module's: 0 none, 2 required)")
     add_engine_options(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.ssl_keyfile and not args.ssl_certfile:       # else uvicorn fails, once the model has loaded
+        parser.error("--ssl-keyfile needs --ssl-certfile")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
     names = [module.name for module in args.lora_modules]
@@ -129,9 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     options = {f.name: getattr(args, f.name) for f in engine_option_fields()}
     config = EngineConfig.from_kwargs(model, reasoning_parser=args.reasoning_parser, **options)
     parsers = ParserOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
-    app = build_app(config, name, parsers, args.lora_modules,
-                    ServingOptions(args.chat_template, args.trust_request_chat_template,
-                                   args.enable_prompt_tokens_details))
+    serving = serving_options(args)
+    app = build_app(config, name, parsers, args.lora_modules, serving)
     limits = app.state.server.async_engine.limits
     logging.getLogger("mini_engine.server").info(
         "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
@@ -146,7 +187,10 @@ def main(argv: list[str] | None = None) -> None:
             "requests that leave them unset sample with %s, from %s's generation_config.json "
             "(--generation-config none: temperature 1, top_p 1, no top_k)", config.sampling_defaults,
             model if config.generation_config == "auto" else config.generation_config)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    if serving.api_keys:
+        logging.getLogger("mini_engine.server").info("requests need one of %d API keys", len(serving.api_keys))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                **serving.uvicorn_ssl())
 
 
 if __name__ == "__main__":

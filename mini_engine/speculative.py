@@ -1,6 +1,9 @@
-"""Speculative decoding by n-gram lookup (vLLM's speculative_config {"method": "ngram"}, "prompt
-lookup decoding"): the drafts are the tokens that followed the last time the sequence's newest
-n-gram appeared in its own prompt or output, and one step of the model verifies them all.
+"""Speculative decoding: a proposer drafts each sequence's next tokens, and one step of the model
+verifies them all. Two proposers, as vLLM names them in speculative_config:
+- "ngram" ("prompt lookup decoding"): the tokens that followed the last time the sequence's newest
+  n-gram appeared in its own prompt or output;
+- "draft_model": a smaller model of the same vocabulary (Qwen3-0.6B for Qwen3-8B), run greedily
+  for k tokens ahead (runner/draft_model.py).
 
 How a step verifies k drafts (engine.build_rows): the sequence's last token and its k drafts go in
 as k + 1 decode rows of the step, one a position, which share the sequence's block table. Row i's
@@ -12,8 +15,8 @@ parameters, as a decode step would from that context.
 Which tokens are kept: row i's sample is the token at position i after the drafts before it. While
 the samples equal the drafts, each draft is a token the request would have drawn itself; the first
 sample that differs is kept too (the token drawn where the draft was wrong), and everything after
-it is dropped. With drafts that are one token each (a proposer that gives no probabilities), this
-is the rejection sampling of Leviathan et al. exactly: a draft d is accepted with probability p(d),
+it is dropped. With drafts that are one token each (a proposer that gives no probabilities: the
+n-gram lookup, or a draft model's greedy choice), this is the rejection sampling of Leviathan et al. exactly: a draft d is accepted with probability p(d),
 and otherwise the token kept is drawn from p without d, renormalised. So outputs have the
 distribution of plain decoding, greedy outputs are the same tokens, and a seeded request draws its
 j-th output token from the same random stream either way (seed, j), so it is the same tokens too
@@ -21,16 +24,19 @@ j-th output token from the same random stream either way (seed, j), so it is the
 import dataclasses
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """As vLLM's: method "ngram"; num_speculative_tokens, the most drafts a step verifies for a
-    sequence; prompt_lookup_max and prompt_lookup_min, the longest and shortest suffix n-gram that
-    is looked up (the longest that matches wins). Either lookup bound given alone sets both, and
-    neither given sets both to 5, as vLLM's defaults. disable_by_batch_size: no drafts while more
-    requests than this are running or waiting (None: drafts at any batch size).
+    """As vLLM's: method "ngram" or "draft_model" (the method vLLM infers when only a model is
+    given); num_speculative_tokens, the most drafts a step verifies for a sequence. For "ngram":
+    prompt_lookup_max and prompt_lookup_min, the longest and shortest suffix n-gram that is looked
+    up (the longest that matches wins); either bound given alone sets both, and neither given sets
+    both to 5, as vLLM's defaults. For "draft_model": model, the draft checkpoint's folder, and
+    draft_tensor_parallel_size, which can only be 1 here (the draft runs on one device, beside a
+    target on one device). disable_by_batch_size: no drafts while more requests than this are
+    running or waiting (None: drafts at any batch size).
 
     A step with drafts runs synchronously (its tokens reach the host before the next step is
     scheduled): the proposer reads each sequence's newest token, and the next step's rows follow
@@ -40,6 +46,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def resolve(cls, given: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -52,12 +60,22 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown fields {unknown}; this engine takes {sorted(known)}")
         method = given.get("method")
+        if method is None and given.get("model") is not None:
+            method = "draft_model"          # as vLLM infers it from a model that is no EAGLE or MTP head
         if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS} (draft models, "
-                             f"EAGLE and MTP are not implemented), got {method!r}")
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS} (EAGLE and MTP "
+                             f"are not implemented), got {method!r}")
         k = given.get("num_speculative_tokens")
         if not _is_int(k) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        limit = given.get("disable_by_batch_size")
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
+        if method == "draft_model":
+            return cls.resolve_draft_model(given, k, limit)
+        if given.get("model") is not None or given.get("draft_tensor_parallel_size") is not None:
+            raise ValueError("speculative_config: model and draft_tensor_parallel_size are the draft_model method's; "
+                             "the ngram method drafts from the sequence itself")
         high, low = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
         if high is None and low is None:
             high = low = 5
@@ -67,10 +85,21 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
-        limit = given.get("disable_by_batch_size")
-        if limit is not None and (not _is_int(limit) or limit < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
         return cls(method, k, high, low, limit)
+
+    @classmethod
+    def resolve_draft_model(cls, given: dict, k: int, limit: int | None) -> "SpeculativeConfig":
+        model = given.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config: the draft_model method needs model, the draft checkpoint's "
+                             f"folder, got {model!r}")
+        if given.get("prompt_lookup_max") is not None or given.get("prompt_lookup_min") is not None:
+            raise ValueError("speculative_config: prompt_lookup_max and prompt_lookup_min are the ngram method's")
+        draft_tp = given.get("draft_tensor_parallel_size")
+        if draft_tp not in (None, 1) or isinstance(draft_tp, bool):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft model runs on "
+                             f"one device), got {draft_tp!r}")
+        return cls("draft_model", k, disable_by_batch_size=limit, model=model, draft_tensor_parallel_size=1)
 
 
 def _is_int(value) -> bool:

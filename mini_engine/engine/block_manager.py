@@ -81,7 +81,7 @@ def chained_blocks(token_ids: list[int], block_size: int, start: int, stop: int,
                    parent: int | None = None) -> Iterator[tuple[int, tuple, int]]:
     """(i, key, hash) of the full blocks start..stop-1 of token_ids, each key holding the hash
     before it (parent: block start-1's; for the first block, the sequence's Sequence.cache_root,
-    None for the base model's)."""
+    None for the base model's without a cache salt)."""
     for i in range(start, stop):
         key = block_key(parent, token_ids[i * block_size:(i + 1) * block_size])
         parent = hash(key)

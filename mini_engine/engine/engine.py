@@ -20,6 +20,7 @@ from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
+from mini_engine.runner.draft_model import DraftModel
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.runner.sleep_mode import SLEEP_TAGS
 from mini_engine.sampling_params import SamplingParams
@@ -80,7 +81,13 @@ class LLMEngine:
         # With a reasoning parser, a grammar holds only what follows the output's thought. (Before
         # the runner starts: a tensor-parallel one's processes and group would outlive this error.)
         self.think_tokens = ThinkTokens.from_tokenizer(self.tokenizer) if config.reasoning_parser else None
-        self.runner = runner or ModelRunner(config)
+        # A draft model starts first: the target's KV pool is sized with the draft's weights on the
+        # device and each slot's draft K and V counted (runner/draft_model.py).
+        spec = config.speculative_config
+        self.draft = DraftModel(config) if runner is None and spec is not None and spec.method == "draft_model" else None
+        self.runner = runner or ModelRunner(config, kv_bytes_beside=self.draft.kv_bytes_per_token if self.draft else 0)
+        if self.draft is not None:
+            self.draft.share_pool(self.runner.num_kv_blocks)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
@@ -124,6 +131,8 @@ class LLMEngine:
         """Stops the other tensor-parallel ranks' processes and leaves their process group (they
         stop at exit too); then this process may start another tensor-parallel engine."""
         self.runner.shutdown()
+        if self.draft is not None:
+            self.draft.shutdown()
 
     # ---- requests ----
 
@@ -144,12 +153,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
                     request_id: str | None = None, validated: bool = False, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> Sequence:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> Sequence:
         """params: SamplingParams, or an embedding engine's PoolingParams. validated: the caller
         has already passed these token ids and params to validate() (a batch is validated whole
         before any of it is added), so the prompt is not checked twice. priority: with
         scheduling_policy "priority", a lower value is scheduled first (vLLM's). lora_request:
-        the LoRA adapter it runs with (enable_lora), None for the base model."""
+        the LoRA adapter it runs with (enable_lora), None for the base model. cache_salt (vLLM's):
+        its prefix-cache blocks serve only requests of the same salt (Sequence.cache_salt)."""
         prompt_token_ids = self.tokenize(prompt, params)
         if not validated:
             self.validate(prompt_token_ids, params)
@@ -161,12 +171,12 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             seq = Sequence(request_id, prompt_token_ids, POOLING_PLACEHOLDER, priority=int(priority),
                            arrival=next(self.arrivals), pooling_params=params,
-                           pooling_type=self.config.pooler.pooling_type)
+                           pooling_type=self.config.pooler.pooling_type, cache_salt=cache_salt)
             self.requests[request_id] = seq
             self.scheduler.add(seq)
             return seq
         seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals),
-                       lora_request=lora_request)
+                       lora_request=lora_request, cache_salt=cache_salt)
         self.draft_backoff, self.next_draft_backoff = 0, 1     # the proposer looks at a new prompt at once
         stop_token_ids = self.stop_token_ids(params)
         if params.bad_words:            # before anything of the engine's changes: it may raise
@@ -266,6 +276,8 @@ class LLMEngine:
             batch = self.scheduler.schedule(with_drafts=speculating)
             if self.config.enable_lora:
                 early += self.read_adapters(batch)
+            if speculating and self.draft is not None:
+                self.draft_tokens(batch)
             if batch.is_empty and self.in_flight is None and self.compiling and not early:
                 self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None
@@ -312,10 +324,14 @@ class LLMEngine:
                     or seq.request_id in self.needs_last_token):
                 seq.spec_token_ids = []
                 continue
-            if seq.ngram_index is None:
-                seq.ngram_index = NgramIndex()
-            seq.spec_token_ids = ngram_drafts(seq.token_ids, seq.ngram_index, spec.prompt_lookup_min,
-                                              spec.prompt_lookup_max, room)
+            if self.draft is not None:
+                # Places for the draft model's tokens: it drafts once the step has granted them slots.
+                seq.spec_token_ids = [PENDING_TOKEN] * room
+            else:
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex()
+                seq.spec_token_ids = ngram_drafts(seq.token_ids, seq.ngram_index, spec.prompt_lookup_min,
+                                                  spec.prompt_lookup_max, room)
             spare_rows -= len(seq.spec_token_ids)
             looked, found = True, found or bool(seq.spec_token_ids)
         if found:
@@ -323,6 +339,13 @@ class LLMEngine:
         elif looked:
             self.draft_backoff = self.next_draft_backoff
             self.next_draft_backoff = min(2 * self.next_draft_backoff, MAX_DRAFT_BACKOFF_STEPS)
+
+    def draft_tokens(self, batch: SchedulerOutput) -> None:
+        """The draft model's tokens for the places the step granted (propose_drafts, then
+        Scheduler.grant_drafts, which gave them slots)."""
+        seqs = [seq for seq in batch.seqs if seq.spec_token_ids]
+        for seq, drafts in zip(seqs, self.draft.propose(seqs, [len(seq.spec_token_ids) for seq in seqs])):
+            seq.spec_token_ids[:] = drafts
 
     def wait_for_last_tokens(self) -> list[StepOutput]:
         """While a request that needs_last_token runs (structured outputs, bad words of several

@@ -150,7 +150,7 @@ class Scheduler:
         priority."""
         self.block_manager.free(seq)
         self.release_penalty_row(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
         seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

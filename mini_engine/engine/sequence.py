@@ -14,6 +14,13 @@ from mini_engine.sampling_params import SamplingParams
 PENDING_TOKEN = -1
 
 
+def check_cache_salt(cache_salt) -> None:
+    """A ValueError for a cache_salt that is not a string (nor None), before the request is queued:
+    hashing an unhashable one would fail the step that first looks up its blocks."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -74,8 +81,14 @@ class Sequence:
     # the scheduler may cut to what the step has room for; the engine clears them when they resolve.
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: object | None = field(default=None, repr=False)   # the proposer's (speculative.NgramIndex)
+    # With a draft model: the positions whose draft K and V it has written (runner/draft_model.py).
+    num_draft_computed: int = 0
     # With enable_lora: the adapter it runs with, or None (the base model).
     lora_request: LoRARequest | None = None
+    # vLLM's cache_salt: its prefix-cache blocks serve only requests of the same salt, so that one
+    # tenant cannot learn from hit timings what another's prompts hold. None (or empty, as in
+    # vLLM): the blocks every unsalted request shares.
+    cache_salt: str | None = None
 
     @property
     def lora_int_id(self) -> int:
@@ -84,11 +97,16 @@ class Sequence:
 
     @property
     def cache_root(self) -> int | None:
-        """What its first block's hash chains from (BlockManager): None for the base model; an
-        adapter's own root, since the same tokens under another adapter have other K and V."""
-        return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
+        """What its first block's hash chains from (BlockManager), so every later block's differs
+        too: None for the base model, unsalted; an adapter's own root, since the same tokens under
+        another adapter have other K and V; a salt's, from that, as vLLM mixes cache_salt into the
+        first block's hash alone. Each kind is tagged, so that a salt never stands for an adapter
+        (vLLM's untagged extra keys let a LoRA name equal to a salt share blocks: its issue 44701)."""
+        root = None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
+        return hash(("cache_salt", root, self.cache_salt)) if self.cache_salt else root
 
     def __post_init__(self):
+        check_cache_salt(self.cache_salt)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None:

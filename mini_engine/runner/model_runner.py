@@ -120,9 +120,13 @@ def check_fp8_kernels(config: EngineConfig, device: torch.device, kernels: froze
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, port: int | None = None):
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, port: int | None = None,
+                 kv_bytes_beside: int = 0):
         """tp and port: a tensor-parallel worker's rank, and where rank 0 gathers the ranks. Rank 0
-        (tp None) starts the other ranks itself when config.tensor_parallel_size > 1."""
+        (tp None) starts the other ranks itself when config.tensor_parallel_size > 1.
+        kv_bytes_beside: what each of this pool's slots also costs elsewhere (a draft model's own
+        K and V, runner/draft_model.py), counted when the pool is sized from GPU memory."""
+        self.kv_bytes_beside = kv_bytes_beside
         # Set once started: every rank runs start-up's steps (the pool's sizing) by itself, and
         # rank 0 sends the others only the engine's.
         self.workers: TensorParallelWorkers | None = None
@@ -465,6 +469,20 @@ class ModelRunner:
             layer.self_attn.attn.v_cache = kv_cache[1, i]
         return kv_cache
 
+    def reallocate_kv_cache(self, num_blocks: int) -> None:
+        """A pool of num_blocks in place of this one (its contents dropped), and the CUDA graphs,
+        which hold the old pool's addresses, captured anew."""
+        self.graph_runner = None
+        for layer in self.model.layers:
+            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.num_kv_blocks = num_blocks
+        self.kv_cache = self.allocate_kv_cache(num_blocks)
+        if self.use_cuda_graphs:
+            self.capture_cuda_graphs()
+
     def profile_num_kv_blocks(self) -> int:
         if self.device.type != "cuda":
             return self.config.cpu_kv_blocks
@@ -494,7 +512,7 @@ class ModelRunner:
                 self.config.max_num_seqs, self.model_config.vocab_size, self.dtype)
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
                   - self.graph_reserve_bytes)
-        num_blocks = int(budget // (self.kv_bytes_per_token * self.block_size))
+        num_blocks = int(budget // ((self.kv_bytes_per_token + self.kv_bytes_beside) * self.block_size))
         if num_blocks < 1:
             raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
                                "raise gpu_memory_utilization or lower max_num_batched_tokens/max_num_seqs")

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mini_engine import __version__
 from mini_engine.chat_template import (ChatTemplate, checkpoint_special_tokens, continue_final_message,
                                        template_message)
 from mini_engine.config import EngineConfig
@@ -34,6 +35,7 @@ from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.lora_modules import LoRAModulePath, LoRAModules, runtime_updating_allowed
 from mini_engine.server.metrics import ServerMetrics
+from mini_engine.server.middleware import add_middleware
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ClassificationRequest,
                                          CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -43,6 +45,7 @@ from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Cl
                                          model_card, random_id, usage)
 from mini_engine.server.responses import ResponsesEndpoint
 from mini_engine.server.responses_protocol import ResponsesRequest
+from mini_engine.server.sagemaker import add_invocations_route
 from mini_engine.server.serving_options import ServingOptions
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
@@ -74,11 +77,13 @@ class Prompts:
     """A request's prompts (a completion request may send several) and their choices: choice k is
     completion k % n of prompt k // n, as vLLM numbers them; echoes: each prompt's, with echo=true;
     chat_echo: with a chat request's echo=true, the text that goes before each choice's content
-    (OpenAIServer.chat_echo's)."""
+    (OpenAIServer.chat_echo's); logprobs_json: how its logprobs name tokens
+    (OpenAIServer.request_logprobs_json's)."""
     token_ids: list[list[int]]
     n: int
     echoes: list[Echo] | None = None
     chat_echo: str = ""
+    logprobs_json: LogprobsJSON = dataclasses.field(kw_only=True)
 
 
 class StreamedEchoes:
@@ -195,6 +200,7 @@ class OpenAIServer:
         self.loras = LoRAModules(model_name, lora_modules)
         self.async_engine = AsyncEngine(config, self.metrics, tuple(self.loras.requests.values()))
         self.tokenizer = load_tokenizer(config.model)
+        # By the tokens' text: prompt_logprobs' decoded_token stay text with return_tokens_as_token_ids, as vLLM's.
         self.logprobs_json = LogprobsJSON(self.tokenizer)
         self.options = options
         self.chat_template = ChatTemplate.from_pretrained(config.model, options.chat_template)
@@ -232,6 +238,15 @@ class OpenAIServer:
     def response_model_name(self, lora_request: LoRARequest | None) -> str:
         """A response's `model`: the adapter's name where the request named one (vLLM's)."""
         return self.model_name if lora_request is None else lora_request.lora_name
+
+    def request_logprobs_json(self, req: SamplingRequest) -> LogprobsJSON:
+        """How a request's logprobs name tokens: as "token_id:{id}" where its return_tokens_as_token_ids
+        asks, or where it leaves that unset and the server runs with --return-tokens-as-token-ids
+        (vLLM's rule); else by their text."""
+        as_token_ids = req.return_tokens_as_token_ids
+        if as_token_ids is None:
+            as_token_ids = self.options.return_tokens_as_token_ids
+        return LogprobsJSON(self.tokenizer, True) if as_token_ids else self.logprobs_json
 
     def check_priority(self, priority: int) -> None:
         if priority and self.config.scheduling_policy != "priority":
@@ -289,7 +304,8 @@ class OpenAIServer:
         return [truncate_prompt(ids, req, self.config.max_model_len) for ids in prompts]
 
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams,
-            priority: int = 0, lora_request: LoRARequest | None = None) -> list[RequestStream]:
+            priority: int = 0, lora_request: LoRARequest | None = None,
+            cache_salt: str | None = None) -> list[RequestStream]:
         """A stream for each of the params.n completions of each prompt, in that order: one request
         for one prompt and n = 1; else vLLM's ids ("{request_id}-{prompt}" for a batch of prompts,
         "{index}_..." for each of n, seeded seed + index), and the n of a prompt share it, which the
@@ -307,7 +323,7 @@ class OpenAIServer:
                                                [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
             return [self.async_engine.add_request(child_id, prompt, child, validated=True, priority=priority,
-                                                  lora_request=lora_request)
+                                                  lora_request=lora_request, cache_salt=cache_salt)
                     for prompt, child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
@@ -474,11 +490,11 @@ class OpenAIServer:
                 if not delta.token_ids and delta.finish_reason is None:
                     continue
                 if echoes is not None and not echoes.sent[k]:
-                    delta, logprobs, offsets[k] = echoes.first(k, delta, self.logprobs_json)
+                    delta, logprobs, offsets[k] = echoes.first(k, delta, prompts.logprobs_json)
                     last[k] = delta
                     choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
                     continue
-                logprobs, offsets[k] = self.logprobs_json.delta_logprobs(delta, chat, offsets[k])
+                logprobs, offsets[k] = prompts.logprobs_json.delta_logprobs(delta, chat, offsets[k])
                 if parsers is None:
                     choices.append(self.choice(k, delta.text, delta.finish_reason, chat, logprobs, True))
                     continue
@@ -512,13 +528,13 @@ class OpenAIServer:
                 if delta.finish_reason == "error":
                     return error_response(delta.error or "the request failed", 500)
                 if delta.logprobs is not None:
-                    lp, offsets[k] = self.logprobs_json.delta_logprobs(delta, chat, offsets[k])
+                    lp, offsets[k] = prompts.logprobs_json.delta_logprobs(delta, chat, offsets[k])
                     logprobs[k] = lp if logprobs[k] is None else {key: logprobs[k][key] + lp[key] for key in lp}
                 texts[k].append(delta.text)
         if echoes is not None:
             for k in range(len(streams)):
                 texts[k], logprobs[k], last[k] = self.echoed(echoes[k // n], texts[k], logprobs[k], last[k],
-                                                             prompt_logprobs[k // n])
+                                                             prompt_logprobs[k // n], prompts.logprobs_json)
         if parsers is None:
             choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
                        for k in range(len(streams))]
@@ -538,8 +554,9 @@ class OpenAIServer:
                 place["prompt_logprobs"] = values[k // n]
         return JSONResponse(body)
 
-    def echoed(self, echo: Echo, text: list[str], logprobs: dict | None, last: RequestDelta,
-               prompt_logprobs: list | None) -> tuple[list[str], dict | None, RequestDelta]:
+    @staticmethod
+    def echoed(echo: Echo, text: list[str], logprobs: dict | None, last: RequestDelta, prompt_logprobs: list | None,
+               logprobs_json: LogprobsJSON) -> tuple[list[str], dict | None, RequestDelta]:
         """A completion with its prompt before it (and, where echo.drop_output, the prompt alone,
         no completion tokens counted); logprobs with the prompt's first, from its prompt_logprobs."""
         if echo.drop_output:
@@ -549,7 +566,7 @@ class OpenAIServer:
         text = [echo.text, *text]
         if prompt_logprobs is None or logprobs is None:
             return text, logprobs, last
-        prompt = self.logprobs_json.echoed_prompt_logprobs(echo.token_strings, prompt_logprobs)
+        prompt = logprobs_json.echoed_prompt_logprobs(echo.token_strings, prompt_logprobs)
         return text, {key: prompt[key] + logprobs[key] for key in prompt}, last
 
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
@@ -633,24 +650,28 @@ class OpenAIServer:
         whole = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
         prompts = self.truncated(whole, req)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        logprobs_json = self.request_logprobs_json(req)
         if req.use_beam_search:         # n is the beam width, its n best beams the choices
-            return await self.beam_search.respond(raw, req, Prompts(prompts, 1 if req.n is None else req.n),
+            return await self.beam_search.respond(raw, req, Prompts(prompts, 1 if req.n is None else req.n,
+                                                                    logprobs_json=logprobs_json),
                                                   max_tokens, "max_tokens", lora_request)
         echoes = None
         if req.echo:
             # A truncated prompt echoes the tokens kept, what the model saw (vLLM's echoes a text
             # prompt whole, beside the kept tokens' logprobs).
-            echoes = [self.echo(prompt if len(ids) == len(all_ids) else ids, ids, max_tokens)
+            echoes = [self.echo(prompt if len(ids) == len(all_ids) else ids, ids, max_tokens, logprobs_json)
                       for prompt, all_ids, ids in zip(inputs, whole, prompts)]
             if max_tokens == 0:     # one token is generated, and dropped
                 max_tokens = 1
         params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echoes else None)
         request_id = random_id("cmpl")
-        streams = self.add(request_id, prompts, params, req.priority, lora_request)
+        streams = self.add(request_id, prompts, params, req.priority, lora_request, req.cache_salt)
         return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
-                                  Prompts(prompts, params.n, echoes), model=self.response_model_name(lora_request))
+                                  Prompts(prompts, params.n, echoes, logprobs_json=logprobs_json),
+                                  model=self.response_model_name(lora_request))
 
-    def echo(self, prompt: str | list[int], prompt_token_ids: list[int], max_tokens: int) -> Echo:
+    def echo(self, prompt: str | list[int], prompt_token_ids: list[int], max_tokens: int,
+             logprobs_json: LogprobsJSON) -> Echo:
         """As vLLM's echo: the prompt's text before each completion's and, with logprobs, its tokens'
         (prompt_logprobs); max_tokens 0 returns the prompt alone."""
         if not prompt_token_ids:
@@ -663,7 +684,7 @@ class OpenAIServer:
             raise ProtocolError(f"echo with max_tokens=0 needs a prompt shorter than max_model_len={limit} "
                                 f"(one token is generated, and dropped), got {len(prompt_token_ids)} tokens",
                                 param="prompt")
-        strings = [self.logprobs_json.token_text(t) for t in prompt_token_ids]
+        strings = [logprobs_json.token_text(t) for t in prompt_token_ids]
         return Echo(text, prompt_token_ids, strings, max_tokens == 0)
 
     def models_route(self) -> dict:
@@ -720,13 +741,15 @@ class OpenAIServer:
         echo = self.chat_echo(req)
         if req.use_beam_search:         # n is the beam width, its n best beams the choices
             param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-            prompts = Prompts([prompt_token_ids], 1 if req.n is None else req.n, chat_echo=echo)
+            prompts = Prompts([prompt_token_ids], 1 if req.n is None else req.n, chat_echo=echo,
+                              logprobs_json=self.request_logprobs_json(req))
             return await self.beam_search.respond(raw, req, prompts, max_tokens, param, lora_request, prompt)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
-        streams = self.add(request_id, [prompt_token_ids], params, req.priority, lora_request)
+        streams = self.add(request_id, [prompt_token_ids], params, req.priority, lora_request, req.cache_salt)
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
-                                  Prompts([prompt_token_ids], params.n, chat_echo=echo),
+                                  Prompts([prompt_token_ids], params.n, chat_echo=echo,
+                                          logprobs_json=self.request_logprobs_json(req)),
                                   self.output_parsers(req, prompt, params), self.response_model_name(lora_request))
 
 
@@ -742,8 +765,9 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
         yield
         server.async_engine.shutdown()
 
-    app = FastAPI(title="mini_engine", lifespan=lifespan)
+    app = FastAPI(title="mini_engine", version=__version__, lifespan=lifespan)
     app.state.server = server
+    add_middleware(app, options)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, e: ProtocolError):
@@ -835,10 +859,18 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
         add_dev_routes(app, server.async_engine)
 
     @app.get("/health")
+    @app.get("/ping")           # SageMaker's, GET or POST, as vLLM's
+    @app.post("/ping")
     async def health():
         if not server.async_engine.is_alive:
             return error_response("the engine process is not running", 503)
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    add_invocations_route(app, server, pooling)
 
     @app.get("/metrics")
     async def metrics():

@@ -5,10 +5,10 @@ The search's bookkeeping is mini_engine/beam_search.py's BeamSearch, the one LLM
 runs. Here, as in vLLM's OpenAIServing.beam_search, each step sends every live beam to the engine
 as a one-token request that asks for 2 x n logprobs, all at once, and awaits them together before
 the next step. They go through the server's own request path (OpenAIServer.add): the prompt
-checks, the LoRA adapter the request's model names, its priority, the metrics and the KV pool's
-accounting are a normal completion's; the prefix cache holds each beam's tokens from its previous
-step. A client that leaves mid-search has its step's requests aborted, their KV blocks freed, and
-no more steps run.
+checks, the LoRA adapter the request's model names, its priority and cache_salt, the metrics and
+the KV pool's accounting are a normal completion's; the prefix cache holds each beam's tokens
+from its previous step (under the request's salt). A client that leaves mid-search has its
+step's requests aborted, their KV blocks freed, and no more steps run.
 
 As vLLM's: a choice's text is its generated tokens' (special tokens kept, as vLLM's
 tokenizer.decode gives them), less the EOS that ended it unless include_stop_str_in_output;
@@ -64,7 +64,8 @@ class BeamSearchEndpoint:
         created = int(time.time())
 
         async def search_then_respond() -> Response:
-            best = await self.search(request_id, prompts.token_ids, params, req.priority, lora_request)
+            best = await self.search(request_id, prompts.token_ids, params, req.priority, lora_request,
+                                     req.cache_salt)
             # Each returned beam as a finished stream of one delta: the response is then built, and
             # its output parsed, as any completion's.
             streams = [self.finished_stream(f"{request_id}-{k}", len(ids), beam, params, num_logprobs)
@@ -132,7 +133,7 @@ class BeamSearchEndpoint:
     # ---- the search ----
 
     async def search(self, request_id: str, prompts: list[list[int]], params: BeamSearchParams, priority: int,
-                     lora_request: LoRARequest | None) -> list[list[BeamSearchSequence]]:
+                     lora_request: LoRARequest | None, cache_salt: str | None) -> list[list[BeamSearchSequence]]:
         """Each prompt's best beams, best first; each step's requests are "{request_id}-{step}"
         (and "-{beam}" after it where there are several)."""
         server = self.server
@@ -141,7 +142,7 @@ class BeamSearchEndpoint:
         step_params, step = params.step_params(), 0
         while beams := search.step_requests():
             streams = server.add(f"{request_id}-{step}", [beam.tokens for beam in beams], step_params, priority,
-                                 lora_request)
+                                 lora_request, cache_salt)
             try:
                 outputs = await asyncio.gather(*map(final_delta, streams))
             finally:        # those unfinished: the client left (this task was cancelled)

@@ -14,12 +14,17 @@ def end_offset(logprobs: dict | None, offset: int) -> int:
 
 
 class LogprobsJSON:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_token_ids: bool = False):
+        """as_token_ids: vLLM's return_tokens_as_token_ids, each token named "token_id:{id}" (as
+        it is anyway without a tokenizer), its bytes in chat logprobs those of that name."""
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
 
     def token_text(self, token_id: int) -> str:
         tok = self.tokenizer
-        return tok.decode([token_id], skip_special_tokens=False) if tok else f"token_id:{token_id}"
+        if tok is None or self.as_token_ids:
+            return f"token_id:{token_id}"
+        return tok.decode([token_id], skip_special_tokens=False)
 
     def completion_logprobs(self, delta: RequestDelta, text_offset: int) -> dict | None:
         """text_offset: where the delta's first token starts. Each token's offset counts the

@@ -6,12 +6,26 @@ gets a 400, never a silently different answer.
 """
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
+
+
+def validate_cache_salt(value):
+    # vLLM's check, before any conversion, with its words: null is no salt, "" or a non-string a 400.
+    if value is not None and (not isinstance(value, str) or not value):
+        raise PydanticCustomError("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
+    return value
+
+
+# extension (vLLM's, on completions, chat and responses): the prompt's prefix-cache blocks serve only
+# requests with the same salt, so that hit timings tell one tenant nothing of another's prompts. It
+# should be secret and unguessable (vLLM suggests 256 random bits, 43 base64 characters).
+CacheSalt = Annotated[str | None, BeforeValidator(validate_cache_salt)]
 
 
 class ProtocolError(ValueError):
@@ -80,6 +94,8 @@ class SamplingRequest(BaseModel):
     # extension (vLLM's): generate from the prompt's last k tokens (-1: max_model_len), which usage counts
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None          # extension (vLLM's; not with stream)
+    # extension (vLLM's): logprobs name each token "token_id:{id}" (null: as --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: list[int] | None = None  # extension (vLLM's)
     bad_words: list[str] | None = None          # extension (vLLM's)
     # extension (vLLM's): {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} |
@@ -87,6 +103,7 @@ class SamplingRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     n: int | None = 1
     priority: int = 0                   # extension (vLLM's): with --scheduling-policy priority, lower first
+    cache_salt: CacheSalt = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None             # accepted and ignored, as OpenAI's own

@@ -115,7 +115,7 @@ class ResponsesEndpoint:
             max_tokens = chat.max_tokens if chat.max_tokens is not None else server.remaining_tokens(prompt_token_ids)
             params = server.sampling_params(chat, max_tokens, None)
             parsers = server.output_parsers(chat, prompt, params)
-            streams = server.add(response_id, [prompt_token_ids], params, req.priority, lora_request)
+            streams = server.add(response_id, [prompt_token_ids], params, req.priority, lora_request, chat.cache_salt)
         except ProtocolError as e:
             raise in_responses_terms(e) from None
         body = self.response_body(req, response_id, server.response_model_name(lora_request), params, keep)

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mini_engine.server.protocol import ChatCompletionRequest, ProtocolError
+from mini_engine.server.protocol import CacheSalt, ChatCompletionRequest, ProtocolError
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 # What a message's content parts may be: OpenAI's input text, and the output text of an earlier
@@ -77,6 +77,7 @@ class ResponsesRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     structured_outputs: dict[str, Any] | None = None
     priority: int = 0
+    cache_salt: CacheSalt = None
 
     def unsupported(self) -> str | None:
         if any(item != "reasoning.encrypted_content" for item in self.include or ()):
@@ -107,7 +108,8 @@ class ResponsesRequest(BaseModel):
                 logit_bias=self.logit_bias, structured_outputs=self.structured_outputs, priority=self.priority,
                 stream=self.stream, response_format=self.response_format(), tools=self.chat_tools(),
                 tool_choice=self.chat_tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
-                chat_template_kwargs=None if effort is None else {"reasoning_effort": effort})
+                chat_template_kwargs=None if effort is None else {"reasoning_effort": effort},
+                cache_salt=self.cache_salt)
         except ValidationError as e:
             first = e.errors()[0]
             raise ProtocolError(f"input: {first['msg']}", param="input") from None

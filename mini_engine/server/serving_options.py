@@ -13,3 +13,26 @@ class ServingOptions:
     # --enable-prompt-tokens-details: chat and completion usage say how many prompt tokens the
     # prefix cache served (`prompt_tokens_details.cached_tokens`); the Responses API always does.
     enable_prompt_tokens_details: bool = False
+    # --return-tokens-as-token-ids: logprobs name each token "token_id:{id}" where a request leaves
+    # its own return_tokens_as_token_ids unset, so that a token whose text is no whole character
+    # (a piece of a multi-byte one) can still be told apart.
+    return_tokens_as_token_ids: bool = False
+    # --api-key (else VLLM_API_KEY): every route but middleware.PUBLIC_PATHS needs one of these as
+    # `Authorization: Bearer <key>`; none, no check.
+    api_keys: tuple[str, ...] = ()
+    # --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials: CORS, as vLLM's.
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs: HTTPS, by uvicorn (serve.py);
+    # ssl_cert_reqs is the ssl module's (0 CERT_NONE, 2 CERT_REQUIRED: clients show a certificate
+    # that ssl_ca_certs signed).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+
+    def uvicorn_ssl(self) -> dict:
+        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_cert_reqs": self.ssl_cert_reqs}

@@ -94,7 +94,8 @@ def test_lookup_bounds_default_as_vllm():
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "is above"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "Qwen/Qwen3-0.6B"}, "unknown fields"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "Qwen/Qwen3-0.6B"}, "draft_model method's"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "Qwen/Qwen3-0.6B"}, "unknown fields"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ("ngram", "must be a dict"),
 ])

@@ -94,11 +94,11 @@ class ServerHandle:
         self.process = process
         self.log_path = log_path
 
-    def openai_client(self, timeout: float = 60):
+    def openai_client(self, timeout: float = 60, api_key: str = "unused"):
         """OpenAI's client for this server's /v1 (a context manager), without retries: a failed
-        request fails the test at once."""
+        request fails the test at once. api_key: for a server started with --api-key."""
         import openai
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
     def metrics(self) -> dict[str, float]:
         """Every unlabelled-by-reason sample of /metrics, keyed by name (and finish reason)."""

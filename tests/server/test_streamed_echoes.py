@@ -16,7 +16,7 @@ def delta(token: int, finish: str | None = None, prompt_logprobs=None, logprobs:
 
 def echoes(drop_output: bool = False) -> StreamedEchoes:
     echo = Echo("abc", [1, 2, 3], ["a", "b", "c"], drop_output)
-    return StreamedEchoes(Prompts([[1, 2, 3]], 2, [echo]))
+    return StreamedEchoes(Prompts([[1, 2, 3]], 2, [echo], logprobs_json=LogprobsJSON(None)))
 
 
 def test_a_sibling_ahead_of_the_prompts_logprobs_is_held_then_sent_whole():

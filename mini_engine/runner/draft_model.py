@@ -1,0 +1,102 @@
+"""Speculative decoding's draft model (speculative_config {"method": "draft_model", "model": ...},
+vLLM's): a smaller Qwen3 of the target's vocabulary (Qwen3-0.6B beside Qwen3-8B) drafts each
+sequence's next k tokens, greedily, and the target verifies them in one step (speculative.py).
+
+The draft runs on a ModelRunner of its own, with a KV cache of its own laid out in the target's
+blocks: the same number of blocks of the same size, so that a sequence's block table, which the
+target's block manager keeps, says where the draft's K and V of each position lie too. Nothing else
+is shared, and the target's steps never run the draft.
+
+The draft catches up lazily, when it drafts. Sequence.num_draft_computed counts the positions
+whose draft K and V are the sequence's; a proposal first runs the draft over the tokens past them
+(a whole prompt, the first time: chunks of at most max_num_batched_tokens tokens), the last of
+which, the token the target is about to compute, gives the first draft. Then each further draft
+is one decode step of the draft over the one before, so that the draft writes the K and V of the
+sequence's last token and of its first k - 1 drafts. After the target's step, the drafts it
+rejected are no longer the sequence's: the draft's positions that stay valid are those below both
+num_draft_computed and the target's num_computed_tokens (propose takes the smaller). A sequence
+that is preempted starts again from nothing (Scheduler.preempt), since the blocks it takes back
+may be another sequence's cached prefix, whose draft K and V the draft may never have written.
+
+Drafting greedily, the draft gives each position one token and no probabilities: the target keeps
+it with the probability its own sampling gives it (speculative.py), so outputs keep the target's
+distribution whatever the draft proposes, and only the acceptance rate depends on the draft."""
+import dataclasses
+
+from mini_engine.config import EngineConfig
+from mini_engine.engine.sequence import Sequence
+from mini_engine.runner.batch import BatchRow
+from mini_engine.runner.model_runner import ModelRunner
+from mini_engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class DraftModel:
+    def __init__(self, config: EngineConfig):
+        """The draft's weights, and a pool of one block until share_pool gives it the target's:
+        started before the target, so that the target's pool is sized with the draft's weights
+        already on the device (kv_bytes_per_token: what each of the target's slots costs the draft)."""
+        spec = config.speculative_config
+        # Eager until share_pool: graphs captured over the one-block pool would be captured again.
+        self.config = dataclasses.replace(
+            config, model=spec.model, model_config=None, hf_overrides=None, num_kv_blocks=1, speculative_config=None,
+            quantization=None, enable_lora=False, reasoning_parser=None, runner="generate", pooler_config=None,
+            generation_config="none", enforce_eager=True)
+        self.runner = ModelRunner(self.config)
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.use_cuda_graphs = (self.runner.device.type == "cuda" and not config.enforce_eager
+                                and "attention" in self.runner.kernels)
+
+    def share_pool(self, num_blocks: int) -> None:
+        """A KV pool of the target's num_blocks, and the draft's CUDA graphs over it (unless the
+        target runs eager). Its graphs' memory was not set aside when the target's pool was sized:
+        it comes out of what gpu_memory_utilization leaves (for a 0.6B draft, tens of MiB)."""
+        self.runner.use_cuda_graphs = self.use_cuda_graphs
+        self.runner.reallocate_kv_cache(num_blocks)
+
+    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
+        """num_drafts[i] greedy drafts for seqs[i], whose next num_drafts[i] + 1 positions have
+        slots in its block table (Scheduler.grant_drafts)."""
+        if not seqs:
+            return []
+        last = self.catch_up(seqs)
+        drafts = [[token] for token in last]
+        for j in range(1, max(num_drafts)):
+            going = [i for i, n in enumerate(num_drafts) if n > j]
+            rows = [self.row([drafts[i][-1]], seqs[i].num_tokens - 1 + j, seqs[i], sample=True) for i in going]
+            for i, token in zip(going, self.runner.execute(rows)):
+                drafts[i].append(token)
+        for seq, n in zip(seqs, num_drafts):
+            seq.num_draft_computed = seq.num_tokens - 1 + n     # its last token and its first n - 1 drafts
+        return drafts
+
+    def catch_up(self, seqs: list[Sequence]) -> list[int]:
+        """Runs the draft over each sequence's tokens past its valid draft positions, up to and
+        including its last token, in steps of at most max_num_batched_tokens tokens (a row only
+        samples in the step that reaches its last token); returns each sequence's first draft."""
+        done = [min(seq.num_draft_computed, seq.num_computed_tokens) for seq in seqs]
+        first = [0] * len(seqs)
+        while True:
+            budget, rows, owners = self.config.max_num_batched_tokens, [], []
+            for i, seq in enumerate(seqs):
+                n = min(seq.num_tokens - done[i], budget)
+                if n > 0:
+                    end = done[i] + n
+                    rows.append(self.row(seq.token_ids[done[i]:end], done[i], seq, sample=end == seq.num_tokens))
+                    owners.append(i)
+                    done[i], budget = end, budget - n
+            if not rows:
+                return first
+            order = sorted(range(len(rows)), key=lambda r: len(rows[r].token_ids) > 1)     # single tokens first
+            samplers = [owners[r] for r in order if rows[r].sample]
+            for i, token in zip(samplers, self.runner.execute([rows[r] for r in order])):
+                first[i] = token
+
+    @staticmethod
+    def row(token_ids: list[int], start: int, seq: Sequence, sample: bool) -> BatchRow:
+        return BatchRow(token_ids, start, seq.block_table, sample, GREEDY if sample else None,
+                        block_table_array=seq.block_table_array)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -1,0 +1,144 @@
+"""Speculative decoding with a draft model (speculative_config {"method": "draft_model", "model":
+...}, runner/draft_model.py): outputs are plain decoding's whatever the draft proposes; a draft
+that is the target itself is right at (nearly) every position, which it can only be if its own
+K and V follow each sequence through chunked catch-up, rejected drafts, preemption and prefix
+hits; and the configurations vLLM's users could give that cannot run are refused by name."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.config import EngineConfig
+from mini_engine.model.random_checkpoint import write_random_checkpoint
+from mini_engine.speculative import SpecDecodeStats, SpeculativeConfig
+from tests.conftest import tiny_config
+
+PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12], list(range(20, 60)), [3, 3, 3, 3]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# A draft that is the target itself proposes the target's own argmax; the two differ only where
+# a batch's other shape moves a near tie (fp32 on CPU: measured 1.0 on every run here).
+SELF_DRAFT_ACCEPTANCE = 0.95
+
+
+def draft_config(model: str, k: int = 3, **extra) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k} | extra
+
+
+@pytest.fixture(scope="module")
+def other_draft(checkpoint_factory) -> str:
+    """A draft of the target's vocabulary and nothing else in common (another tiny shape)."""
+    return checkpoint_factory("untied-mha")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoint):
+    return LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256)
+
+
+def generate(llm: LLM, params: SamplingParams, prompts=PROMPTS) -> list[list[list[int]]]:
+    llm.engine.spec_decode_stats = SpecDecodeStats()
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY,
+    SamplingParams(temperature=0.9, seed=7, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, n=2),
+    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=20, stop_token_ids=[33, 177]),
+], ids=["greedy", "seeded", "n=2", "min-tokens"])
+def test_outputs_are_plain_decodings_whatever_the_draft(tiny_checkpoint, other_draft, plain, params):
+    """A draft of another model is mostly wrong: each step keeps the target's own token where it
+    differs, so the outputs are plain decoding's (seeded ones too: the j-th token comes from the
+    stream (seed, j) either way)."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(other_draft))
+    assert generate(llm, params) == generate(plain, params)
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+def test_a_draft_of_the_target_itself_is_accepted(tiny_checkpoint, plain):
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint, k=4))
+    assert generate(llm, GREEDY) == generate(plain, GREEDY)
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_draft_tokens > 100 and stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE, stats
+    assert stats.mean_acceptance_length > 3.5        # a step gives a sequence ~k + 1 tokens
+    assert_all_blocks_free(llm)
+
+
+def test_catch_up_in_chunks_through_preemption(tiny_checkpoint, plain):
+    """A token budget below the prompts' lengths (the draft catches up over several steps of its
+    own) and a pool that preempts: a preempted sequence's draft starts again from nothing."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=24, block_size=4, max_num_batched_tokens=16,
+              speculative_config=draft_config(tiny_checkpoint))
+    assert generate(llm, GREEDY) == generate(plain, GREEDY)
+    stats = llm.engine.spec_decode_stats
+    assert llm.engine.num_preemptions > 0
+    assert stats.num_draft_tokens > 50 and stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE, stats
+    assert_all_blocks_free(llm)
+
+
+def test_a_prefix_hit_is_computed_again_by_the_draft(tiny_checkpoint, plain):
+    """The first request runs with no drafts (two requests are more than disable_by_batch_size),
+    so the draft never writes its prompt's blocks; the second takes them as a cached prefix. Its
+    draft must compute that prefix itself: read as they are, the blocks hold no draft K and V,
+    and the drafts would be wrong."""
+    prompt = list(range(30, 70))
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256,
+              speculative_config=draft_config(tiny_checkpoint, disable_by_batch_size=1))
+    first = generate(llm, GREEDY, [prompt, [4] * 8])
+    assert llm.engine.spec_decode_stats.num_draft_tokens == 0       # never alone: no drafts
+    llm.engine.spec_decode_stats = SpecDecodeStats()
+    (again,) = llm.generate([prompt + [1, 2]], GREEDY, use_tqdm=False)
+    assert again.num_cached_tokens >= 32                            # the first prompt's whole blocks
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_draft_tokens > 20 and stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE, stats
+    assert [c.token_ids for c in again.outputs] == generate(plain, GREEDY, [prompt + [1, 2]])[0]
+    assert first == generate(plain, GREEDY, [prompt, [4] * 8])
+
+
+def test_method_is_inferred_from_a_model_as_vllm():
+    assert SpeculativeConfig.resolve({"model": "/some/draft", "num_speculative_tokens": 2}) == SpeculativeConfig(
+        "draft_model", 2, model="/some/draft", draft_tensor_parallel_size=1)
+
+
+def rewritten_checkpoint(source: str, folder: str, **fields) -> str:
+    shutil.copytree(source, folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config | fields, f)
+    return folder
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size must be 1"),
+    ({"prompt_lookup_max": 3}, "are the ngram method's"),
+    ({"model": ""}, "needs model"),
+])
+def test_bad_draft_configs_are_refused(tiny_checkpoint, extra, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(tiny_checkpoint, device="cpu", speculative_config=draft_config(tiny_checkpoint) | extra)
+
+
+def test_drafts_that_cannot_run_are_refused(tiny_checkpoint, tmp_path):
+    cases = [
+        (draft_config(str(tmp_path / "missing")), {}, "cannot be read"),
+        (draft_config(write_random_checkpoint(str(tmp_path / "v128"), tiny_config("untied-mha") | {"vocab_size": 128},
+                                              dtype=torch.float32)), {}, "vocab_size 128 differs"),
+        (draft_config(rewritten_checkpoint(tiny_checkpoint, str(tmp_path / "short"), max_position_embeddings=64)), {},
+         "reaches 64 positions"),
+        (draft_config(tiny_checkpoint), {"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
+        (draft_config(tiny_checkpoint), {"enable_sleep_mode": True}, "sleep mode"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": tiny_checkpoint}, {}, "draft_model method's"),
+    ]
+    for spec, options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(tiny_checkpoint, device="cpu", speculative_config=spec, **options)
