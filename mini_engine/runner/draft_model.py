@@ -12,7 +12,8 @@ whose draft K and V are the sequence's; a proposal first runs the draft over the
 (a whole prompt, the first time: chunks of at most max_num_batched_tokens tokens), the last of
 which, the token the target is about to compute, gives the first draft. Then each further draft
 is one decode step of the draft over the one before, so that the draft writes the K and V of the
-sequence's last token and of its first k - 1 drafts. After the target's step, the drafts it
+sequence's last token and of its first k - 1 drafts; those steps follow one another on the device
+without the host in between. After the target's step, the drafts it
 rejected are no longer the sequence's: the draft's positions that stay valid are those below both
 num_draft_computed and the target's num_computed_tokens (propose takes the smaller). A sequence
 that is preempted starts again from nothing (Scheduler.preempt), since the blocks it takes back
@@ -57,15 +58,24 @@ class DraftModel:
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
         """num_drafts[i] greedy drafts for seqs[i], whose next num_drafts[i] + 1 positions have
-        slots in its block table (Scheduler.grant_drafts)."""
+        slots in its block table (Scheduler.grant_drafts). After the catch-up, the draft's steps
+        are launched one after another without waiting: each takes its input tokens from the
+        step before's samples on the device (BatchRow.prev_token_index, as the engine's
+        asynchronous decode steps do), and the host reads them all at the end."""
         if not seqs:
             return []
-        last = self.catch_up(seqs)
-        drafts = [[token] for token in last]
+        drafts = [[token] for token in self.catch_up(seqs)]
+        launched, before = [], list(range(len(seqs)))
         for j in range(1, max(num_drafts)):
-            going = [i for i, n in enumerate(num_drafts) if n > j]
-            rows = [self.row([drafts[i][-1]], seqs[i].num_tokens - 1 + j, seqs[i], sample=True) for i in going]
-            for i, token in zip(going, self.runner.execute(rows)):
+            going = [i for i in before if num_drafts[i] > j]
+            sample_of = {i: n for n, i in enumerate(before)}       # each sequence's sample in the step before
+            rows = [self.row(drafts[i][:1], seqs[i].num_tokens - 1 + j, seqs[i], sample=True,
+                             prev_token_index=-1 if j == 1 else sample_of[i]) for i in going]
+            launched.append((going, self.runner.launch(rows)))
+            before = going
+        for going, handle in launched:
+            tokens, _ = handle.result()
+            for i, token in zip(going, tokens):
                 drafts[i].append(token)
         for seq, n in zip(seqs, num_drafts):
             seq.num_draft_computed = seq.num_tokens - 1 + n     # its last token and its first n - 1 drafts
@@ -94,9 +104,10 @@ class DraftModel:
                 first[i] = token
 
     @staticmethod
-    def row(token_ids: list[int], start: int, seq: Sequence, sample: bool) -> BatchRow:
+    def row(token_ids: list[int], start: int, seq: Sequence, sample: bool, prev_token_index: int = -1) -> BatchRow:
+        """(With prev_token_index, token_ids' one token stands in for the sample the device fills in.)"""
         return BatchRow(token_ids, start, seq.block_table, sample, GREEDY if sample else None,
-                        block_table_array=seq.block_table_array)
+                        block_table_array=seq.block_table_array, prev_token_index=prev_token_index)
 
     def shutdown(self) -> None:
         self.runner.shutdown()
