@@ -109,15 +109,28 @@ class EngineJudge:
         return torch.tensor([ids], device=self.device)
 
     @torch.inference_mode()
-    def worst_margin(self, outputs: list[list[int]], reference: str | None = None) -> float:
-        """The largest fp32 gap between a chosen token's logit and the argmax's, given its prefix."""
+    def margins(self, outputs: list[list[int]], reference: str | None = None) -> torch.Tensor:
+        """Each chosen token's fp32 gap below the argmax's logit, given its prefix: every token of every output."""
         model = self.references[reference or next(iter(self.references))]
-        worst = 0.0
+        gaps = []
         for p, gen in zip(self.prompts, outputs):
             logits = model(self.tensor(p + gen[:-1])).logits[0, len(p) - 1:].float()
             chosen = logits.gather(-1, torch.tensor(gen, device=self.device)[:, None]).squeeze(-1)
-            worst = max(worst, (logits.max(-1).values - chosen).max().item())
-        return worst
+            gaps.append(logits.max(-1).values - chosen)
+        return torch.cat(gaps)
+
+    def worst_margin(self, outputs: list[list[int]], reference: str | None = None) -> float:
+        """The largest fp32 gap between a chosen token's logit and the argmax's, given its prefix."""
+        return self.margins(outputs, reference).max().item()
+
+    @staticmethod
+    def margin_spread(gaps: torch.Tensor) -> dict:
+        """Reported beside the worst gap, which one near tie sets where a model's outputs are
+        discontinuous in its inputs (quantized activations; a router's near ties): the mean, the
+        90th percentile and the share of tokens that were not fp32's argmax, which a fault that
+        moves every token moves too."""
+        return dict(mean_margin=round(gaps.mean().item(), 4), p90_margin=round(gaps.quantile(0.9).item(), 4),
+                    not_fp32_argmax=round((gaps > 0).float().mean().item(), 4), tokens=gaps.numel())
 
     def rel_err(self, logits: list[torch.Tensor], reference: str | None = None) -> float:
         """The worst relative error of the prompts' last-token logits against the reference's."""
@@ -168,13 +181,15 @@ class EngineJudge:
         control = self.generate(control_model)
         with torch.inference_mode():
             control_err = self.rel_err([control_model(self.tensor(p)).logits[0, -1].float() for p in self.prompts])
-        control_margin = self.worst_margin(control)
-        self.results["control"] = dict(logits_rel_err=control_err, worst_margin=control_margin)
+        gaps = self.margins(control)
+        control_margin = gaps.max().item()
+        self.results["control"] = dict(logits_rel_err=control_err, worst_margin=control_margin, **self.margin_spread(gaps))
         limit = max(margin, 1.5 * control_margin)
         for label, options in (("kernels", {}), ("pytorch", dict(kernels="none", enforce_eager=True))):
             tokens, logits, info = self.run(path, label, **options)
-            err, worst = self.rel_err(logits), self.worst_margin(tokens)
-            self.results[label] = dict(logits_rel_err=err, worst_margin=worst,
+            gaps = self.margins(tokens)
+            err, worst = self.rel_err(logits), gaps.max().item()
+            self.results[label] = dict(logits_rel_err=err, worst_margin=worst, **self.margin_spread(gaps),
                                        equal_to_control=sum(t == c for t, c in zip(tokens, control)), **info)
             if err > 1.5 * control_err:
                 self.failures.append(f"{label}: logits rel err {err:.4g} > 1.5 x control {control_err:.4g}")
@@ -192,8 +207,9 @@ class EngineJudge:
         tokens = {}
         for label, options in runs.items():
             tokens[label], _, info = self.run(path, "graphs " + label, **options)
-            margin = self.worst_margin(tokens[label])
-            self.results[label] = dict(worst_margin=margin, agreeing_prefix_with_graphs=[
+            gaps = self.margins(tokens[label])
+            margin = gaps.max().item()
+            self.results[label] = dict(worst_margin=margin, **self.margin_spread(gaps), agreeing_prefix_with_graphs=[
                 common_prefix(a, b) for a, b in zip(tokens[label], tokens["graphs"])], **info)
             self.check_margin(label, margin, limit_margin)
         if tokens["graphs again"] != tokens["graphs"]:
