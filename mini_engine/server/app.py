@@ -60,6 +60,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "min_p")
 
+# vLLM's --response-role default, the role of a chat answer that opens a new turn (the flag is not offered here).
+RESPONSE_ROLE = "assistant"
+
 
 @dataclasses.dataclass
 class Echo:
@@ -77,12 +80,13 @@ class Prompts:
     """A request's prompts (a completion request may send several) and their choices: choice k is
     completion k % n of prompt k // n, as vLLM numbers them; echoes: each prompt's, with echo=true;
     chat_echo: with a chat request's echo=true, the text that goes before each choice's content
-    (OpenAIServer.chat_echo's); logprobs_json: how its logprobs name tokens
-    (OpenAIServer.request_logprobs_json's)."""
+    (OpenAIServer.chat_echo's); role: a chat answer's (OpenAIServer.chat_request_role's);
+    logprobs_json: how its logprobs name tokens (OpenAIServer.request_logprobs_json's)."""
     token_ids: list[list[int]]
     n: int
     echoes: list[Echo] | None = None
     chat_echo: str = ""
+    role: str = RESPONSE_ROLE
     logprobs_json: LogprobsJSON = dataclasses.field(kw_only=True)
 
 
@@ -395,12 +399,20 @@ class OpenAIServer:
         return text, self.tokenize(text)
 
     @staticmethod
-    def chat_echo(req: ChatCompletionRequest) -> str:
+    def chat_request_role(req: ChatCompletionRequest) -> str:
+        """The role of a chat response's messages, as vLLM's get_chat_request_role: a generation
+        prompt opens the assistant's turn; without one the choices continue the final message, in
+        its role."""
+        if req.add_generation_prompt or not req.messages:
+            return RESPONSE_ROLE
+        return req.messages[-1].role
+
+    @staticmethod
+    def chat_echo(req: ChatCompletionRequest, role: str) -> str:
         """A chat request's echo=true, as vLLM's: the final message's content goes before each
-        choice's where that message has the response's role, the assistant's (with
-        add_generation_prompt false, the final message's own, which the choices continue)."""
+        choice's where that message has the response's role (chat_request_role's)."""
         final = req.messages[-1] if req.messages else None
-        if not req.echo or final is None or (req.add_generation_prompt and final.role != "assistant"):
+        if not req.echo or final is None or final.role != role:
             return ""
         return template_message(final.model_dump(exclude_none=True)).get("content") or ""
 
@@ -431,15 +443,15 @@ class OpenAIServer:
     # ---- from the engine's deltas to OpenAI's responses ----
 
     def choice(self, index: int, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None,
-               chunk: bool = False) -> dict:
+               chunk: bool = False, role: str = RESPONSE_ROLE) -> dict:
         if not chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        key, message = ("delta", {"content": text}) if chunk else ("message", {"role": "assistant", "content": text})
+        key, message = ("delta", {"content": text}) if chunk else ("message", {"role": role, "content": text})
         return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
     def parsed_choice(index: int, parsed: ParsedText, parser: ChatOutputParser, finish_reason: str | None,
-                      logprobs: dict | None, chunk: bool = False) -> dict:
+                      logprobs: dict | None, chunk: bool = False, role: str = RESPONSE_ROLE) -> dict:
         """A chat choice whose text went through the output parsers: as vLLM's, the reasoning in
         `reasoning`, the calls in `tool_calls` and finish_reason "tool_calls" once a call was made;
         a streamed delta holds only what it adds."""
@@ -450,7 +462,7 @@ class OpenAIServer:
             if parsed.tool_calls:
                 message["tool_calls"] = [call.to_json(streamed=True) for call in parsed.tool_calls]
             return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        message = {"role": "assistant", "content": parsed.content or None}
+        message = {"role": role, "content": parsed.content or None}
         if parser.reasoning is not None:
             message["reasoning"] = parsed.reasoning or None
         if parser.tool_calls is not None:
@@ -470,7 +482,7 @@ class OpenAIServer:
                             model: str | None = None) -> AsyncIterator[str]:
         model = model or self.model_name
         if chat:
-            first = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first = [{"index": k, "delta": {"role": prompts.role, "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(streams))]
             yield sse(completion_body(request_id, created, model, first, None, chunk=True, chat=True))
             if prompts.chat_echo:       # as vLLM's, a chunk of its own before the choices' tokens
@@ -536,11 +548,12 @@ class OpenAIServer:
                 texts[k], logprobs[k], last[k] = self.echoed(echoes[k // n], texts[k], logprobs[k], last[k],
                                                              prompt_logprobs[k // n], prompts.logprobs_json)
         if parsers is None:
-            choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k])
+            choices = [self.choice(k, "".join(texts[k]), last[k].finish_reason, chat, logprobs[k], role=prompts.role)
                        for k in range(len(streams))]
         else:
             choices = [self.parsed_choice(k, parsers[k].feed("".join(texts[k]), final=True), parsers[k],
-                                          last[k].finish_reason, logprobs[k]) for k in range(len(streams))]
+                                          last[k].finish_reason, logprobs[k], role=prompts.role)
+                       for k in range(len(streams))]
         if chat and prompts.chat_echo:
             for choice in choices:
                 choice["message"]["content"] = prompts.chat_echo + (choice["message"]["content"] or "")
@@ -619,7 +632,7 @@ class OpenAIServer:
             raise ProtocolError("this checkpoint has no tokenizer.json")
         text = req.prompt
         if req.messages is not None:
-            chat = ChatCompletionRequest(model=self.model_name, messages=req.messages, tools=req.tools,
+            chat = ChatCompletionRequest(messages=req.messages, tools=req.tools,
                                          add_generation_prompt=req.add_generation_prompt,
                                          continue_final_message=req.continue_final_message,
                                          chat_template=req.chat_template,
@@ -738,17 +751,18 @@ class OpenAIServer:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                                 param="top_logprobs")
-        echo = self.chat_echo(req)
+        role = self.chat_request_role(req)
+        echo = self.chat_echo(req, role)
         if req.use_beam_search:         # n is the beam width, its n best beams the choices
             param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-            prompts = Prompts([prompt_token_ids], 1 if req.n is None else req.n, chat_echo=echo,
+            prompts = Prompts([prompt_token_ids], 1 if req.n is None else req.n, chat_echo=echo, role=role,
                               logprobs_json=self.request_logprobs_json(req))
             return await self.beam_search.respond(raw, req, prompts, max_tokens, param, lora_request, prompt)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, [prompt_token_ids], params, req.priority, lora_request, req.cache_salt)
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
-                                  Prompts([prompt_token_ids], params.n, chat_echo=echo,
+                                  Prompts([prompt_token_ids], params.n, chat_echo=echo, role=role,
                                           logprobs_json=self.request_logprobs_json(req)),
                                   self.output_parsers(req, prompt, params), self.response_model_name(lora_request))
 

@@ -89,10 +89,9 @@ class PoolingEndpoints:
             texts = self.server.prompt_list(req.input)
             names = [f"input {i}" if len(texts) > 1 else "input" for i in range(len(texts))]
             return self.prompts(list(zip(names, texts)), req.add_special_tokens is not False)
-        chat = ChatCompletionRequest(model=self.server.model_name, messages=req.messages,
-                                     add_generation_prompt=req.add_generation_prompt,
+        chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
-                                     chat_template_kwargs=req.chat_template_kwargs)
+                                     chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
         text, _ = self.server.render_chat(chat)
         return self.prompts([("messages", text)], req.add_special_tokens is True)
 

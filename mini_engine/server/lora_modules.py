@@ -84,9 +84,9 @@ class LoRAModules:
         del self.requests[name], self.parents[name]
 
     def resolve(self, model: str | None) -> LoRARequest | None:
-        """A request's `model`: the served model (or none given: as vLLM, the served one) runs
+        """A request's `model`: the served model (or none given, or "": as vLLM, the served one) runs
         without an adapter, an adapter's name with it; any other name is a 404, in vLLM's words."""
-        if model is None or model == self.base_model_name:
+        if not model or model == self.base_model_name:
             return None
         if model in self.requests:
             return self.requests[model]

@@ -72,7 +72,7 @@ class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None            # as vLLM's: none (or "") is the served model
     max_tokens: int | None = None
     # Absent or null (OpenAI allows both): the checkpoint's generation_config.json default, else
     # SamplingParams' (EngineConfig.default_sampling_params), which the server leaves to them.
@@ -255,6 +255,7 @@ class PoolingInputRequest(BaseModel):
     # vLLM's defaults for a pooling chat: the conversation as it is, no assistant turn opened after it
     add_generation_prompt: bool = False
     continue_final_message: bool = False        # the last message left open, no end of turn after it
+    chat_template: str | None = None            # as the chat endpoint's (--trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
     # The tokenizer's own special tokens, as Qwen3-Embedding's appends the <|endoftext|> it pools. None:
     # vLLM's defaults, with them for input, without for messages (the chat template writes its own)

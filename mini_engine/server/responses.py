@@ -108,7 +108,7 @@ class ResponsesEndpoint:
         messages = chat_messages(req, history)
         response_id = item_id("resp")
         try:
-            chat = req.chat_request(messages, req.model or server.model_name)
+            chat = req.chat_request(messages)
             lora_request = server.check(chat)
             server.check_tools(chat)
             prompt, prompt_token_ids = server.render_chat(chat)

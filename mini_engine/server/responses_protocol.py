@@ -96,13 +96,13 @@ class ResponsesRequest(BaseModel):
             return "service_tier"
         return None
 
-    def chat_request(self, messages: list[dict], model: str) -> ChatCompletionRequest:
+    def chat_request(self, messages: list[dict]) -> ChatCompletionRequest:
         """The chat request this one is, for the messages that its input (after any earlier
         response's) makes."""
         effort = self.reasoning.effort if self.reasoning is not None else None
         try:
             return ChatCompletionRequest(
-                model=model, messages=messages, max_tokens=self.max_output_tokens, temperature=self.temperature,
+                model=self.model, messages=messages, max_tokens=self.max_output_tokens, temperature=self.temperature,
                 top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty, seed=self.seed,
                 stop=self.stop, ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self.logit_bias, structured_outputs=self.structured_outputs, priority=self.priority,

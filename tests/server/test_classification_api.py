@@ -16,7 +16,7 @@ def classifier_server(tiny_model, tmp_path_factory):
     path = write_classifier(tiny_model, str(tmp_path_factory.mktemp("classifier-model")), 3,
                             id2label=dict(enumerate(LABELS)))
     with launched_server(path, tmp_path_factory.mktemp("classifier-server-log"),
-                         options=("--max-model-len", "48")) as handle:
+                         options=("--max-model-len", "48", "--trust-request-chat-template")) as handle:
         handle.model_path = path
         yield handle
         handle.check_idle_and_alive()
@@ -70,6 +70,26 @@ def test_pooling_and_chat_messages_classify(classifier_server):
         got = post(classifier_server, path, {"messages": messages}).json()["data"][0]
         assert got[key] == pytest.approx(expected["probs"], abs=1e-5)
     assert expected["probs"] != post(classifier_server, "/classify", {"input": tokens[:-1]}).json()["data"][0]["probs"]
+    classifier_server.wait_idle()
+
+
+def test_a_trusted_requests_chat_template_renders_its_messages(classifier_server):
+    """As vLLM's pooling chat requests (ChatRequestMixin's chat_template and chat_template_kwargs):
+    with --trust-request-chat-template, /classify's and /pooling's messages render by the request's
+    own template, as /tokenize renders them by it."""
+    messages = [{"role": "system", "content": "rate it"}, {"role": "user", "content": "the cat sat"}]
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokens = post(classifier_server, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                                   "chat_template": template}).json()["tokens"]
+    expected = post(classifier_server, "/classify", {"input": tokens}).json()["data"][0]["probs"]
+    assert expected != post(classifier_server, "/classify", {"messages": messages}).json()["data"][0]["probs"]
+    for path, key in (("/classify", "probs"), ("/pooling", "data")):
+        for fields in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+            response = post(classifier_server, path, {"messages": messages} | fields)
+            assert response.status_code == 200, response.text
+            assert response.json()["data"][0][key] == pytest.approx(expected, abs=1e-5), (path, fields)
+    response = post(classifier_server, "/classify", {"messages": messages, "chat_template": "{% if %}"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template", response.text
     classifier_server.wait_idle()
 
 

@@ -136,6 +136,11 @@ def test_chat_messages_are_the_rendered_prompt(embedding_server):
     ("/v1/embeddings", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content parts"),
     ("/pooling", {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": []}},
      "may not set"),
+    # As vLLM's pooling chat requests: a request's own template needs --trust-request-chat-template.
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"},
+     "--trust-request-chat-template is not set"),
+    ("/pooling", {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "--trust-request-chat-template is not set"),
     ("/pooling", {"input": "a", "task": "classify"}, "not one this model does: it is an embedding model"),
     ("/pooling", {"input": "a", "task": "token_embed"}, "every token's output"),
     ("/pooling", {"input": "a", "use_activation": False}, "use_activation does not apply to embed"),

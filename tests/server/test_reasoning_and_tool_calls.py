@@ -130,6 +130,16 @@ def test_reasoning_apart_from_content(client, token_id, stream):
     assert message == {"reasoning": None, "content": THOUGHT, "tool_calls": []}
 
 
+def test_a_parsed_answer_has_the_role_it_continues(client, token_id):
+    """vLLM's get_chat_request_role holds for an answer the output parsers read too: without a
+    generation prompt the choice continues the final message, in its role."""
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=1,
+                                           extra_body={"allowed_token_ids": [token_id[THOUGHT]],
+                                                       "add_generation_prompt": False})
+    message = whole.choices[0].message
+    assert (message.role, message.reasoning, message.content) == ("user", "\nIt is June.\n", "\n\nSunny.")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_thought_the_prompt_opened_is_reasoning(client, model, stream):
     """The model's own greedy text, with no tags: all of it reasoning, as LLM.generate writes it."""

@@ -75,3 +75,44 @@ def test_server_fills_only_what_the_request_leaves_unset(tiny_checkpoint, tmp_pa
     assert (params(temperature=None, top_k=None).temperature, params(top_k=None).top_k) == (0.6, 20)
     p = params(temperature=0.0, top_k=-1, top_p=1.0)
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.0, -1, 1.0, 7)
+
+
+def test_model_left_out_or_empty_is_the_served_model(served):
+    """vllm/entrypoints/openai/protocol.py: `model: Optional[str] = None` on every request, and
+    serving_engine.py's _check_model (_is_model_supported: `if not model_name: return True`) serves
+    a request without one, or with "", by the served model; any other name it does not serve is a
+    404. So SageMaker's /invocations bodies need no model either."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    completion = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for path, body in [("/v1/chat/completions", chat), ("/v1/completions", completion), ("/invocations", chat),
+                       ("/invocations", completion)]:
+        named = post(served, path, body)
+        for unnamed in (body, body | {"model": ""}):
+            r = httpx.post(served.base_url + path, json=unnamed, timeout=60)
+            assert r.status_code == 200, (path, unnamed, r.text)
+            assert (r.json()["model"], r.json()["choices"]) == (MODEL_NAME, named["choices"])
+    r = httpx.post(served.base_url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == MODEL_NAME, r.text
+    r = httpx.post(served.base_url + "/v1/chat/completions", json=chat | {"model": "gpt-4"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "The model `gpt-4` does not exist."
+
+
+def test_chat_answers_in_the_role_it_continues(served, client):
+    """vllm/entrypoints/openai/serving_chat.py get_chat_request_role: with add_generation_prompt the
+    answer's role is the response role ("assistant"); without one it is the final message's, which
+    the choices continue; the same in a stream's first chunk as in the whole answer."""
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to"}]
+    prefilled = conversation + [{"role": "assistant", "content": "One,"}]
+    for messages, fields, role in [(conversation, {}, "assistant"),
+                                   (conversation, {"add_generation_prompt": False}, "user"),
+                                   (conversation, {"add_generation_prompt": False, "continue_final_message": True},
+                                    "user"),
+                                   (prefilled, {"add_generation_prompt": False}, "assistant")]:
+        body = {"messages": messages, "max_tokens": 3, "temperature": 1.0, "seed": 3, "n": 2, "ignore_eos": True}
+        whole = post(served, "/v1/chat/completions", body | fields)
+        assert [c["message"]["role"] for c in whole["choices"]] == [role, role], fields
+        chunks = list(client.chat.completions.create(model=MODEL_NAME, stream=True, messages=messages, max_tokens=3,
+                                                     temperature=1.0, seed=3, n=2,
+                                                     extra_body={"ignore_eos": True} | fields))
+        assert [c.delta.role for c in chunks[0].choices] == [role, role], fields
+        assert all(c.delta.role is None for chunk in chunks[1:] for c in chunk.choices)
