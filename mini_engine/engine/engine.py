@@ -85,7 +85,8 @@ class LLMEngine:
         # device and each slot's draft K and V counted (runner/draft_model.py).
         spec = config.speculative_config
         self.draft = DraftModel(config) if runner is None and spec is not None and spec.method == "draft_model" else None
-        self.runner = runner or ModelRunner(config, kv_bytes_beside=self.draft.kv_bytes_per_token if self.draft else 0)
+        self.runner = runner or ModelRunner(config, kv_bytes_beside=self.draft.kv_bytes_per_token if self.draft else 0,
+                                            bytes_beside=self.draft.reserved_bytes if self.draft else 0)
         if self.draft is not None:
             self.draft.share_pool(self.runner.num_kv_blocks)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -288,6 +289,8 @@ class LLMEngine:
                 outputs += self.resolve(launched)
         except BaseException:
             self.block_manager.reset_prefix_cache()     # what the failed step hashed may hold no KV
+            for seq in self.scheduler.running:          # drafts (or a draft model's places) never verified
+                seq.spec_token_ids.clear()
             raise
         return outputs
 
@@ -297,7 +300,7 @@ class LLMEngine:
         without drafts, and its steps keep async scheduling. Nor while the proposer backs off, after
         finding none (MAX_DRAFT_BACKOFF_STEPS)."""
         spec = self.config.speculative_config
-        if spec is None:
+        if spec is None or (spec.method == "draft_model" and self.draft is None):    # (a test's stand-in runner)
             return False
         limit = spec.disable_by_batch_size
         if limit is not None and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
@@ -500,6 +503,9 @@ class LLMEngine:
                 break
         seq.token_ids[position:] = new_tokens
         seq.num_computed_tokens += accepted
+        # A draft model's K and V past the accepted drafts are the rejected ones': not the
+        # sequence's, even once later steps without drafts compute past them (runner/draft_model.py).
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
         kept = logprobs[:len(new_tokens)]
         if kept[0] is not None:
             seq.logprobs += kept

@@ -14,8 +14,10 @@ which, the token the target is about to compute, gives the first draft. Then eac
 is one decode step of the draft over the one before, so that the draft writes the K and V of the
 sequence's last token and of its first k - 1 drafts; those steps follow one another on the device
 without the host in between. After the target's step, the drafts it
-rejected are no longer the sequence's: the draft's positions that stay valid are those below both
-num_draft_computed and the target's num_computed_tokens (propose takes the smaller). A sequence
+rejected are no longer the sequence's: the engine's resolve_drafts cuts num_draft_computed to the
+target's num_computed_tokens there and then, since later steps without drafts (disable_by_batch_size,
+no rows to spare) move num_computed_tokens past the rejected drafts' positions; and a proposal
+takes the smaller of the two, for a step that never verified its drafts. A sequence
 that is preempted starts again from nothing (Scheduler.preempt), since the blocks it takes back
 may be another sequence's cached prefix, whose draft K and V the draft may never have written.
 
@@ -27,6 +29,7 @@ import dataclasses
 from mini_engine.config import EngineConfig
 from mini_engine.engine.sequence import Sequence
 from mini_engine.runner.batch import BatchRow
+from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
 
@@ -48,11 +51,16 @@ class DraftModel:
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.use_cuda_graphs = (self.runner.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.runner.kernels)
+        # Set aside when the target's pool is sized: the draft's graphs' static logits buffer (74 MiB
+        # at 256 rows of Qwen3's vocabulary in bf16). Their private pool of activations is not
+        # measured (the draft's steps never run before the target's pool is sized): a decode step's,
+        # tens of MiB for a 0.6B draft, comes out of what gpu_memory_utilization leaves.
+        self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.max_num_seqs, self.runner.model_config.vocab_size,
+                                                            self.runner.dtype) if self.use_cuda_graphs else 0)
 
     def share_pool(self, num_blocks: int) -> None:
         """A KV pool of the target's num_blocks, and the draft's CUDA graphs over it (unless the
-        target runs eager). Its graphs' memory was not set aside when the target's pool was sized:
-        it comes out of what gpu_memory_utilization leaves (for a 0.6B draft, tens of MiB)."""
+        target runs eager)."""
         self.runner.use_cuda_graphs = self.use_cuda_graphs
         self.runner.reallocate_kv_cache(num_blocks)
 

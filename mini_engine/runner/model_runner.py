@@ -121,12 +121,13 @@ def check_fp8_kernels(config: EngineConfig, device: torch.device, kernels: froze
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, port: int | None = None,
-                 kv_bytes_beside: int = 0):
+                 kv_bytes_beside: int = 0, bytes_beside: int = 0):
         """tp and port: a tensor-parallel worker's rank, and where rank 0 gathers the ranks. Rank 0
         (tp None) starts the other ranks itself when config.tensor_parallel_size > 1.
-        kv_bytes_beside: what each of this pool's slots also costs elsewhere (a draft model's own
-        K and V, runner/draft_model.py), counted when the pool is sized from GPU memory."""
-        self.kv_bytes_beside = kv_bytes_beside
+        kv_bytes_beside and bytes_beside: what each of this pool's slots also costs elsewhere, and
+        what is set aside besides (a draft model's own K and V, and its CUDA graphs' buffers:
+        runner/draft_model.py), counted when the pool is sized from GPU memory."""
+        self.kv_bytes_beside, self.bytes_beside = kv_bytes_beside, bytes_beside
         # Set once started: every rank runs start-up's steps (the pool's sizing) by itself, and
         # rank 0 sends the others only the engine's.
         self.workers: TensorParallelWorkers | None = None
@@ -511,7 +512,7 @@ class ModelRunner:
             self.graph_reserve_bytes = peaks[1] + CUDAGraphRunner.buffer_bytes(
                 self.config.max_num_seqs, self.model_config.vocab_size, self.dtype)
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
-                  - self.graph_reserve_bytes)
+                  - self.graph_reserve_bytes - self.bytes_beside)
         num_blocks = int(budget // ((self.kv_bytes_per_token + self.kv_bytes_beside) * self.block_size))
         if num_blocks < 1:
             raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "

@@ -12,7 +12,9 @@ import torch
 
 from mini_engine import LLM, SamplingParams
 from mini_engine.config import EngineConfig
+from mini_engine.engine.engine import LLMEngine
 from mini_engine.model.random_checkpoint import write_random_checkpoint
+from mini_engine.runner.draft_model import DraftModel
 from mini_engine.speculative import SpecDecodeStats, SpeculativeConfig
 from tests.conftest import tiny_config
 
@@ -142,3 +144,67 @@ def test_drafts_that_cannot_run_are_refused(tiny_checkpoint, tmp_path):
     for spec, options, message in cases:
         with pytest.raises(ValueError, match=message):
             EngineConfig(tiny_checkpoint, device="cpu", speculative_config=spec, **options)
+
+
+def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_checkpoint, other_draft, monkeypatch):
+    """A draft of another model is mostly rejected; then a second request makes the batch larger
+    than disable_by_batch_size, and the first runs steps without drafts past the positions where
+    the draft wrote its rejected tokens' K and V. Once it drafts again, each proposal's first draft
+    must still be the draft model's own greedy token after the sequence's tokens (those stale K and
+    V, counted as the sequence's, made about a third of them other tokens)."""
+    proposals = []
+    propose = DraftModel.propose
+
+    def recorded(self, seqs, num_drafts):
+        drafts = propose(self, seqs, num_drafts)
+        proposals.extend((list(seq.token_ids), d[0]) for seq, d in zip(seqs, drafts))
+        return drafts
+
+    monkeypatch.setattr(DraftModel, "propose", recorded)
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256,
+              speculative_config=draft_config(other_draft, disable_by_batch_size=1))
+    engine = llm.engine
+    engine.add_request(list(range(20, 40)), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "long")
+    for _ in range(4):
+        engine.step()
+    engine.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), "short")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(proposals) > 20 and engine.spec_decode_stats.acceptance_rate < 0.5
+    draft_alone = LLM(other_draft, device="cpu", num_kv_blocks=256)
+    one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    own = [o.outputs[0].token_ids[0]
+           for o in draft_alone.generate([tokens for tokens, _ in proposals], one_token, use_tqdm=False)]
+    assert [first for _, first in proposals] == own
+    assert_all_blocks_free(llm)
+
+
+def test_a_failed_proposal_leaves_no_places_to_verify(tiny_checkpoint, plain, monkeypatch):
+    """A draft step that fails fails the engine's step; the places the proposer had set are then
+    cleared, so a later step (one without drafts, here) never verifies them as tokens."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint))
+    engine = llm.engine
+    seq = engine.add_request(PROMPTS[2], GREEDY, "r")
+    engine.step()                                       # the prompt: no drafts yet
+    monkeypatch.setattr(DraftModel, "propose", lambda *_: (_ for _ in ()).throw(RuntimeError("draft failed")))
+    with pytest.raises(RuntimeError, match="draft failed"):
+        engine.step()
+    assert all(not seq.spec_token_ids for seq in engine.scheduler.running)
+    monkeypatch.undo()
+    engine.config.speculative_config = None             # steps without drafts from here on
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seq.output_token_ids == generate(plain, GREEDY, [PROMPTS[2]])[0][0]
+
+
+def test_a_stand_in_runner_runs_without_drafts(tiny_checkpoint):
+    """LLMEngine(config, runner=...) (the scheduling tests' stand-ins) starts no draft model, and
+    so proposes nothing, rather than places no draft model fills."""
+    from tests.engine.test_speculative import CacheReadingRunner
+    config = EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+                          speculative_config=draft_config(tiny_checkpoint))
+    engine = LLMEngine(config, runner=CacheReadingRunner(64, config.block_size, 64, 4))
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.draft is None and engine.spec_decode_stats.num_draft_tokens == 0
