@@ -69,16 +69,16 @@ class Linear(nn.Linear):
             a, b = (a, half) if self.tp_dim == 0 else (half, b)
         return a, b
 
-    def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
+    def hold_fp8_weight(self, use_triton: bool, device: torch.device, weight: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None) -> None:
-        """Hold the weight as fp8 blocks: the given ones (quantization="fp8"), or empty ones that
-        the loader fills from an FP8 checkpoint. A block must not straddle two projections of a
-        packed layer, nor two ranks' shares."""
+        """Hold the weight as fp8 blocks: the given ones (quantization="fp8"), or empty ones on
+        `device` that the loader fills from an FP8 checkpoint (the bf16 weight may be a meta
+        tensor: ModelRunner.start). A block must not straddle two projections of a packed layer,
+        nor two ranks' shares."""
         n, k = self.weight.shape
         if self.tp.size > 1 and (n if self.tp_dim == 0 else k) % BLOCK:
             raise ValueError(f"fp8 weights under tensor parallelism: a rank's share of a projection "
                              f"({n} x {k}) must be whole {BLOCK}-wide blocks")
-        device = self.weight.device
         if weight is None:
             weight = torch.empty(n, k, dtype=FP8, device=device)
             scale = torch.empty(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32, device=device)
@@ -88,10 +88,10 @@ class Linear(nn.Linear):
             from mini_engine.kernels.fp8_linear import fp8_linear
             self.fp8_product = fp8_linear
 
-    def hold_awq_weight(self, group_size: int, use_triton: bool) -> None:
-        """Hold the weight as an AWQ checkpoint stores it, empty, for the loader to fill: qweight
-        [in, out / 8] int32, qzeros [in / group, out / 8] int32, scales [in / group, out] fp16 (this
-        rank's share of each). group_size 0: one group of the whole input. A group must not
+    def hold_awq_weight(self, group_size: int, use_triton: bool, device: torch.device) -> None:
+        """Hold the weight as an AWQ checkpoint stores it, empty on `device`, for the loader to fill:
+        qweight [in, out / 8] int32, qzeros [in / group, out / 8] int32, scales [in / group, out] fp16
+        (this rank's share of each). group_size 0: one group of the whole input. A group must not
         straddle two ranks' shares, nor a packed word two projections' or ranks' columns."""
         n, k = self.weight.shape
         if group_size == 0:
@@ -102,7 +102,6 @@ class Linear(nn.Linear):
         if k % group_size or n % PACK:
             raise ValueError(f"AWQ weights: a projection of {n} x {k} (this rank's share) must be whole groups "
                              f"of {group_size} input rows and whole words of {PACK} output columns")
-        device = self.weight.device
         self.weight = None
         self.qweight = nn.Parameter(torch.empty(k, n // PACK, dtype=torch.int32, device=device), requires_grad=False)
         self.qzeros = nn.Parameter(torch.empty(k // group_size, n // PACK, dtype=torch.int32, device=device),
@@ -116,7 +115,7 @@ class Linear(nn.Linear):
     @torch.no_grad()
     def quantize_weight_fp8(self, use_triton: bool) -> None:
         """quantization="fp8": the loaded weight, in fp8 blocks from now on."""
-        self.hold_fp8_weight(use_triton, *quantize_fp8_weight_ref(self.weight))
+        self.hold_fp8_weight(use_triton, self.weight.device, *quantize_fp8_weight_ref(self.weight))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.lora is None:
@@ -190,18 +189,18 @@ class PackedLinear(Linear):
 
     # ---- quantized weights: a block or packed word never straddles two projections ----
 
-    def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
+    def hold_fp8_weight(self, use_triton: bool, device: torch.device, weight: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None) -> None:
         if any(size % BLOCK for size in self.output_sizes):
             raise ValueError(f"fp8 weights: the projections packed here ({self.output_sizes} rows) must be "
                              f"whole {BLOCK}-row blocks, so that each block's scale is one projection's")
-        super().hold_fp8_weight(use_triton, weight, scale)
+        super().hold_fp8_weight(use_triton, device, weight, scale)
 
-    def hold_awq_weight(self, group_size: int, use_triton: bool) -> None:
+    def hold_awq_weight(self, group_size: int, use_triton: bool, device: torch.device) -> None:
         if any(size % PACK for size in self.output_sizes):
             raise ValueError(f"AWQ weights: the projections packed here ({self.output_sizes} columns) must be "
                              f"whole words of {PACK} columns, so that each word is one projection's")
-        super().hold_awq_weight(group_size, use_triton)
+        super().hold_awq_weight(group_size, use_triton, device)
 
     # ---- what the loader asks (model/loader.py), as of layers.moe.FusedExperts ----
 
@@ -264,16 +263,16 @@ class NormedPackedLinear(PackedLinear):
         self.folded_norm_weight: torch.Tensor | None = None     # g, once folded (LoRA's A takes it too)
         self.norm = rms_norm_ref                # where g is not folded: the norm ahead of the product
 
-    def hold_fp8_weight(self, use_triton: bool, weight: torch.Tensor | None = None,
+    def hold_fp8_weight(self, use_triton: bool, device: torch.device, weight: torch.Tensor | None = None,
                         scale: torch.Tensor | None = None) -> None:
-        super().hold_fp8_weight(use_triton, weight, scale)
+        super().hold_fp8_weight(use_triton, device, weight, scale)
         if weight is None:                   # an FP8 checkpoint's: never folded
             self.norm_in_weight = False
 
-    def hold_awq_weight(self, group_size: int, use_triton: bool) -> None:
+    def hold_awq_weight(self, group_size: int, use_triton: bool, device: torch.device) -> None:
         """AWQ weights are never folded: g varies within a group of input rows, which shares one
         scale. The norm runs ahead of the product, on Triton where the product does."""
-        super().hold_awq_weight(group_size, use_triton)
+        super().hold_awq_weight(group_size, use_triton, device)
         self.norm_in_weight = False
         if use_triton:
             from mini_engine.kernels.rms_norm import rms_norm

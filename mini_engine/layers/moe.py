@@ -56,10 +56,12 @@ class FusedExperts(nn.Module):
 
     # ---- fp8 weights ----
 
-    def hold_fp8_weight(self, w13: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-                        w2: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> None:
-        """Hold the weights as fp8 blocks: the given ones (quantization="fp8"), or empty ones that the
-        loader fills from an FP8 checkpoint. A block must not straddle an expert's gate and up rows,
+    def hold_fp8_weight(self, device: torch.device, w13: torch.Tensor | None = None,
+                        w13_scale: torch.Tensor | None = None, w2: torch.Tensor | None = None,
+                        w2_scale: torch.Tensor | None = None) -> None:
+        """Hold the weights as fp8 blocks: the given ones (quantization="fp8"), or empty ones on
+        `device` that the loader fills from an FP8 checkpoint (the bf16 ones may be meta tensors:
+        ModelRunner.start). A block must not straddle an expert's gate and up rows,
         nor two ranks' shares of its columns: this rank's share of moe_intermediate_size is whole
         blocks (as vLLM's fp8 experts need: vllm-project/vllm#25292)."""
         i = self.intermediate_size
@@ -68,7 +70,6 @@ class FusedExperts(nn.Module):
             raise ValueError(f"fp8 experts: an expert's gate and up projections of {i} rows{share} must be whole "
                              f"{BLOCK}-row blocks, so that each block's scale is one projection's and one rank's")
         num_experts, hidden_size = self.num_experts, self.w13_weight.shape[2]
-        device = self.w13_weight.device
         if w13 is None:
             hidden_blocks = -(-hidden_size // BLOCK)
             w13 = torch.empty(num_experts, 2 * i, hidden_size, dtype=FP8, device=device)
@@ -87,7 +88,8 @@ class FusedExperts(nn.Module):
     def quantize_weight_fp8(self) -> None:
         """quantization="fp8": the loaded weights, in fp8 blocks from now on (each expert's gate and
         up apart, since I is whole blocks)."""
-        self.hold_fp8_weight(*quantize_fp8_weight_ref(self.w13_weight), *quantize_fp8_weight_ref(self.w2_weight))
+        self.hold_fp8_weight(self.w13_weight.device, *quantize_fp8_weight_ref(self.w13_weight),
+                             *quantize_fp8_weight_ref(self.w2_weight))
 
     # ---- what the loader asks (model/loader.py): for each weight, and for its fp8 scales alike ----
 

@@ -223,12 +223,15 @@ def module_of(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(param_name.rpartition(".")[0])
 
 
-def hold_quantized_weights(model: nn.Module, quantization: QuantizationConfig, use_triton: bool) -> None:
+def hold_quantized_weights(model: nn.Module, quantization: QuantizationConfig, use_triton: bool,
+                           device: torch.device) -> None:
     """Before a quantized checkpoint loads: each projection that it stores quantized holds its
     weight as the checkpoint does (layers.linear.Linear.hold_fp8_weight, hold_awq_weight; a
-    Qwen3-MoE layer's experts, layers.moe.FusedExperts.hold_fp8_weight), empty, to be filled with
-    the scales (and AWQ's zero points) beside it. use_triton: the fp8 or AWQ products' kernel (the
-    experts take the grouped GEMM's, where their bf16 products would)."""
+    Qwen3-MoE layer's experts, layers.moe.FusedExperts.hold_fp8_weight), empty on `device`, to be
+    filled with the scales (and AWQ's zero points) beside it. The model may still be on the meta
+    device (ModelRunner.start): then no full-precision copy of these weights is ever allocated.
+    use_triton: the fp8 or AWQ products' kernel (the experts take the grouped GEMM's, where their
+    bf16 products would)."""
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             weights = [f"{name}.weight"]
@@ -243,11 +246,11 @@ def hold_quantized_weights(model: nn.Module, quantization: QuantizationConfig, u
             if isinstance(module, FusedExperts):
                 if quantization.method != "fp8":        # EngineConfig refuses these first
                     raise ValueError(f"{quantization.method} Qwen3-MoE experts are not supported")
-                module.hold_fp8_weight()
+                module.hold_fp8_weight(device)
             elif isinstance(quantization, AwqConfig):       # a GPTQ checkpoint's too, repacked as it loads
-                module.hold_awq_weight(quantization.group_size, use_triton)
+                module.hold_awq_weight(quantization.group_size, use_triton, device)
             else:
-                module.hold_fp8_weight(use_triton)
+                module.hold_fp8_weight(use_triton, device)
         elif any(quantized):
             kept = [part for part, q in zip(stored, quantized) if not q]
             kept_by = "modules_to_not_convert" + (" or dynamic" if isinstance(quantization, GptqConfig) else "")

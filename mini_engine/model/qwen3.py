@@ -109,6 +109,31 @@ class Qwen3ForCausalLM(nn.Module):
         self.score = ClassificationHead(config.hidden_size, config.num_labels) if config.num_labels else None
         self.lora_step: LoRAStep | None = None             # with enable_lora (enable_lora())
 
+    def materialize(self, device: torch.device) -> None:
+        """Once built on the meta device (ModelRunner.start, so that weights held quantized never
+        take full-precision memory; hold_quantized_weights put those on `device` already): every
+        tensor still on meta becomes an empty one on `device`, for the loader to fill, and what the
+        constructor computed with values, rope's table, is computed again. Every parameter is then
+        loaded (load_model refuses a checkpoint that lacks one), the norms' weights too: nothing
+        else held a value from construction."""
+        cos_sin_cache = rope_cos_sin_cache(self.config.head_dim, self.config.max_positions, self.config.rope_theta,
+                                           device, yarn=self.config.rope_scaling)
+        for layer in self.layers:
+            layer.self_attn.qk_norm_rope.cos_sin_cache = cos_sin_cache       # one table for all layers
+            attn = layer.self_attn.attn
+            attn.k_cache = attn.v_cache = torch.empty_like(attn.k_cache, device=device)
+        # Keyed by the meta tensor, so that what modules share (a tied lm_head) stays shared, which
+        # nn.Module.to_empty would not keep.
+        made: dict[int, torch.Tensor] = {}
+        for module in self.modules():
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if tensor.is_meta:
+                    if id(tensor) not in made:
+                        empty = torch.empty_like(tensor, device=device)
+                        made[id(tensor)] = (nn.Parameter(empty, tensor.requires_grad)
+                                            if isinstance(tensor, nn.Parameter) else empty)
+                    setattr(module, name, made[id(tensor)])
+
     def renames(self, name: str) -> dict[str, str]:
         """The renamed_modules that apply to our tensor `name` (without "model."): a sparse layer's own."""
         layer = name.split(".")[1] if name.startswith("layers.") else None

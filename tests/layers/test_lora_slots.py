@@ -105,7 +105,7 @@ def test_fp8_checkpoint_projection_reads_the_normed_input():
     with torch.no_grad():
         layer.norm_weight.copy_(torch.rand(256) + 0.5)
     weight, scale = quantize_fp8_weight_ref(torch.randn(256, 256) * 0.05)
-    layer.hold_fp8_weight(False)
+    layer.hold_fp8_weight(False, "cpu")
     with torch.no_grad():
         layer.weight.copy_(weight)
         layer.weight_scale_inv.copy_(scale)

@@ -22,6 +22,7 @@ from mini_engine.runner.model_runner import ModelRunner
 from tests.conftest import TINY_BASE, tiny_config
 from tests.engine.test_greedy_vs_transformers import MAX_TOKENS, mixed_prompts
 from tests.hf_reference import transformers  # noqa: F401 (skips the file without transformers)
+from tests.model.test_qwen3_fp8 import assert_quantized_weights_never_in_full_precision
 from tests.model.test_qwen3_vs_transformers import flat_batch_logits
 
 # Groups of 32 input rows; q, k and v of 64, 32 and 32 columns, whole 8-column words, and two
@@ -87,6 +88,10 @@ def test_an_awq_checkpoint_is_read_as_awq(awq_checkpoint):
     assert layer.mlp.down_proj.qweight.shape == (128, 64 // 8)
     assert not qkv.norm_in_weight                     # g cannot be folded into a group's scale
     assert runner.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_awq_weights_are_never_allocated_in_full_precision(awq_checkpoint):
+    assert_quantized_weights_never_in_full_precision(awq_checkpoint)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -7,6 +7,7 @@ kernels need a GPU and the `kernels` package) and each fp8 projection's input qu
 engine quantizes it, by row groups of 128 (a forward pre-hook). So what it checks is which tensors are fp8, how their
 scales are read, and where each activation is quantized; kernels/fp8_linear.py's kernels are
 checked against their references in tests/kernels/test_fp8_linear.py."""
+import collections
 import functools
 import json
 import os
@@ -15,11 +16,18 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from mini_engine import LLM, SamplingParams
 from mini_engine.config import EngineConfig
 from benchmarks.fp8_check import fp8_oracle, per_call_check
 from mini_engine.kernels.fp8_linear import FP8, quantize_fp8_weight_ref
+from mini_engine.kernels.rotary_kv import rope_cos_sin_cache
+from mini_engine.layers.linear import Linear
+from mini_engine.layers.moe import FusedExperts
+from mini_engine.model.loader import hold_quantized_weights, load_model
+from mini_engine.model.qwen3 import Qwen3ForCausalLM
 from mini_engine.model.random_checkpoint import write_fp8_layout, write_random_checkpoint
 from mini_engine.runner.batch import BatchRow
 from mini_engine.runner.model_runner import ModelRunner
@@ -105,6 +113,83 @@ def test_an_fp8_checkpoint_is_read_as_fp8(fp8_checkpoint):
     assert runner.model.embed_tokens.weight.dtype == torch.float32
     # q, k and v's scales stacked as their rows are: 2 blocks of rows each
     assert layer.self_attn.qkv_proj.weight_scale_inv.shape == (6, 1)
+
+
+class Allocations(TorchDispatchMode):
+    """The (shape, dtype) of every tensor made off the meta device from no tensor that holds
+    values (torch.empty, empty_like of a meta tensor...): storage allocated to be filled, not
+    computed (rope's table may share a projection's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: collections.Counter[tuple[tuple[int, ...], torch.dtype]] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(isinstance(x, torch.Tensor) and not x.is_meta for x in tree_leaves((args, kwargs))):
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                    self.made[tuple(tensor.shape), tensor.dtype] += 1
+        return out
+
+
+def assert_quantized_weights_never_in_full_precision(path: str) -> None:
+    """ModelRunner.start builds the model on the meta device: a projection the checkpoint stores
+    quantized never had a weight in the model's dtype in memory (on a GPU the bf16 model may not fit
+    where its fp8 weights do)."""
+    with Allocations() as allocations:
+        runner = ModelRunner(EngineConfig(path, device="cpu", num_kv_blocks=8))
+    model = runner.model
+    quantized = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and (module.weight_scale_inv is not None or module.qweight is not None):
+            quantized.add(((module.out_features, module.in_features), runner.dtype))
+        elif isinstance(module, FusedExperts) and module.w13_weight_scale_inv is not None:
+            quantized |= {(tuple(module.w13_weight.shape), runner.dtype), (tuple(module.w2_weight.shape), runner.dtype)}
+    # A tensor of the same shape that the model holds in its dtype (an embedding, an unquantized
+    # projection) is allowed its own allocation.
+    held = collections.Counter((tuple(t.shape), t.dtype) for t in [*model.parameters(), *model.buffers()])
+    assert quantized and all(allocations.made[key] <= held[key] for key in quantized)
+    assert_holds_what_a_model_built_on_its_device_holds(runner, path)
+
+
+def assert_holds_what_a_model_built_on_its_device_holds(runner: ModelRunner, path: str) -> None:
+    """Once loaded, the runner's model (built on the meta device) holds what one built on the
+    runner's device, in its dtype, holds: every tensor on the device, equal bit for bit; rope's
+    table computed again, one for every layer; a tied lm_head still tied."""
+    model, mc = runner.model, runner.model_config
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(runner.dtype)
+    try:
+        with torch.device(runner.device):
+            expected = Qwen3ForCausalLM(mc, runner.kernels)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if mc.quantization is not None:
+        hold_quantized_weights(expected, mc.quantization, False, runner.device)
+    load_model(expected, path)
+    for holds in ("named_parameters", "named_buffers"):
+        ours, theirs = dict(getattr(model, holds)()), dict(getattr(expected, holds)())
+        assert ours.keys() == theirs.keys()
+        for name, tensor in ours.items():
+            assert tensor.device == runner.device and tensor.requires_grad == theirs[name].requires_grad, name
+            assert tensor.dtype == theirs[name].dtype and torch.equal(tensor.view(torch.uint8),
+                                                                       theirs[name].view(torch.uint8)), name
+    fresh = rope_cos_sin_cache(mc.head_dim, mc.max_positions, mc.rope_theta, yarn=mc.rope_scaling)
+    for layer in model.layers:
+        assert layer.self_attn.qk_norm_rope.cos_sin_cache is model.layers[0].self_attn.qk_norm_rope.cos_sin_cache
+        assert torch.equal(layer.self_attn.qk_norm_rope.cos_sin_cache, fresh)
+    if mc.tie_word_embeddings:
+        assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_fp8_weights_are_never_allocated_in_full_precision(fp8_checkpoint):
+    assert_quantized_weights_never_in_full_precision(fp8_checkpoint)
+
+
+def test_an_unquantized_model_is_built_on_meta_too(source):
+    assert_holds_what_a_model_built_on_its_device_holds(ModelRunner(EngineConfig(source, device="cpu",
+                                                                                  num_kv_blocks=8)), source)
 
 
 FP8_FIELDS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

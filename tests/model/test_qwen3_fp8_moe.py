@@ -25,7 +25,8 @@ from mini_engine.runner.model_runner import ModelRunner
 from tests.conftest import tiny_config
 from tests.engine.test_greedy_vs_transformers import MAX_TOKENS, mixed_prompts
 from tests.hf_reference import transformers  # noqa: F401 (skips the file without transformers)
-from tests.model.test_qwen3_fp8 import (FP8_FIELDS, FP8_TINY, assert_oracle_agrees, greedy, hf_fp8_model,
+from tests.model.test_qwen3_fp8 import (FP8_FIELDS, FP8_TINY, assert_oracle_agrees,
+                                        assert_quantized_weights_never_in_full_precision, greedy, hf_fp8_model,
                                         rewritten)
 from tests.model.test_qwen3_vs_transformers import flat_batch_logits
 
@@ -68,6 +69,10 @@ def test_experts_load_as_fp8_blocks(fp8_checkpoint):
                     held = getattr(experts, f"{stacked}_{suffix}")[e]
                     assert torch.equal(held.view(torch.uint8) if held.dtype == FP8 else held,
                                        expected.view(torch.uint8) if expected.dtype == FP8 else expected)
+
+
+def test_fp8_experts_are_never_allocated_in_full_precision(fp8_checkpoint):
+    assert_quantized_weights_never_in_full_precision(fp8_checkpoint)
 
 
 def test_malformed_fp8_expert_tensors_are_clear_errors(fp8_checkpoint, source, tmp_path):

@@ -30,6 +30,7 @@ from tests.conftest import tiny_config
 from tests.engine.test_greedy_vs_transformers import mixed_prompts
 from tests.model.test_qwen3_awq import (AWQ_TINY, GROUP, assert_config_refused, greedy, oracle_greedy,  # noqa: F401
                                         rewritten, source)
+from tests.model.test_qwen3_fp8 import assert_quantized_weights_never_in_full_precision
 from tests.model.test_qwen3_vs_transformers import flat_batch_logits
 
 # The logits' largest difference from the oracle's: both multiply the same fp32 weights.
@@ -202,6 +203,10 @@ def test_a_gptq_checkpoint_is_read_as_awq(gptq_checkpoint):
     assert qkv.weight is None and qkv.qweight.shape == (64, 128 // 8) and qkv.qzeros.shape == (2, 16)
     assert qkv.scales.shape == (2, 128) and runner.model.layers[0].mlp.down_proj.qweight.shape == (128, 64 // 8)
     assert not any("g_idx" in name for name, _ in runner.model.named_parameters())
+
+
+def test_gptq_weights_are_never_allocated_in_full_precision(gptq_checkpoint):
+    assert_quantized_weights_never_in_full_precision(gptq_checkpoint())
 
 
 @pytest.mark.parametrize("change, message", [
