@@ -474,15 +474,20 @@ class ModelRunner:
             layer.self_attn.attn.v_cache = kv_cache[1, i]
         return kv_cache
 
+    def release_kv_cache(self) -> None:
+        """The layers let go of their views of the pool, whose memory goes back to the device once
+        nothing else holds it."""
+        for layer in self.model.layers:
+            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def reallocate_kv_cache(self, num_blocks: int) -> None:
         """A pool of num_blocks in place of this one (its contents dropped), and the CUDA graphs,
         which hold the old pool's addresses, captured anew."""
         self.graph_runner = None
-        for layer in self.model.layers:
-            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
         self.kv_cache = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.release_kv_cache()
         self.num_kv_blocks = num_blocks
         self.kv_cache = self.allocate_kv_cache(num_blocks)
         if self.use_cuda_graphs:
@@ -503,9 +508,7 @@ class ModelRunner:
             self.execute(rows)
             torch.cuda.synchronize(self.device)
             peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
-        for layer in self.model.layers:
-            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = torch.empty(0)
-        torch.cuda.empty_cache()
+        self.release_kv_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak_transient = max(peaks)
         # CUDA graphs hold their static logits buffer, and a private pool about as large as the

@@ -8,7 +8,6 @@ to fp32's rounding and greedy tokens equal through the scheduler."""
 import functools
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from tests.conftest import TINY_BASE, tiny_config
 from tests.engine.test_greedy_vs_transformers import MAX_TOKENS, mixed_prompts
 from tests.hf_reference import transformers  # noqa: F401 (skips the file without transformers)
 from tests.model.test_qwen3_fp8 import assert_quantized_weights_never_in_full_precision
-from tests.model.test_qwen3_vs_transformers import flat_batch_logits
+from tests.model.test_qwen3_vs_transformers import four_prompt_logits
 
 # Groups of 32 input rows; q, k and v of 64, 32 and 32 columns, whole 8-column words, and two
 # ranks' shares too.
@@ -166,10 +165,7 @@ def test_malformed_awq_tensors_are_clear_errors(awq_checkpoint, source, tmp_path
 def test_logits_match_transformers(awq_checkpoint):
     """One flat batch of four prompts, to fp32's rounding: the dequantized weights are exact in
     fp32 (a 4-bit integer times an fp16 scale)."""
-    runner = ModelRunner(EngineConfig(awq_checkpoint, device="cpu", num_kv_blocks=64, block_size=4))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 6, 17, 33)]
-    for prompt, logits in flat_batch_logits(runner, prompts):
+    for prompt, logits in four_prompt_logits(awq_checkpoint):
         with torch.inference_mode():
             expected = oracle(awq_checkpoint)(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)

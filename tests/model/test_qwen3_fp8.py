@@ -34,7 +34,7 @@ from mini_engine.runner.model_runner import ModelRunner
 from tests.conftest import TINY_BASE
 from tests.engine.test_greedy_vs_transformers import MAX_TOKENS, mixed_prompts
 from tests.hf_reference import transformers  # noqa: F401 (skips the file without transformers)
-from tests.model.test_qwen3_vs_transformers import GREEDY, all_logits, flat_batch_logits
+from tests.model.test_qwen3_vs_transformers import GREEDY, all_logits, four_prompt_logits
 
 # Every projection a whole number of 128 x 128 blocks, and two ranks' shares too.
 FP8_TINY = TINY_BASE | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -271,10 +271,7 @@ def test_logits_match_transformers(fp8_checkpoint):
     """One flat batch of four prompts. Against transformers without the activations' quantization
     the logits move by ~1, so the tolerance here tells the two apart; an activation on an fp8
     rounding boundary may round the other way after fp32 sums in another order, hence 2e-2."""
-    runner = ModelRunner(EngineConfig(fp8_checkpoint, device="cpu", num_kv_blocks=64, block_size=4))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 6, 17, 33)]
-    for prompt, logits in flat_batch_logits(runner, prompts):
+    for prompt, logits in four_prompt_logits(fp8_checkpoint):
         with torch.inference_mode():
             expected = hf_fp8_model(fp8_checkpoint)(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(logits, expected, rtol=0, atol=2e-2)

@@ -10,7 +10,6 @@ each expert's two inputs quantized. kernels/fp8_fused_moe.py's kernels are check
 reference in tests/kernels/test_fp8_fused_moe.py."""
 import json
 import os
-import random
 import types
 
 import pytest
@@ -28,7 +27,7 @@ from tests.hf_reference import transformers  # noqa: F401 (skips the file withou
 from tests.model.test_qwen3_fp8 import (FP8_FIELDS, FP8_TINY, assert_oracle_agrees,
                                         assert_quantized_weights_never_in_full_precision, greedy, hf_fp8_model,
                                         rewritten)
-from tests.model.test_qwen3_vs_transformers import flat_batch_logits
+from tests.model.test_qwen3_vs_transformers import four_prompt_logits
 
 # Layers 0 and 2 sparse (8 experts of 256 columns, 2 a token), layer 1 a dense MLP; every
 # projection whole 128 x 128 blocks, and two ranks' shares of each expert too.
@@ -123,22 +122,21 @@ def test_shares_that_are_not_whole_blocks_are_refused(fp8_checkpoint, checkpoint
 def test_logits_match_the_oracle(fp8_checkpoint):
     """One flat batch of four prompts, within test_qwen3_fp8.py's 2e-2; the oracle without its
     experts' inputs quantized is whole logits away, so the tolerance tells the two apart."""
-    runner = ModelRunner(EngineConfig(fp8_checkpoint, device="cpu", num_kv_blocks=64, block_size=4))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 6, 17, 33)]
+    engine_logits = four_prompt_logits(fp8_checkpoint)
+    longest = engine_logits[-1][0]
     oracle = hf_fp8_model(fp8_checkpoint)
     experts = [layer.mlp.experts for layer in oracle.model.layers if hasattr(layer.mlp, "experts")]
     assert len(experts) == 2 and all(isinstance(e.forward, types.MethodType) and "forward" in vars(e) for e in experts)
     with torch.inference_mode():
-        for prompt, logits in flat_batch_logits(runner, prompts):
+        for prompt, logits in engine_logits:
             torch.testing.assert_close(logits, oracle(torch.tensor([prompt])).logits[0], rtol=0, atol=2e-2)
         patched = [vars(e).pop("forward") for e in experts]       # transformers' own loop, inputs unquantized
         try:
-            unquantized = oracle(torch.tensor([prompts[-1]])).logits[0]
+            unquantized = oracle(torch.tensor([longest])).logits[0]
         finally:
             for e, forward in zip(experts, patched):
                 e.forward = forward
-        assert (unquantized - oracle(torch.tensor([prompts[-1]])).logits[0]).abs().max() > 0.5
+        assert (unquantized - oracle(torch.tensor([longest])).logits[0]).abs().max() > 0.5
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -11,7 +11,6 @@ so is the bar: logits to fp32's rounding, greedy tokens equal through the schedu
 import functools
 import json
 import os
-import random
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from tests.engine.test_greedy_vs_transformers import mixed_prompts
 from tests.model.test_qwen3_awq import (AWQ_TINY, GROUP, assert_config_refused, greedy, oracle_greedy,  # noqa: F401
                                         rewritten, source)
 from tests.model.test_qwen3_fp8 import assert_quantized_weights_never_in_full_precision
-from tests.model.test_qwen3_vs_transformers import flat_batch_logits
+from tests.model.test_qwen3_vs_transformers import four_prompt_logits
 
 # The logits' largest difference from the oracle's: both multiply the same fp32 weights.
 TOLERANCE = 1e-4
@@ -173,11 +172,8 @@ def reconfigured(path: str, folder, **changes) -> str:
 def logits_error(path: str, oracle_path: str | None = None) -> float:
     """The engine's logits over `path` (one flat batch of four prompts) against the oracle's over
     oracle_path (path itself unless given): the largest difference."""
-    runner = ModelRunner(EngineConfig(path, device="cpu", num_kv_blocks=64, block_size=4))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 6, 17, 33)]
     worst = 0.0
-    for prompt, logits in flat_batch_logits(runner, prompts):
+    for prompt, logits in four_prompt_logits(path):
         with torch.inference_mode():
             expected = gptq_oracle(oracle_path or path)(torch.tensor([prompt])).logits[0]
         worst = max(worst, (logits - expected).abs().max().item())

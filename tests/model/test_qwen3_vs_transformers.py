@@ -47,6 +47,15 @@ def flat_batch_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[tup
     return [(row.token_ids, logits[end - len(row.token_ids):end]) for row, end in zip(rows, ends)]
 
 
+def four_prompt_logits(path: str) -> list[tuple[list[int], torch.Tensor]]:
+    """The engine's logits over the checkpoint at `path` for four random prompts of 1, 6, 17 and
+    33 tokens in one flat batch (flat_batch_logits): what the quantized checkpoints' tests compare
+    with their oracles."""
+    runner = ModelRunner(EngineConfig(path, device="cpu", num_kv_blocks=64, block_size=4))
+    rng = random.Random(0)
+    return flat_batch_logits(runner, [[rng.randrange(256) for _ in range(n)] for n in (1, 6, 17, 33)])
+
+
 def test_chunked_prefill_logits_match(tiny_checkpoint):
     """A prompt fed as three chunks, each attending to the context the earlier ones cached."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, block_size=4))
