@@ -11,13 +11,19 @@ greedy outputs vary), in bf16 with CUDA graphs, against the same engine without 
   3. greedy in a pool small enough to preempt. Each must equal plain decoding token for token,
      or, where bf16's different batch shapes tip a near tie, every token of the speculative run must
      be within --margin logits of transformers fp32's argmax given the same prefix (teacher-forced),
-     no worse than transformers' own bf16 greedy output (the control). Every run ends with all
-     KV blocks free.
+     no worse than transformers' own bf16 greedy output (the control); a seeded output, where it
+     first parts from plain decoding's, must part between tokens that lie within
+     SAMPLED_CDF_GAP_LIMIT of each other in fp32's CDF (cdf_gap). Every run ends with all KV
+     blocks free.
 Speed: one request (and four), 512 greedy tokens after a 512-token prompt, plain decoding with and
 without async scheduling, then with drafts, on two checkpoints: the std 0.06 one, whose outputs
 rarely repeat (the drafts are mostly wrong: what a verifying step costs), and the benchmark's
 std 0.02 one, whose greedy outputs repeat one token (the drafts are right: the most they give).
-Each timing is the fastest of three runs, with the prefix cache off."""
+Each timing is the fastest of three runs, with the prefix cache off. With a draft model, a third
+pair shows what drafting is for, a draft much cheaper than its target that the target agrees with:
+the target is the std 0.02 checkpoint deepened --deep-target times (deepened_checkpoint: its layers
+again, with their outputs zeroed, so each adds a layer's cost and nothing to the residual), and the
+std 0.02 checkpoint drafts for it (random weights give no real pair of models that agree)."""
 import argparse
 import dataclasses
 import json
@@ -29,6 +35,42 @@ import time
 import torch
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# A wrong draw lands anywhere in [0, 1) of the CDF: two such draws are within 0.02 of each other
+# with probability ~0.04, so eight sequences all within it by chance are ~1e-11.
+SAMPLED_CDF_GAP_LIMIT = 0.02
+
+
+def cdf_gap(logits: "torch.Tensor", a: int, b: int) -> float:
+    """The probability mass, under softmax(logits) in fp64, between tokens a and b in the
+    vocabulary's order (the columns before the later one, less those before the earlier one)."""
+    p = torch.softmax(logits.double(), -1)
+    low, high = sorted((a, b))
+    return p[low:high].sum().item()
+
+
+def deepened_checkpoint(source: str, folder: str, factor: int) -> str:
+    """source's model with factor times its layers: after its own, copies of them whose attention
+    and MLP outputs are zero (o_proj and down_proj), so that each adds nothing to the residual and
+    costs what a layer costs. Its greedy outputs are source's (up to bf16's batch shapes)."""
+    from safetensors.torch import load_file, save_file
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    weights = {}
+    for name in sorted(os.listdir(source)):
+        if name.endswith(".safetensors"):
+            weights |= load_file(os.path.join(source, name))
+    for layer in range(layers, factor * layers):
+        prefix, like = f"model.layers.{layer}.", f"model.layers.{layer % layers}."
+        for name, tensor in list(weights.items()):
+            if name.startswith(like):
+                zero = name.endswith(("o_proj.weight", "down_proj.weight"))
+                weights[prefix + name[len(like):]] = torch.zeros_like(tensor) if zero else tensor.clone()
+    os.makedirs(folder, exist_ok=True)
+    save_file(weights, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config | {"num_hidden_layers": factor * layers}, f)
+    return folder
 
 
 def main() -> int:
@@ -39,6 +81,8 @@ def main() -> int:
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--speed-only", action="store_true", help="skip the correctness runs")
     ap.add_argument("--draft-model", default=None, help="a draft model's folder, or 'self', in place of ngram")
+    ap.add_argument("--deep-target", type=int, default=4,
+                    help="with a draft model: the deepened target's layers, as a multiple of the draft's")
     args = ap.parse_args()
     if not args.cpu_dry_run and not torch.cuda.is_available():
         sys.exit("spec_decode_check.py needs a GPU (or --cpu-dry-run)")
@@ -69,11 +113,11 @@ def main() -> int:
                 llm.engine.draft.runner.kv_cache.fill_(float("nan"))
         return llm
 
-    def speculative(model) -> dict:
+    def speculative(model, draft=None) -> dict:
         if args.draft_model is None:
             return NGRAM
         return {"method": "draft_model", "num_speculative_tokens": NGRAM["num_speculative_tokens"],
-                "model": model if args.draft_model == "self" else args.draft_model}
+                "model": draft or (model if args.draft_model == "self" else args.draft_model)}
 
     def generate(llm, batch, params):
         outs = llm.generate(batch, params, use_tqdm=False)
@@ -110,7 +154,7 @@ def main() -> int:
         limit = max(args.margin, 1.5 * control_margin)
         results[f"{label}: transformers bf16 greedy (control)"] = dict(worst_margin=round(control_margin, 4))
 
-        def judge(name, batch, got, want, greedy=True, stats=None):
+        def judge(name, batch, got, want, greedy=True, stats=None, temperature=None):
             agree = [common_prefix(g, w) for g, w in zip(got, want)]
             same = all(g == w for g, w in zip(got, want))
             entry = dict(identical=same, agree=agree)
@@ -121,7 +165,18 @@ def main() -> int:
                     round((logits[d, w[d]] - logits[d, g[d]]).item(), 4)
                     for p, g, w, d in zip(batch, got, want, agree) if d < len(w)
                     for logits in [fp32_logits(p, w)]]
-            entry["ok"] = same or (greedy and entry["worst_margin"] <= limit)
+            if not same and not greedy:
+                # The sampler draws by inverse CDF, one uniform a token, over the vocabulary's order:
+                # where the probabilities are near flat (151,936 columns), bf16's other batch shapes
+                # move a column's edge past the uniform often. A draw from the wrong stream, or of the
+                # wrong row, picks a token anywhere instead. So where the two first part, the fp32
+                # probability mass between the two tokens' places in that order must be small.
+                entry["fp32_cdf_gap_at_first_difference"] = [
+                    round(cdf_gap(fp32_logits(p, w)[d] / temperature, w[d], g[d]), 6)
+                    for p, g, w, d in zip(batch, got, want, agree) if d < min(len(w), len(g))]
+                entry["limit"] = SAMPLED_CDF_GAP_LIMIT
+            entry["ok"] = same or (entry["worst_margin"] <= limit if greedy
+                                   else max(entry["fp32_cdf_gap_at_first_difference"]) <= SAMPLED_CDF_GAP_LIMIT)
             if stats is not None:
                 entry["drafts"] = dataclasses.asdict(stats)
             results[f"{label}: {name}"] = entry
@@ -138,7 +193,7 @@ def main() -> int:
                   for i in range(len(prompts))]
         spec.engine.spec_decode_stats = SpecDecodeStats()
         judge("seeded sampling, 8 prompts", prompts, generate(spec, prompts, seeded), generate(plain, prompts, seeded),
-              greedy=False, stats=spec.engine.spec_decode_stats)
+              greedy=False, stats=spec.engine.spec_decode_stats, temperature=seeded[0].temperature)
         del spec
         free_gpu()
         # Drafts once three requests are left: asynchronous steps without them first (and graphs of
@@ -171,9 +226,14 @@ def main() -> int:
 
     # Speed: one request and four, 512 greedy tokens after a 512-token prompt.
     speed, drafting = {}, "ngram" if args.draft_model is None else "draft model"
-    for label, model in (("std 0.06", path), ("std 0.02 (bench.py's)", bench_checkpoint)):
+    pairs = [("std 0.06", path, None), ("std 0.02 (bench.py's)", bench_checkpoint, None)]
+    if args.draft_model is not None:
+        deep = deepened_checkpoint(bench_checkpoint, bench_checkpoint.rstrip("/") + f"-deepened-{args.deep_target}",
+                                   args.deep_target)
+        pairs.append((f"std 0.02 deepened {args.deep_target}x, std 0.02 drafting", deep, bench_checkpoint))
+    for label, model, draft in pairs:
         plain = engine(model, enable_prefix_caching=False)
-        spec = engine(model, enable_prefix_caching=False, speculative_config=speculative(model))
+        spec = engine(model, enable_prefix_caching=False, speculative_config=speculative(model, draft))
         for num in (1, 4):
             batch = [[rng.randrange(vocab) for _ in range(512)] for _ in range(num)]
             params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)

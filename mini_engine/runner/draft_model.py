@@ -28,7 +28,7 @@ import dataclasses
 
 from mini_engine.config import EngineConfig
 from mini_engine.engine.sequence import Sequence
-from mini_engine.runner.batch import BatchRow
+from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
@@ -47,6 +47,7 @@ class DraftModel:
             config, model=spec.model, model_config=None, hf_overrides=None, num_kv_blocks=1, speculative_config=None,
             quantization=None, enable_lora=False, reasoning_parser=None, runner="generate", pooler_config=None,
             generation_config="none", enforce_eager=True)
+        self.num_speculative_tokens = spec.num_speculative_tokens
         self.runner = ModelRunner(self.config)
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.use_cuda_graphs = (self.runner.device.type == "cuda" and not config.enforce_eager
@@ -66,50 +67,70 @@ class DraftModel:
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
         """num_drafts[i] greedy drafts for seqs[i], whose next num_drafts[i] + 1 positions have
-        slots in its block table (Scheduler.grant_drafts). After the catch-up, the draft's steps
-        are launched one after another without waiting: each takes its input tokens from the
-        step before's samples on the device (BatchRow.prev_token_index, as the engine's
-        asynchronous decode steps do), and the host reads them all at the end."""
+        slots in its block table (Scheduler.grant_drafts). The catch-up's last step gives each
+        sequence its first draft, and each further draft is one step of the draft over the one
+        before. All are launched one after another without waiting: each step takes its input
+        tokens from the step before's samples on the device (BatchRow.prev_token_index, as the
+        engine's asynchronous decode steps do), and the host reads them all at the end."""
         if not seqs:
             return []
-        drafts = [[token] for token in self.catch_up(seqs)]
-        launched, before = [], list(range(len(seqs)))
+        handle, sample_of, known = self.catch_up(seqs)
+        launched, before = [(handle, sample_of)], sample_of
         for j in range(1, max(num_drafts)):
-            going = [i for i in before if num_drafts[i] > j]
-            sample_of = {i: n for n, i in enumerate(before)}       # each sequence's sample in the step before
-            rows = [self.row(drafts[i][:1], seqs[i].num_tokens - 1 + j, seqs[i], sample=True,
-                             prev_token_index=-1 if j == 1 else sample_of[i]) for i in going]
-            launched.append((going, self.runner.launch(rows)))
-            before = going
-        for going, handle in launched:
+            going = [i for i in range(len(seqs)) if num_drafts[i] > j]
+            rows = [self.row([known.get(i, 0)], seqs[i].num_tokens - 1 + j, seqs[i], sample=True,
+                             prev_token_index=before.get(i, -1)) for i in going]
+            before = {i: n for n, i in enumerate(going)}        # each sequence's sample in this step
+            launched.append((self.runner.launch(rows), before))
+        drafts = [[] for _ in seqs]
+        for i, token in known.items():
+            drafts[i].append(token)
+        for handle, sample_of in launched:
             tokens, _ = handle.result()
-            for i, token in zip(going, tokens):
-                drafts[i].append(token)
+            for i, n in sample_of.items():
+                drafts[i].append(tokens[n])
         for seq, n in zip(seqs, num_drafts):
             seq.num_draft_computed = seq.num_tokens - 1 + n     # its last token and its first n - 1 drafts
         return drafts
 
-    def catch_up(self, seqs: list[Sequence]) -> list[int]:
+    def catch_up(self, seqs: list[Sequence]) -> tuple[StepHandle, dict[int, int], dict[int, int]]:
         """Runs the draft over each sequence's tokens past its valid draft positions, up to and
         including its last token, in steps of at most max_num_batched_tokens tokens (a row only
-        samples in the step that reaches its last token); returns each sequence's first draft."""
+        samples in the step that reaches its last token). Returns the last step's handle, where
+        among its samples lies the first draft of each sequence that step reached the end of, and
+        the first drafts of those an earlier step did (read on the host: a catch-up of more than
+        one step is a prompt's, once).
+
+        A catch-up of a few tokens (the steady state: the drafts the target accepted and its own
+        token after them) goes in as decode rows, one a token at its own position over the
+        sequence's block table, as the target verifies drafts: a step of them replays a CUDA graph,
+        where a row of several tokens would run the model eagerly (benchmarks/NOTES.md entry 62).
+        Each of those rows samples (a graph samples every row); only the last one's is a draft."""
+        short = self.num_speculative_tokens + 1         # a step after k accepted drafts: 2 tokens
         done = [min(seq.num_draft_computed, seq.num_computed_tokens) for seq in seqs]
-        first = [0] * len(seqs)
+        handle, sample_of, known = None, {}, {}
         while True:
-            budget, rows, owners = self.config.max_num_batched_tokens, [], []
+            budget, singles, chunks = self.config.max_num_batched_tokens, [], []
             for i, seq in enumerate(seqs):
                 n = min(seq.num_tokens - done[i], budget)
-                if n > 0:
-                    end = done[i] + n
-                    rows.append(self.row(seq.token_ids[done[i]:end], done[i], seq, sample=end == seq.num_tokens))
-                    owners.append(i)
-                    done[i], budget = end, budget - n
-            if not rows:
-                return first
-            order = sorted(range(len(rows)), key=lambda r: len(rows[r].token_ids) > 1)     # single tokens first
-            samplers = [owners[r] for r in order if rows[r].sample]
-            for i, token in zip(samplers, self.runner.execute([rows[r] for r in order])):
-                first[i] = token
+                if n <= 0:
+                    continue
+                end, last = done[i] + n, done[i] + n == seq.num_tokens
+                if n <= short and last:
+                    singles += [(i, self.row([seq.token_ids[p]], p, seq, sample=True)) for p in range(done[i], end)]
+                else:
+                    chunks.append((i, self.row(seq.token_ids[done[i]:end], done[i], seq, sample=last)))
+                done[i], budget = end, budget - n
+            if not singles and not chunks:
+                return handle, sample_of, known
+            if handle is not None:                  # the step before reached some sequences' last tokens
+                tokens, _ = handle.result()
+                known |= {i: tokens[n] for i, n in sample_of.items()}
+            rows = singles + chunks                 # single tokens first
+            samplers = [i for i, row in rows if row.sample]
+            # A sequence's first draft is its last sampling row's sample.
+            sample_of = {i: n for n, i in enumerate(samplers)}
+            handle = self.runner.launch([row for _, row in rows])
 
     @staticmethod
     def row(token_ids: list[int], start: int, seq: Sequence, sample: bool, prev_token_index: int = -1) -> BatchRow:

@@ -208,3 +208,43 @@ def test_a_stand_in_runner_runs_without_drafts(tiny_checkpoint):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.draft is None and engine.spec_decode_stats.num_draft_tokens == 0
+
+
+def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, plain, monkeypatch):
+    """Once a sequence's prompt is caught up, a proposal's first step is decode rows (the accepted
+    drafts and the target's token after them, one a token at its own position: what a CUDA graph
+    replays) and its later steps take their input tokens from the step before's samples on the
+    device; the host waits for none of them before all are launched. Outputs stay plain decoding's."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint, k=4))
+    runner, proposals = llm.engine.draft.runner, []
+    launch, propose = runner.launch, DraftModel.propose
+
+    def recorded_launch(rows):
+        proposals[-1].append([(len(r.token_ids), r.prev_token_index) for r in rows])
+        handle = launch(rows)
+        result = handle.result
+
+        def waited():
+            proposals[-1].append("wait")
+            return result()
+        handle.result = waited
+        return handle
+
+    def recorded_propose(self, seqs, num_drafts):
+        proposals.append([])
+        return propose(self, seqs, num_drafts)
+
+    monkeypatch.setattr(runner, "launch", recorded_launch)
+    monkeypatch.setattr(DraftModel, "propose", recorded_propose)
+    assert generate(llm, GREEDY) == generate(plain, GREEDY)
+    proposals = [events for events in proposals if events]        # (a step whose sequences had no places)
+    prompt_catch_ups = [events for events in proposals if any(n > 1 for n, _ in events[0])]
+    assert len(prompt_catch_ups) <= len(PROMPTS) and len(proposals) - len(prompt_catch_ups) >= 5
+    for events in proposals:
+        steps = [e for e in events if e != "wait"]
+        assert events == steps + ["wait"] * len(steps)          # every step launched before the first wait
+        assert all(prev >= 0 for step in steps[1:] for _, prev in step)
+        if events not in prompt_catch_ups:
+            assert all(n == 1 and prev == -1 for n, prev in steps[0])
+    assert llm.engine.spec_decode_stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE
+    assert_all_blocks_free(llm)
