@@ -23,7 +23,9 @@ Each timing is the fastest of three runs, with the prefix cache off. With a draf
 pair shows what drafting is for, a draft much cheaper than its target that the target agrees with:
 the target is the std 0.02 checkpoint deepened --deep-target times (deepened_checkpoint: its layers
 again, with their outputs zeroed, so each adds a layer's cost and nothing to the residual), and the
-std 0.02 checkpoint drafts for it (random weights give no real pair of models that agree)."""
+std 0.02 checkpoint drafts for it (random weights give no real pair of models that agree).
+--tensor-parallel-size 2 --speed-only times the engines split over two GPUs, the draft whole on
+rank 0's (--deep-only: the deepened pair alone)."""
 import argparse
 import dataclasses
 import json
@@ -83,6 +85,10 @@ def main() -> int:
     ap.add_argument("--draft-model", default=None, help="a draft model's folder, or 'self', in place of ngram")
     ap.add_argument("--deep-target", type=int, default=4,
                     help="with a draft model: the deepened target's layers, as a multiple of the draft's")
+    ap.add_argument("--deep-only", action="store_true", help="with a draft model: time the deepened target only")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split the engines over this many GPUs (the draft runs whole on rank 0's); "
+                         "with --speed-only only: the correctness runs compare with transformers on one GPU")
     args = ap.parse_args()
     if not args.cpu_dry_run and not torch.cuda.is_available():
         sys.exit("spec_decode_check.py needs a GPU (or --cpu-dry-run)")
@@ -103,7 +109,10 @@ def main() -> int:
     results, failures = {}, []
     # Pools of a given size (512 blocks of 64: 32k tokens, 3.8 GB), not sized from free memory: the
     # engines made one after another here are not all freed (LLMEngine freezes the heap it starts with).
-    engine_kwargs = dict(device=dev, max_num_seqs=64, max_model_len=2048, num_kv_blocks=512)
+    engine_kwargs = dict(device=dev, max_num_seqs=64, max_model_len=2048, num_kv_blocks=512,
+                         tensor_parallel_size=args.tensor_parallel_size)
+    if args.tensor_parallel_size > 1 and not args.speed_only:
+        sys.exit("--tensor-parallel-size needs --speed-only")
 
     def engine(model, **kw):
         llm = LLM(model, **(engine_kwargs | kw))
@@ -226,43 +235,47 @@ def main() -> int:
 
     # Speed: one request and four, 512 greedy tokens after a 512-token prompt.
     speed, drafting = {}, "ngram" if args.draft_model is None else "draft model"
-    pairs = [("std 0.06", path, None), ("std 0.02 (bench.py's)", bench_checkpoint, None)]
+    pairs = [] if args.deep_only else [("std 0.06", path, None), ("std 0.02 (bench.py's)", bench_checkpoint, None)]
     if args.draft_model is not None:
         deep = deepened_checkpoint(bench_checkpoint, bench_checkpoint.rstrip("/") + f"-deepened-{args.deep_target}",
                                    args.deep_target)
         pairs.append((f"std 0.02 deepened {args.deep_target}x, std 0.02 drafting", deep, bench_checkpoint))
+    params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
     for label, model, draft in pairs:
-        plain = engine(model, enable_prefix_caching=False)
-        spec = engine(model, enable_prefix_caching=False, speculative_config=speculative(model, draft))
-        for num in (1, 4):
-            batch = [[rng.randrange(vocab) for _ in range(512)] for _ in range(num)]
-            params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
-            row = {}
-            for kind, llm, asynchronous in (("plain", plain, True), ("plain, synchronous", plain, False),
-                                            (drafting, spec, True)):
-                llm.engine.config.async_scheduling = asynchronous
-                generate(llm, batch, params)       # warm-up
-                llm.engine.spec_decode_stats = SpecDecodeStats()
-                walls = []
-                for _ in range(3):
-                    start = time.perf_counter()
-                    outs = generate(llm, batch, params)
-                    walls.append(time.perf_counter() - start)
-                tokens = sum(len(o) for o in outs)
-                row[kind] = dict(wall_s=round(min(walls), 4), out_tok_s=round(tokens / min(walls), 1),
-                                 ms_per_token_a_request=round(1000 * min(walls) / (tokens / num), 4))
-                if kind == drafting:
-                    s = llm.engine.spec_decode_stats
-                    row[kind] |= dict(acceptance_rate=round(s.acceptance_rate, 3),
-                                      mean_acceptance_length=round(s.mean_acceptance_length, 3),
-                                      accepted_per_position=s.accepted_per_position)
-                    row["outputs equal"] = outs == plain_outs
-                else:
-                    plain_outs = outs
+        batches = {num: [[rng.randrange(vocab) for _ in range(512)] for _ in range(num)] for num in (1, 4)}
+        rows, plain_outs = {num: {} for num in batches}, {}
+        # One engine at a time: a process holds one tensor-parallel engine.
+        for options, kinds in (({}, (("plain", True), ("plain, synchronous", False))),
+                               ({"speculative_config": speculative(model, draft)}, ((drafting, True),))):
+            llm = engine(model, enable_prefix_caching=False, **options)
+            for num, batch in batches.items():
+                row = rows[num]
+                for kind, asynchronous in kinds:
+                    llm.engine.config.async_scheduling = asynchronous
+                    generate(llm, batch, params)       # warm-up
+                    llm.engine.spec_decode_stats = SpecDecodeStats()
+                    walls = []
+                    for _ in range(3):
+                        start = time.perf_counter()
+                        outs = generate(llm, batch, params)
+                        walls.append(time.perf_counter() - start)
+                    tokens = sum(len(o) for o in outs)
+                    row[kind] = dict(wall_s=round(min(walls), 4), out_tok_s=round(tokens / min(walls), 1),
+                                     ms_per_token_a_request=round(1000 * min(walls) / (tokens / num), 4))
+                    if kind == drafting:
+                        s = llm.engine.spec_decode_stats
+                        row[kind] |= dict(acceptance_rate=round(s.acceptance_rate, 3),
+                                          mean_acceptance_length=round(s.mean_acceptance_length, 3),
+                                          accepted_per_position=s.accepted_per_position)
+                        row["outputs equal"] = outs == plain_outs[num]
+                    elif asynchronous:
+                        plain_outs[num] = outs
+            llm.shutdown()            # (the other ranks' processes, under tensor parallelism)
+            del llm
+            free_gpu()
+        for num, row in rows.items():
             row["speedup vs plain"] = round(row["plain"]["wall_s"] / row[drafting]["wall_s"], 3)
             speed[f"{label}, {num} request{'s' if num > 1 else ''}"] = row
-        del plain, spec
-        free_gpu()
     results["speed"] = speed
     for name, r in results.items():
         if name == "speed":

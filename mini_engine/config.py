@@ -388,12 +388,9 @@ class EngineConfig:
 
     def check_draft_model(self) -> None:
         """A draft model (speculative_config's "draft_model") drafts tokens the target reads by id,
-        so both must share one vocabulary, and it must reach max_model_len; it runs beside the
-        target on the target's one device, in the target's KV blocks (runner/draft_model.py)."""
+        so both must share one vocabulary, and it must reach max_model_len; it runs whole beside
+        the target's rank 0, in the target's KV blocks (runner/draft_model.py)."""
         spec = self.speculative_config
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: a draft model runs beside a target on one device; "
-                             "tensor_parallel_size > 1 with a draft model is not supported")
         if self.enable_sleep_mode:
             raise ValueError("speculative_config: sleep mode with a draft model is not supported (sleep would "
                              "give back the target's memory and not the draft's)")

@@ -34,8 +34,8 @@ class SpeculativeConfig:
     prompt_lookup_max and prompt_lookup_min, the longest and shortest suffix n-gram that is looked
     up (the longest that matches wins); either bound given alone sets both, and neither given sets
     both to 5, as vLLM's defaults. For "draft_model": model, the draft checkpoint's folder, and
-    draft_tensor_parallel_size, which can only be 1 here (the draft runs on one device, beside a
-    target on one device). disable_by_batch_size: no drafts while more requests than this are
+    draft_tensor_parallel_size, which can only be 1 here (the draft runs whole on one device, beside
+    the target's rank 0 where the target is split). disable_by_batch_size: no drafts while more requests than this are
     running or waiting (None: drafts at any batch size).
 
     A step with drafts runs synchronously (its tokens reach the host before the next step is
@@ -98,7 +98,7 @@ class SpeculativeConfig:
         draft_tp = given.get("draft_tensor_parallel_size")
         if draft_tp not in (None, 1) or isinstance(draft_tp, bool):
             raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft model runs on "
-                             f"one device), got {draft_tp!r}")
+                             f"one device, beside the target's rank 0), got {draft_tp!r}")
         return cls("draft_model", k, disable_by_batch_size=limit, model=model, draft_tensor_parallel_size=1)
 
 

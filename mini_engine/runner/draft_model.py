@@ -5,7 +5,9 @@ sequence's next k tokens, greedily, and the target verifies them in one step (sp
 The draft runs on a ModelRunner of its own, with a KV cache of its own laid out in the target's
 blocks: the same number of blocks of the same size, so that a sequence's block table, which the
 target's block manager keeps, says where the draft's K and V of each position lie too. Nothing else
-is shared, and the target's steps never run the draft.
+is shared, and the target's steps never run the draft. Under tensor parallelism the draft runs whole
+on rank 0's device, in the engine's process (vLLM's draft_tensor_parallel_size 1): the other ranks
+see its drafts only as the verifying step's rows, and the pool, the smallest rank's, is rank 0's.
 
 The draft catches up lazily, when it drafts. Sequence.num_draft_computed counts the positions
 whose draft K and V are the sequence's; a proposal first runs the draft over the tokens past them
@@ -46,7 +48,7 @@ class DraftModel:
         self.config = dataclasses.replace(
             config, model=spec.model, model_config=None, hf_overrides=None, num_kv_blocks=1, speculative_config=None,
             quantization=None, enable_lora=False, reasoning_parser=None, runner="generate", pooler_config=None,
-            generation_config="none", enforce_eager=True)
+            generation_config="none", enforce_eager=True, tensor_parallel_size=1)
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.runner = ModelRunner(self.config)
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token

@@ -137,7 +137,6 @@ def test_drafts_that_cannot_run_are_refused(tiny_checkpoint, tmp_path):
                                               dtype=torch.float32)), {}, "vocab_size 128 differs"),
         (draft_config(rewritten_checkpoint(tiny_checkpoint, str(tmp_path / "short"), max_position_embeddings=64)), {},
          "reaches 64 positions"),
-        (draft_config(tiny_checkpoint), {"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
         (draft_config(tiny_checkpoint), {"enable_sleep_mode": True}, "sleep mode"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": tiny_checkpoint}, {}, "draft_model method's"),
     ]
@@ -248,3 +247,20 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
             assert all(n == 1 and prev == -1 for n, prev in steps[0])
     assert llm.engine.spec_decode_stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE
     assert_all_blocks_free(llm)
+
+
+def test_a_tensor_parallel_target_drafts_on_rank_0(tiny_checkpoint, plain):
+    """The draft runs whole on rank 0's device (draft_tensor_parallel_size 1, as vLLM allows), in
+    the blocks of the target's split pool; its drafts go to the other ranks as the verifying
+    step's rows. A draft that is the target itself is accepted at every position, and the outputs
+    are plain decoding's."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, tensor_parallel_size=2,
+              speculative_config=draft_config(tiny_checkpoint))
+    try:
+        assert llm.engine.draft.runner.tp.size == 1 and llm.engine.draft.runner.workers is None
+        assert generate(llm, GREEDY) == generate(plain, GREEDY)
+        stats = llm.engine.spec_decode_stats
+        assert stats.num_draft_tokens > 50 and stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE, stats
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
