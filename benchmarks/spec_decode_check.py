@@ -248,6 +248,10 @@ def main() -> int:
         for options, kinds in (({}, (("plain", True), ("plain, synchronous", False))),
                                ({"speculative_config": speculative(model, draft)}, ((drafting, True),))):
             llm = engine(model, enable_prefix_caching=False, **options)
+            if llm.engine.draft is not None and llm.engine.draft.runner.cuda_graph_pool_bytes is not None:
+                # Not set aside when the target's pool was sized (DraftModel.reserved_bytes): what it takes.
+                results[f"{label}: draft's CUDA graph pool MiB"] = dict(
+                    mib=round(llm.engine.draft.runner.cuda_graph_pool_bytes / 2**20, 1))
             for num, batch in batches.items():
                 row = rows[num]
                 for kind, asynchronous in kinds:
