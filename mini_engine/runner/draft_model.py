@@ -112,19 +112,27 @@ class DraftModel:
         done = [min(seq.num_draft_computed, seq.num_computed_tokens) for seq in seqs]
         handle, sample_of, known = None, {}, {}
         while True:
-            budget, singles, chunks = self.config.max_num_batched_tokens, [], []
+            budget, spans = self.config.max_num_batched_tokens, []
             for i, seq in enumerate(seqs):
                 n = min(seq.num_tokens - done[i], budget)
-                if n <= 0:
-                    continue
-                end, last = done[i] + n, done[i] + n == seq.num_tokens
-                if n <= short and last:
-                    singles += [(i, self.row([seq.token_ids[p]], p, seq, sample=True)) for p in range(done[i], end)]
-                else:
-                    chunks.append((i, self.row(seq.token_ids[done[i]:end], done[i], seq, sample=last)))
-                done[i], budget = end, budget - n
-            if not singles and not chunks:
+                if n > 0:
+                    spans.append((i, done[i], done[i] + n))
+                    done[i], budget = done[i] + n, budget - n
+            if not spans:
                 return handle, sample_of, known
+            # Decode rows only where all of them fit the runner's max_num_seqs rows (its samples'
+            # and graphs' size); else each sequence's tokens go in as one row.
+            splits = [end - start <= short and end == seqs[i].num_tokens for i, start, end in spans]
+            num_rows = sum(end - start if split else 1 for (_, start, end), split in zip(spans, splits))
+            if num_rows > self.config.max_num_seqs:
+                splits = [False] * len(spans)
+            singles, chunks = [], []
+            for (i, start, end), split in zip(spans, splits):
+                seq = seqs[i]
+                if split:
+                    singles += [(i, self.row([seq.token_ids[p]], p, seq, sample=True)) for p in range(start, end)]
+                else:
+                    chunks.append((i, self.row(seq.token_ids[start:end], start, seq, sample=end == seq.num_tokens)))
             if handle is not None:                  # the step before reached some sequences' last tokens
                 tokens, _ = handle.result()
                 known |= {i: tokens[n] for i, n in sample_of.items()}

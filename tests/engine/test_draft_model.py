@@ -264,3 +264,19 @@ def test_a_tensor_parallel_target_drafts_on_rank_0(tiny_checkpoint, plain):
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("max_num_seqs, num_prompts", [(2, 1), (256, 128)])
+def test_a_catch_up_of_more_decode_rows_than_max_num_seqs_goes_in_as_chunks(tiny_checkpoint, max_num_seqs,
+                                                                           num_prompts):
+    """A catch-up's decode rows (k + 1 a sequence at most) must fit the runner's max_num_seqs rows,
+    its samples' size: here one 2-token prompt with 2 rows, and 128 prompts at 3 rows each (more
+    than 256): each sequence's tokens then go in as one row. (Found by a review: these crashed.)"""
+    prompts = [[5 + i % 50, 7] for i in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=1024, max_num_seqs=max_num_seqs,
+              speculative_config=draft_config(tiny_checkpoint, k=3))
+    plain_llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=1024, max_num_seqs=max_num_seqs)
+    assert generate(llm, params, prompts) == generate(plain_llm, params, prompts)
+    assert llm.engine.spec_decode_stats.num_draft_tokens > 0
+    assert_all_blocks_free(llm)
