@@ -61,6 +61,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()       # accepted drafts by position, 0 = the first
     # With enable_lora: the names of the adapters the running and the waiting requests run, each
     # once, in queue order (vLLM's lora_requests_info labels); empty without LoRA.
     running_lora_adapters: tuple[str, ...] = ()
@@ -75,7 +76,8 @@ class EngineStats:
                                 for queue in (scheduler.running, scheduler.waiting))
         return cls(len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
                    bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions,
-                   spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, running, waiting)
+                   spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                   tuple(spec.accepted_per_position), running, waiting)
 
 
 class EngineDelta(NamedTuple):

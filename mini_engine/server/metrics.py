@@ -40,6 +40,10 @@ class ServerMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
                                             "accepted.")
+        per_position = Counter("mini_engine:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                               "draft tokens accepted, by their position among a step's drafts (0 = the first).",
+                               ["model_name", "position"], registry=r)
+        self.spec_accepted_at = lambda position: per_position.labels(model_name=model_name, position=str(position))
         self.counted: dict[str, int] = {}       # what each counter has counted of the engine's totals
         finished = Counter("mini_engine:request_success", "Finished requests, by finish reason.",
                            ["model_name", "finished_reason"], registry=r)
@@ -73,6 +77,10 @@ class ServerMetrics:
             # each goes up by what it has not counted yet.
             total = getattr(stats, name)
             counter.inc(total - self.counted.get(name, 0))
+            self.counted[name] = total
+        for position, total in enumerate(stats.spec_accepted_per_position):
+            name = f"spec_accepted_at_{position}"
+            self.spec_accepted_at(position).inc(total - self.counted.get(name, 0))
             self.counted[name] = total
         if self.lora_info is not None:
             self.update_lora_info(stats)

@@ -2,6 +2,7 @@
 string that a step's first token completes cuts the step's later tokens from the response, streamed
 or not, and no KV block is left in use."""
 import json
+import re
 
 import httpx
 
@@ -31,6 +32,13 @@ def streamed_text(server, body: dict) -> tuple[str, int, str]:
     return text, num_tokens, reason
 
 
+def accepted_per_position(server) -> dict[str, float]:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^mini_engine:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\} ([0-9.e+-]+)$', text,
+        re.MULTILINE)}
+
+
 def test_a_speculative_server_answers_as_plain_decoding(tiny_model, tmp_path):
     plain = LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS, block_size=16)
     spec = LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS, block_size=16, speculative_config=NGRAM)
@@ -49,6 +57,10 @@ def test_a_speculative_server_answers_as_plain_decoding(tiny_model, tmp_path):
         assert len(got["logprobs"]["tokens"]) == len(ids)
         assert streamed_text(server, greedy | {"stop": [stop], "logprobs": 1}) == (want_stop.text, len(ids), "stop")
         m = server.wait_idle()
+        server_per_position = accepted_per_position(server)
     # vLLM's spec_decode counters: the steps of several tokens above were accepted drafts.
     drafts, accepted = m["mini_engine:spec_decode_num_draft_tokens_total"], m["mini_engine:spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= drafts and m["mini_engine:spec_decode_num_drafts_total"] > 0
+    # And vLLM's accepted tokens by position: they sum to the accepted tokens, none more than the first's.
+    per_position = server_per_position
+    assert sum(per_position.values()) == accepted and max(per_position.values()) == per_position.get("0")
