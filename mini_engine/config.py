@@ -391,9 +391,6 @@ class EngineConfig:
         so both must share one vocabulary, and it must reach max_model_len; it runs whole beside
         the target's rank 0, in the target's KV blocks (runner/draft_model.py)."""
         spec = self.speculative_config
-        if self.enable_sleep_mode:
-            raise ValueError("speculative_config: sleep mode with a draft model is not supported (sleep would "
-                             "give back the target's memory and not the draft's)")
         try:
             draft = ModelConfig.from_pretrained(spec.model)
         except (OSError, ValueError) as e:

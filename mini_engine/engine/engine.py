@@ -656,7 +656,8 @@ class LLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (runner/sleep_mode.py): level 1 offloads the weights to the host, level 2
-        discards them; both discard the KV cache (and so the prefix cache)."""
+        discards them; both discard the KV cache (and so the prefix cache). A draft model sleeps with
+        the target, its weights offloaded at either level: load_weights gives the target's alone."""
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True")
         if level not in (1, 2):
@@ -671,7 +672,14 @@ class LLMEngine:
             return
         self.check_no_requests("sleep")
         self.block_manager.reset_prefix_cache()
-        self.runner.sleep(level)
+        if self.draft is not None:
+            self.draft.runner.sleep(1)
+        try:
+            self.runner.sleep(level)
+        except BaseException:
+            if self.draft is not None:      # (its host copy's allocation, say): both stay awake
+                self.draft.runner.wake_up(list(SLEEP_TAGS))
+            raise
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wakes the tags given ("weights", "kv_cache"; None: both), as vLLM's; a tag not asleep is
@@ -687,6 +695,8 @@ class LLMEngine:
         woken = [tag for tag in SLEEP_TAGS if tag in tags and tag in sleeping]
         if woken:
             self.runner.wake_up(woken)
+            if self.draft is not None:
+                self.draft.runner.wake_up(woken)
 
     def is_sleeping(self) -> bool:
         """True from sleep() until every tag is awake again."""

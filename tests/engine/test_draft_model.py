@@ -137,7 +137,6 @@ def test_drafts_that_cannot_run_are_refused(tiny_checkpoint, tmp_path):
                                               dtype=torch.float32)), {}, "vocab_size 128 differs"),
         (draft_config(rewritten_checkpoint(tiny_checkpoint, str(tmp_path / "short"), max_position_embeddings=64)), {},
          "reaches 64 positions"),
-        (draft_config(tiny_checkpoint), {"enable_sleep_mode": True}, "sleep mode"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": tiny_checkpoint}, {}, "draft_model method's"),
     ]
     for spec, options, message in cases:
@@ -279,4 +278,31 @@ def test_a_catch_up_of_more_decode_rows_than_max_num_seqs_goes_in_as_chunks(tiny
     plain_llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=1024, max_num_seqs=max_num_seqs)
     assert generate(llm, params, prompts) == generate(plain_llm, params, prompts)
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_draft_sleeps_and_wakes_with_the_target(tiny_checkpoint, plain, level):
+    """sleep() gives back the draft's memory too, its weights offloaded at either level (the
+    trainer's load_weights gives the target's alone); waking brings both back, and the draft is
+    again right at every position. At level 2 the target's weights come again from load_weights."""
+    from safetensors.torch import load_file
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, enable_sleep_mode=True,
+              speculative_config=draft_config(tiny_checkpoint))
+    want = generate(plain, GREEDY)
+    assert generate(llm, GREEDY) == want
+    draft = llm.engine.draft.runner
+    llm.sleep(level=level)
+    assert llm.is_sleeping() and draft.sleep_state.sleeping_tags == {"weights", "kv_cache"}
+    assert draft.kv_cache.untyped_storage().nbytes() == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in draft.model.parameters())
+    llm.wake_up(tags=["weights"])
+    assert draft.sleep_state.sleeping_tags == {"kv_cache"}
+    if level == 2:
+        llm.load_weights(load_file(os.path.join(tiny_checkpoint, "model.safetensors")).items())
+    llm.wake_up()
+    assert not llm.is_sleeping() and not draft.sleep_state.sleeping_tags
+    assert generate(llm, GREEDY) == want
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_draft_tokens > 50 and stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE, stats
     assert_all_blocks_free(llm)
