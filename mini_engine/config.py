@@ -1,6 +1,6 @@
 """Configuration: the model's shape (read from config.json) and the engine's knobs."""
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -403,6 +403,20 @@ class EngineConfig:
                              f"than max_model_len={self.max_model_len}; lower max_model_len")
         if draft.num_labels:
             raise ValueError("speculative_config: the draft model is a sequence classifier: it cannot draft tokens")
+        try:
+            self.draft_model_config()
+        except ValueError as e:
+            raise ValueError(f"speculative_config: the draft model: {e}") from None
+
+    def draft_model_config(self) -> "EngineConfig":
+        """The draft model's own configuration (runner/draft_model.py): this engine's, on the draft's
+        checkpoint, with its quantization, generating greedily on one device, without adapters,
+        parsers or graphs until it shares the target's pool; num_kv_blocks 1 until then."""
+        spec = self.speculative_config
+        return replace(
+            self, model=spec.model, model_config=None, hf_overrides=None, num_kv_blocks=1, speculative_config=None,
+            quantization=spec.quantization, enable_lora=False, reasoning_parser=None, runner="generate",
+            pooler_config=None, generation_config="none", enforce_eager=True, tensor_parallel_size=1)
 
     def check_fp8_experts(self) -> None:
         """fp8 Qwen3-MoE experts need each rank's share of an expert's gate and up rows in whole

@@ -24,6 +24,8 @@ j-th output token from the same random stream either way (seed, j), so it is the
 import dataclasses
 from dataclasses import dataclass
 
+from mini_engine.quantization import QUANTIZATION_METHODS
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -35,7 +37,8 @@ class SpeculativeConfig:
     up (the longest that matches wins); either bound given alone sets both, and neither given sets
     both to 5, as vLLM's defaults. For "draft_model": model, the draft checkpoint's folder, and
     draft_tensor_parallel_size, which can only be 1 here (the draft runs whole on one device, beside
-    the target's rank 0 where the target is split). disable_by_batch_size: no drafts while more requests than this are
+    the target's rank 0 where the target is split), and quantization, as EngineConfig's for the
+    draft (None: whatever its checkpoint is; "fp8" quantizes a bf16 draft as it loads). disable_by_batch_size: no drafts while more requests than this are
     running or waiting (None: drafts at any batch size).
 
     A step with drafts runs synchronously (its tokens reach the host before the next step is
@@ -48,6 +51,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
+    quantization: str | None = None
 
     @classmethod
     def resolve(cls, given: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -73,9 +77,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
         if method == "draft_model":
             return cls.resolve_draft_model(given, k, limit)
-        if given.get("model") is not None or given.get("draft_tensor_parallel_size") is not None:
-            raise ValueError("speculative_config: model and draft_tensor_parallel_size are the draft_model method's; "
-                             "the ngram method drafts from the sequence itself")
+        if any(given.get(name) is not None for name in ("model", "draft_tensor_parallel_size", "quantization")):
+            raise ValueError("speculative_config: model, draft_tensor_parallel_size and quantization are the "
+                             "draft_model method's; the ngram method drafts from the sequence itself")
         high, low = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
         if high is None and low is None:
             high = low = 5
@@ -99,7 +103,12 @@ class SpeculativeConfig:
         if draft_tp not in (None, 1) or isinstance(draft_tp, bool):
             raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft model runs on "
                              f"one device, beside the target's rank 0), got {draft_tp!r}")
-        return cls("draft_model", k, disable_by_batch_size=limit, model=model, draft_tensor_parallel_size=1)
+        quantization = given.get("quantization")
+        if quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"speculative_config: quantization (the draft model's) must be one of "
+                             f"{QUANTIZATION_METHODS} or None, got {quantization!r}")
+        return cls("draft_model", k, disable_by_batch_size=limit, model=model, draft_tensor_parallel_size=1,
+                   quantization=quantization)
 
 
 def _is_int(value) -> bool:

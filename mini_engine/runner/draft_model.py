@@ -26,8 +26,6 @@ may be another sequence's cached prefix, whose draft K and V the draft may never
 Drafting greedily, the draft gives each position one token and no probabilities: the target keeps
 it with the probability its own sampling gives it (speculative.py), so outputs keep the target's
 distribution whatever the draft proposes, and only the acceptance rate depends on the draft."""
-import dataclasses
-
 from mini_engine.config import EngineConfig
 from mini_engine.engine.sequence import Sequence
 from mini_engine.runner.batch import BatchRow, StepHandle
@@ -43,13 +41,9 @@ class DraftModel:
         """The draft's weights, and a pool of one block until share_pool gives it the target's:
         started before the target, so that the target's pool is sized with the draft's weights
         already on the device (kv_bytes_per_token: what each of the target's slots costs the draft)."""
-        spec = config.speculative_config
         # Eager until share_pool: graphs captured over the one-block pool would be captured again.
-        self.config = dataclasses.replace(
-            config, model=spec.model, model_config=None, hf_overrides=None, num_kv_blocks=1, speculative_config=None,
-            quantization=None, enable_lora=False, reasoning_parser=None, runner="generate", pooler_config=None,
-            generation_config="none", enforce_eager=True, tensor_parallel_size=1)
-        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.config = config.draft_model_config()
+        self.num_speculative_tokens = config.speculative_config.num_speculative_tokens
         self.runner = ModelRunner(self.config)
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.use_cuda_graphs = (self.runner.device.type == "cuda" and not config.enforce_eager
