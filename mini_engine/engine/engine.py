@@ -689,18 +689,24 @@ class LLMEngine:
         tags = list(SLEEP_TAGS if tags is None else tags)
         if unknown := [tag for tag in tags if tag not in SLEEP_TAGS]:
             raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {unknown}")
-        sleeping = self.runner.sleep_state.sleeping_tags
-        if awake := [tag for tag in tags if tag not in sleeping]:
+        if awake := [tag for tag in tags if tag not in self.sleeping_tags()]:
             logger.warning("wake_up: %s not asleep", ", ".join(awake))
-        woken = [tag for tag in SLEEP_TAGS if tag in tags and tag in sleeping]
-        if woken:
-            self.runner.wake_up(woken)
-            if self.draft is not None:
-                self.draft.runner.wake_up(woken)
+        # Each runner its own tags: a wake-up that failed part way (out of memory) can be called again.
+        for runner in self.runners():
+            woken = [tag for tag in SLEEP_TAGS if tag in tags and tag in runner.sleep_state.sleeping_tags]
+            if woken:
+                runner.wake_up(woken)
+
+    def runners(self) -> list[ModelRunner]:
+        """The target's runner, and the draft model's with one: what sleeps and wakes."""
+        return [self.runner] if self.draft is None else [self.runner, self.draft.runner]
+
+    def sleeping_tags(self) -> set[str]:
+        return set().union(*(runner.sleep_state.sleeping_tags for runner in self.runners()))
 
     def is_sleeping(self) -> bool:
-        """True from sleep() until every tag is awake again."""
-        return bool(self.runner.sleep_state.sleeping_tags)
+        """True from sleep() until every tag is awake again (the draft model's too)."""
+        return bool(self.sleeping_tags())
 
     # ---- what it can report ----
 

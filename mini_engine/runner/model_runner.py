@@ -441,7 +441,9 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.call("wake_up", tags)
         for tag in tags:
-            restore(self.sleep_state.released.pop(tag))
+            if tag in self.sleep_state.released:        # (a wake-up called again after one that failed)
+                restore(self.sleep_state.released[tag])     # forgotten only once restored: restore can run again
+                del self.sleep_state.released[tag]
         if not self.sleep_state.released and self.use_cuda_graphs and self.graph_runner is None:
             self.capture_cuda_graphs()
         self.update_readiness()

@@ -330,3 +330,27 @@ def test_a_draft_quantized_to_fp8_as_it_loads(tiny_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="must be whole 128-row blocks"):
         LLM(tiny_checkpoint, device="cpu", num_kv_blocks=64, speculative_config=draft_config(tiny_checkpoint,
                                                                                         quantization="fp8"))
+
+
+def test_a_wake_up_that_failed_in_the_draft_can_be_called_again(tiny_checkpoint, plain):
+    """The draft wakes after the target, so it is the one to meet a full device: a wake-up that
+    failed there leaves the engine asleep (is_sleeping), and calling it again wakes the rest.
+    (Found by a review: the engine said it was awake, and no step could run.)"""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, enable_sleep_mode=True,
+              speculative_config=draft_config(tiny_checkpoint))
+    want = generate(plain, GREEDY)
+    llm.sleep(level=1)
+    draft = llm.engine.draft.runner
+    wake_up = draft.wake_up
+
+    def out_of_memory_once(tags):
+        draft.wake_up = wake_up
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    draft.wake_up = out_of_memory_once
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.wake_up()
+    assert llm.is_sleeping() and not llm.engine.runner.sleep_state.sleeping_tags
+    llm.wake_up()
+    assert not llm.is_sleeping() and not draft.sleep_state.sleeping_tags
+    assert generate(llm, GREEDY) == want

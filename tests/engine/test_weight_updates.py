@@ -333,3 +333,27 @@ def test_tensor_parallel_ranks_take_the_update_and_sleep(a_and_b, tmp_path):
         assert llm.engine.runner.broken is None
     finally:
         llm.shutdown()
+
+
+def test_a_wake_up_that_failed_can_be_called_again(a_and_b, monkeypatch):
+    """A storage that could not be allocated again (a full device) leaves its tag asleep, its
+    record kept, so that a second wake_up restores it; before, the tag counted as awake with
+    nothing behind it."""
+    import mini_engine.runner.model_runner as model_runner
+    a, _ = a_and_b
+    llm = engine(a, enable_sleep_mode=True)
+    before = greedy(llm)
+    llm.sleep(level=1)
+    restore = model_runner.restore
+
+    def out_of_memory_once(released):
+        monkeypatch.setattr(model_runner, "restore", restore)
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(model_runner, "restore", out_of_memory_once)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.wake_up()
+    assert llm.is_sleeping()
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    assert greedy(llm) == before
