@@ -186,6 +186,18 @@ def test_speculative_decoding_with_an_adapter(adapters):
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
 
 
+def test_a_draft_model_beside_adapters(adapters):
+    """A draft model runs without adapters: where a request's adapter changes the target, its
+    drafts are rejected more often, and the outputs are still the adapted model's (PEFT's)."""
+    base, loras = adapters("tied-gqa2")
+    prompts = mixed_prompts(lengths=(4, 6, 5))
+    choices = [loras[0], None, loras[1]]
+    got, llm = run(base, prompts, choices, num_kv_blocks=256, max_loras=2,
+                   speculative_config={"model": base, "num_speculative_tokens": 3})
+    assert got == expected(base, prompts, choices)
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+
+
 def test_tensor_parallel_with_adapters(adapters):
     """Two ranks (gloo): q/k/v and gate/up take their rows of B, o and down their columns of A."""
     base, loras = adapters("untied-bias-gqa4")
