@@ -24,7 +24,9 @@ def is_public(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    """A request outside PUBLIC_PATHS without `Authorization: Bearer <one of the keys>` is a 401."""
+    """A request outside PUBLIC_PATHS without `Authorization: Bearer <one of the keys>` is a 401.
+    OPTIONS is let through, as vLLM's middleware lets it (no route answers it with data: a 405),
+    besides the CORS preflights that the CORS middleware around this one answers first."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]):
         self.app = app
@@ -40,7 +42,8 @@ class APIKeyMiddleware:
         return any([hmac.compare_digest(digest, known) for known in self.digests])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not is_public(scope["path"]) and not self.verify(Headers(scope=scope)):
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS" and not is_public(scope["path"])
+                and not self.verify(Headers(scope=scope))):
             response = error_response("Unauthorized: this server needs an API key, as `Authorization: Bearer <key>`",
                                       401, code="invalid_api_key")
             response.headers["WWW-Authenticate"] = "Bearer"

@@ -93,6 +93,14 @@ def test_probes_version_metrics_and_docs_stay_open_the_rest_is_guarded(deployed)
         assert post(deployed, path, body, bearer(KEYS[0])).status_code == 200, path
 
 
+def test_options_without_a_key_is_no_401_and_no_data(deployed):
+    """As vLLM's middleware: OPTIONS passes the key check (a browser's preflight is CORS's, answered
+    before it); a bare one reaches the routes, which answer it with nothing but a 405."""
+    r = httpx.options(deployed.base_url + "/v1/completions", timeout=10)
+    assert r.status_code == 405, r.text
+    assert "choices" not in r.text
+
+
 def test_vllm_api_key_in_the_environment_is_the_key_without_the_flag(tiny_model, tmp_path):
     with launched_server(tiny_model, tmp_path, env={"VLLM_API_KEY": ENV_KEY}) as server:
         assert httpx.get(server.base_url + "/v1/models", timeout=10).status_code == 401
