@@ -51,7 +51,8 @@ class DraftModel:
         # Set aside when the target's pool is sized: the draft's graphs' static logits buffer (74 MiB
         # at 256 rows of Qwen3's vocabulary in bf16). Their private pool of activations is not
         # measured (the draft's steps never run before the target's pool is sized): a decode step's,
-        # tens of MiB for a 0.6B draft, comes out of what gpu_memory_utilization leaves.
+        # 22 MiB for a 0.6B draft at 64 rows on the H200 (benchmarks/NOTES.md entry 62), comes out
+        # of what gpu_memory_utilization leaves.
         self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.max_num_seqs, self.runner.model_config.vocab_size,
                                                             self.runner.dtype) if self.use_cuda_graphs else 0)
 
