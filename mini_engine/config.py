@@ -404,17 +404,19 @@ class EngineConfig:
         if draft.num_labels:
             raise ValueError("speculative_config: the draft model is a sequence classifier: it cannot draft tokens")
         try:
-            self.draft_model_config()
+            self.draft_model_config(draft)
         except ValueError as e:
             raise ValueError(f"speculative_config: the draft model: {e}") from None
 
-    def draft_model_config(self) -> "EngineConfig":
+    def draft_model_config(self, model_config: ModelConfig | None = None) -> "EngineConfig":
         """The draft model's own configuration (runner/draft_model.py): this engine's, on the draft's
         checkpoint, with its quantization, generating greedily on one device, without adapters,
-        parsers or graphs until it shares the target's pool; num_kv_blocks 1 until then."""
+        parsers or graphs until it shares the target's pool; num_kv_blocks 1 until then.
+        model_config: the draft's config.json, where the caller has read it already."""
         spec = self.speculative_config
         return replace(
-            self, model=spec.model, model_config=None, hf_overrides=None, num_kv_blocks=1, speculative_config=None,
+            self, model=spec.model, model_config=model_config, hf_overrides=None, num_kv_blocks=1,
+            speculative_config=None,
             quantization=spec.quantization, enable_lora=False, reasoning_parser=None, runner="generate",
             pooler_config=None, generation_config="none", enforce_eager=True, tensor_parallel_size=1)
 

@@ -131,9 +131,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks' processes and leaves their process group (they
         stop at exit too); then this process may start another tensor-parallel engine."""
-        self.runner.shutdown()
-        if self.draft is not None:
-            self.draft.shutdown()
+        for runner in self.runners():
+            runner.shutdown()
 
     # ---- requests ----
 

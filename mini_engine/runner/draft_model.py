@@ -142,6 +142,3 @@ class DraftModel:
         """(With prev_token_index, token_ids' one token stands in for the sample the device fills in.)"""
         return BatchRow(token_ids, start, seq.block_table, sample, GREEDY if sample else None,
                         block_table_array=seq.block_table_array, prev_token_index=prev_token_index)
-
-    def shutdown(self) -> None:
-        self.runner.shutdown()
