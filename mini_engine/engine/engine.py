@@ -20,7 +20,7 @@ from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
-from mini_engine.runner.draft_model import DraftModel
+from mini_engine.runner.draft_model import DraftModel, Proposal
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.runner.sleep_mode import SLEEP_TAGS
 from mini_engine.sampling_params import SamplingParams
@@ -119,6 +119,7 @@ class LLMEngine:
         self.last_step_prefill_tokens = 0    # prompt tokens (prompt or recomputed) the last step ran
         self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
         self.spec_decode_stats = SpecDecodeStats()     # with speculative_config: its drafts' fate
+        self.proposal: tuple[list[Sequence], Proposal] | None = None   # a draft model's, on the device
         self.draft_backoff = 0              # steps left that skip the proposer (MAX_DRAFT_BACKOFF_STEPS)
         self.next_draft_backoff = 1
         # Everything alive now (imported modules, the model, compiled kernels) lives as long as the
@@ -285,11 +286,14 @@ class LLMEngine:
             outputs = early + (self.resolve(previous) if previous else [])
             if (not self.config.async_scheduling or speculating) and launched is not None:
                 self.in_flight = None
+                self.read_drafts()
                 outputs += self.resolve(launched)
         except BaseException:
             self.block_manager.reset_prefix_cache()     # what the failed step hashed may hold no KV
+            self.proposal = None
             for seq in self.scheduler.running:          # drafts (or a draft model's places) never verified
                 seq.spec_token_ids.clear()
+                seq.draft_places.clear()
             raise
         return outputs
 
@@ -344,10 +348,31 @@ class LLMEngine:
 
     def draft_tokens(self, batch: SchedulerOutput) -> None:
         """The draft model's tokens for the places the step granted (propose_drafts, then
-        Scheduler.grant_drafts, which gave them slots)."""
+        Scheduler.grant_drafts, which gave them slots), launched: the verifying step takes them on
+        the device (Sequence.draft_places), and the host reads them when it resolves that step
+        (read_drafts). Under tensor parallelism the host reads them first: the other ranks take
+        them as the rows' tokens."""
         seqs = [seq for seq in batch.seqs if seq.spec_token_ids]
-        for seq, drafts in zip(seqs, self.draft.propose(seqs, [len(seq.spec_token_ids) for seq in seqs])):
+        if not seqs:
+            return
+        proposal = self.draft.propose(seqs, [len(seq.spec_token_ids) for seq in seqs])
+        if self.runner.workers is not None:
+            for seq, drafts in zip(seqs, proposal.read()):
+                seq.spec_token_ids[:] = drafts
+            return
+        for i, seq in enumerate(seqs):
+            seq.spec_token_ids[:], seq.draft_places = map(list, zip(*(proposal.token(i, d)
+                                                                     for d in range(len(seq.spec_token_ids)))))
+        self.proposal = (seqs, proposal)
+
+    def read_drafts(self) -> None:
+        """The launched proposal's drafts, on the host (its verifying step has been launched)."""
+        if self.proposal is None:
+            return
+        (seqs, proposal), self.proposal = self.proposal, None
+        for seq, drafts in zip(seqs, proposal.read()):
             seq.spec_token_ids[:] = drafts
+            seq.draft_places = []
 
     def wait_for_last_tokens(self) -> list[StepOutput]:
         """While a request that needs_last_token runs (structured outputs, bad words of several
@@ -417,7 +442,8 @@ class LLMEngine:
     def launch(self, batch: SchedulerOutput) -> InFlightStep:
         rows, order, owners = self.build_rows(batch)
         try:
-            handle = self.runner.launch(rows)
+            handle = (self.runner.launch(rows) if self.proposal is None
+                      else self.runner.launch(rows, prev_tokens=self.proposal[1].tokens))
         except BaseException:
             # The failed launch may have recorded samples in penalty rows that never reach the
             # host: the retried step fills each row again from the host's tokens.
@@ -604,12 +630,14 @@ class LLMEngine:
         token num_output_tokens + i, with that token's seed, min_tokens count and bad-word bans."""
         p, start = seq.sampling_params, seq.num_computed_tokens
         tokens = [seq.token_ids[-1], *seq.spec_token_ids]
+        places = [-1, *seq.draft_places] if seq.draft_places else [-1] * len(tokens)
         rows = []
-        for i, token in enumerate(tokens):
+        for i, (token, place) in enumerate(zip(tokens, places)):
             output_index = seq.num_output_tokens + i
             seed = hash((p.seed, output_index)) & 0x7FFFFFFF if p.seed is not None else None
             row = BatchRow([token], start + i, seq.block_table, True, p, seed, seq.block_table_array,
-                           num_output_tokens=output_index if p.min_tokens else 0, lora_request=seq.lora_request)
+                           num_output_tokens=output_index if p.min_tokens else 0, lora_request=seq.lora_request,
+                           prev_token_index=place)
             if seq.bad_words_ids:
                 row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.token_ids + tokens[1:i + 1],
                                                   seq.num_prompt_tokens)

@@ -81,8 +81,11 @@ class Sequence:
     # the scheduler may cut to what the step has room for; the engine clears them when they resolve.
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: object | None = field(default=None, repr=False)   # the proposer's (speculative.NgramIndex)
-    # With a draft model: the positions whose draft K and V it has written (runner/draft_model.py).
+    # With a draft model: the positions whose draft K and V it has written (runner/draft_model.py),
+    # and, while this step's drafts are on the device only, where the verifying step takes each
+    # (its row's prev_token_index: a place in the proposal's tokens; -1: spec_token_ids holds it).
     num_draft_computed: int = 0
+    draft_places: list[int] = field(default_factory=list)
     # With enable_lora: the adapter it runs with, or None (the base model).
     lora_request: LoRARequest | None = None
     # vLLM's cache_salt: its prefix-cache blocks serve only requests of the same salt, so that one

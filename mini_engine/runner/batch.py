@@ -165,14 +165,18 @@ class StepHandle:
     """A launched step's sampled tokens (and log-probabilities, where asked), on their way to the
     host. finish turns the extras' host lists into (the sampling rows' logprobs, the prompt
     log-probabilities of the rows that asked), either None. pooled: the pooling rows' vectors, a
-    [rows, hidden] fp32 array, in their row order (layers/pooler.py), or None."""
+    [rows, hidden] fp32 array, in their row order (layers/pooler.py), or None. samples: the sampled
+    tokens where the device holds them, for work queued behind the step (a draft model's proposal
+    gathers its drafts from them: runner/draft_model.py); a CUDA graph's, overwritten two launches
+    later."""
 
     def __init__(self, tokens: list[int] | None = None, logprobs: list | None = None,
                  host: list[torch.Tensor] | None = None, ready: torch.cuda.Event | None = None,
                  finish: Callable[..., tuple[list | None, list | None]] | None = None,
                  prompt_logprobs: list | None = None, pooled: np.ndarray | None = None,
-                 pooled_host: torch.Tensor | None = None):
+                 pooled_host: torch.Tensor | None = None, samples: torch.Tensor | None = None):
         self.tokens, self.logprobs, self.host, self.ready, self.finish = tokens, logprobs, host, ready, finish
+        self.samples = samples
         self.prompt_logprobs = prompt_logprobs
         self.pooled, self.pooled_host = pooled, pooled_host
 
@@ -194,7 +198,7 @@ class StepHandle:
         if not tokens.is_cuda:
             logprobs, prompt_logprobs = finish(*(t.tolist() for t in extras)) if finish else (None, None)
             return cls(tokens.tolist(), logprobs, prompt_logprobs=prompt_logprobs,
-                       pooled=None if pooled is None else pooled.numpy())
+                       pooled=None if pooled is None else pooled.numpy(), samples=tokens)
         ready = torch.cuda.Event()
         stream = stream or torch.cuda.current_stream(tokens.device)
         stream.wait_stream(torch.cuda.current_stream(tokens.device))
@@ -208,7 +212,7 @@ class StepHandle:
                 h.copy_(t, non_blocking=True)
             ready.record(stream)
         pooled_host = host.pop() if pooled is not None else None
-        return cls(host=host, ready=ready, finish=finish, pooled_host=pooled_host)
+        return cls(host=host, ready=ready, finish=finish, pooled_host=pooled_host, samples=tokens)
 
     def result(self) -> tuple[list[int], list | None]:
         if self.tokens is None:

@@ -26,8 +26,14 @@ may be another sequence's cached prefix, whose draft K and V the draft may never
 Drafting greedily, the draft gives each position one token and no probabilities: the target keeps
 it with the probability its own sampling gives it (speculative.py), so outputs keep the target's
 distribution whatever the draft proposes, and only the acceptance rate depends on the draft."""
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
 from mini_engine.config import EngineConfig
 from mini_engine.engine.sequence import Sequence
+from mini_engine.host_to_device import to_device
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.model_runner import ModelRunner
@@ -62,33 +68,34 @@ class DraftModel:
         self.runner.use_cuda_graphs = self.use_cuda_graphs
         self.runner.reallocate_kv_cache(num_blocks)
 
-    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> "Proposal":
         """num_drafts[i] greedy drafts for seqs[i], whose next num_drafts[i] + 1 positions have
-        slots in its block table (Scheduler.grant_drafts). The catch-up's last step gives each
-        sequence its first draft, and each further draft is one step of the draft over the one
-        before. All are launched one after another without waiting: each step takes its input
-        tokens from the step before's samples on the device (BatchRow.prev_token_index, as the
-        engine's asynchronous decode steps do), and the host reads them all at the end."""
-        if not seqs:
-            return []
-        handle, sample_of, known = self.catch_up(seqs)
-        launched, before = [(handle, sample_of)], sample_of
-        for j in range(1, max(num_drafts)):
-            going = [i for i in range(len(seqs)) if num_drafts[i] > j]
+        slots in its block table (Scheduler.grant_drafts), launched and not waited for. The
+        catch-up's last step gives each sequence its first draft, and each further draft is one
+        step of the draft over the one before. All are launched one after another: each step takes
+        its input tokens from the step before's samples on the device (BatchRow.prev_token_index,
+        as the engine's asynchronous decode steps do), and behind each, one gather copies its drafts
+        into the proposal's tokens, where the target's verifying step, launched next, takes them
+        (ModelRunner.launch's prev_tokens). The host reads them once that step has run
+        (Proposal.read), so the device goes from drafting to verifying without waiting for it."""
+        handle, first_of, known = self.catch_up(seqs)
+        # Step j's samples (j >= 1): each sequence still drafting, in order.
+        later = [{i: n for n, i in enumerate(i for i in range(len(seqs)) if num_drafts[i] > j)}
+                 for j in range(1, max(num_drafts))]
+        proposal = Proposal.place(num_drafts, known, [first_of, *later], self.runner.device)
+        self.runner.take_prev_tokens(proposal.tokens, proposal.gathers[0], handle.samples)
+        launched, before = [handle], first_of
+        for j, sample_of in enumerate(later, start=1):
+            # (A known first draft is the row's token; any other is the step before's sample.)
             rows = [self.row([known.get(i, 0)], seqs[i].num_tokens - 1 + j, seqs[i], sample=True,
-                             prev_token_index=before.get(i, -1)) for i in going]
-            before = {i: n for n, i in enumerate(going)}        # each sequence's sample in this step
-            launched.append((self.runner.launch(rows), before))
-        drafts = [[] for _ in seqs]
-        for i, token in known.items():
-            drafts[i].append(token)
-        for handle, sample_of in launched:
-            tokens, _ = handle.result()
-            for i, n in sample_of.items():
-                drafts[i].append(tokens[n])
+                             prev_token_index=before.get(i, -1)) for i in sample_of]
+            launched.append(self.runner.launch(rows))
+            self.runner.take_prev_tokens(proposal.tokens, proposal.gathers[j], launched[-1].samples)
+            before = sample_of
+        proposal.handles = launched
         for seq, n in zip(seqs, num_drafts):
             seq.num_draft_computed = seq.num_tokens - 1 + n     # its last token and its first n - 1 drafts
-        return drafts
+        return proposal
 
     def catch_up(self, seqs: list[Sequence]) -> tuple[StepHandle, dict[int, int], dict[int, int]]:
         """Runs the draft over each sequence's tokens past its valid draft positions, up to and
@@ -142,3 +149,47 @@ class DraftModel:
         """(With prev_token_index, token_ids' one token stands in for the sample the device fills in.)"""
         return BatchRow(token_ids, start, seq.block_table, sample, GREEDY if sample else None,
                         block_table_array=seq.block_table_array, prev_token_index=prev_token_index)
+
+
+@dataclass
+class Proposal:
+    """A proposal's drafts, launched and not waited for. Draft d of sequence i is known[i] on the
+    host where d is 0 and an earlier catch-up step read it (a prompt's catch-up of several steps),
+    else tokens[offsets[i] + d] on the device once the draft's steps have run. gathers[s]: for each
+    place in tokens, which sample of the proposal's step s fills it (-1: another step's);
+    sample_of[s]: each sequence's sample in step s. read() waits for the drafts on the host."""
+    num_drafts: list[int]
+    known: dict[int, int]
+    sample_of: list[dict[int, int]]
+    offsets: list[int]
+    tokens: torch.Tensor
+    gathers: torch.Tensor
+    handles: list[StepHandle] = field(default_factory=list)
+
+    @classmethod
+    def place(cls, num_drafts: list[int], known: dict[int, int], sample_of: list[dict[int, int]],
+              device: torch.device) -> "Proposal":
+        offsets = np.cumsum([0, *num_drafts[:-1]]).tolist()
+        gathers = np.full((len(sample_of), sum(num_drafts)), -1, dtype=np.int64)
+        for s, samples in enumerate(sample_of):
+            for i, n in samples.items():
+                gathers[s, offsets[i] + s] = n
+        return cls(num_drafts, known, sample_of, offsets,
+                   torch.empty(sum(num_drafts), dtype=torch.int64, device=device),
+                   to_device(torch.from_numpy(gathers), device))
+
+    def token(self, i: int, d: int) -> tuple[int, int]:
+        """Draft d of sequence i as a verifying row takes it: (token, -1) where the host knows
+        it, else (a placeholder, its place in tokens)."""
+        if d == 0 and i in self.known:
+            return self.known[i], -1
+        return 0, self.offsets[i] + d
+
+    def read(self) -> list[list[int]]:
+        """Every sequence's drafts on the host (waits for the draft's steps)."""
+        drafts = [[self.known[i]] if i in self.known else [] for i in range(len(self.num_drafts))]
+        for handle, samples in zip(self.handles, self.sample_of):
+            tokens, _ = handle.result()
+            for i, n in samples.items():
+                drafts[i].append(tokens[n])
+        return drafts

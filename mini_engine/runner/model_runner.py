@@ -563,12 +563,15 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def launch(self, rows: list[BatchRow]) -> "StepHandle":
+    def launch(self, rows: list[BatchRow], prev_tokens: torch.Tensor | None = None) -> "StepHandle":
         """Enqueues one step on the device and returns at once; the handle's result() waits for
         the sampled tokens (one per row with sample=True, in order). Rows of one token must come
         first (they take the batched decode path). A row whose prev_token_index is set takes its
         input token from the previous launch's samples, still on the device: the host need not
-        know it, so the engine can schedule step n+1 while step n runs."""
+        know it, so the engine can schedule step n+1 while step n runs. prev_tokens: where such
+        rows take their tokens instead, a device tensor of at most max_num_seqs tokens that work
+        queued before this launch fills (a draft model's drafts: runner/draft_model.py); it takes
+        the previous launch's samples' place, which the host must already have read."""
         if self.broken is not None:
             raise RuntimeError(f"tensor parallelism: a step failed on rank 0 ({self.broken}) after the other "
                                "ranks had started it; their collectives no longer pair up: restart the engine")
@@ -578,6 +581,11 @@ class ModelRunner:
         try:
             if self.workers is not None:
                 self.workers.send(rows)         # the other ranks run the same step on their shares
+            if prev_tokens is not None:
+                assert self.workers is None, "the other ranks would take their own samples"
+                if self.tokens_copied[1 - turn] is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self.tokens_copied[1 - turn])
+                self.sampled_tokens[1 - turn, :prev_tokens.shape[0]].copy_(prev_tokens)
             handle = self.enqueue(rows, turn)
         except BaseException as e:
             if self.tp.size > 1:                # where it failed, the other ranks (some of them) went on

@@ -157,9 +157,9 @@ def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_check
     propose = DraftModel.propose
 
     def recorded(self, seqs, num_drafts):
-        drafts = propose(self, seqs, num_drafts)
-        proposals.extend((list(seq.token_ids), d[0]) for seq, d in zip(seqs, drafts))
-        return drafts
+        proposal = propose(self, seqs, num_drafts)
+        proposals.extend((list(seq.token_ids), d[0]) for seq, d in zip(seqs, proposal.read()))
+        return proposal
 
     monkeypatch.setattr(DraftModel, "propose", recorded)
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256,
@@ -215,10 +215,18 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
     """Once a sequence's prompt is caught up, a proposal's first step is decode rows (the accepted
     drafts and the target's token after them, one a token at its own position: what a CUDA graph
     replays) and its later steps take their input tokens from the step before's samples on the
-    device; the host waits for none of them before all are launched. Outputs stay plain decoding's."""
+    device; the target's verifying step takes the drafts on the device too, so the host waits for
+    none of the draft's steps before all of them and the verifying step are launched. Outputs stay
+    plain decoding's."""
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint, k=4))
     runner, proposals = llm.engine.draft.runner, []
     launch, propose = runner.launch, DraftModel.propose
+    target_launch = llm.engine.runner.launch
+
+    def recorded_target_launch(rows, **kwargs):
+        if proposals and kwargs:                # a verifying step's: its drafts' places on the device
+            proposals[-1].append(("verify", [r.prev_token_index for r in rows]))
+        return target_launch(rows, **kwargs)
 
     def recorded_launch(rows):
         proposals[-1].append([(len(r.token_ids), r.prev_token_index) for r in rows])
@@ -236,14 +244,21 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
         return propose(self, seqs, num_drafts)
 
     monkeypatch.setattr(runner, "launch", recorded_launch)
+    monkeypatch.setattr(llm.engine.runner, "launch", recorded_target_launch)
     monkeypatch.setattr(DraftModel, "propose", recorded_propose)
     assert generate(llm, GREEDY) == generate(plain, GREEDY)
     proposals = [events for events in proposals if events]        # (a step whose sequences had no places)
     prompt_catch_ups = [events for events in proposals if any(n > 1 for n, _ in events[0])]
     assert len(prompt_catch_ups) <= len(PROMPTS) and len(proposals) - len(prompt_catch_ups) >= 5
     for events in proposals:
-        steps = [e for e in events if e != "wait"]
-        assert events == steps + ["wait"] * len(steps)          # every step launched before the first wait
+        steps = [e for e in events if e != "wait" and e[0] != "verify"]
+        verify = [e for e in events if e[0] == "verify"]
+        # every step launched, then the verifying step, before the first wait
+        assert events == steps + verify + ["wait"] * len(steps) and len(verify) == 1
+        # The verifying rows take each draft once from the proposal's tokens on the device (a
+        # prompt's catch-up of several steps may have read first drafts on the host already).
+        taken = sorted(p for p in verify[0][1] if p >= 0)
+        assert taken == list(range(len(taken))) and (taken or events in prompt_catch_ups), verify
         assert all(prev >= 0 for step in steps[1:] for _, prev in step)
         if events not in prompt_catch_ups:
             assert all(n == 1 and prev == -1 for n, prev in steps[0])
