@@ -9,7 +9,10 @@ Qwen3-0.6B's shape cut to --layers of its 28, two random bf16 checkpoints A and 
   3. sleep(level=1): the device memory it frees (mem_get_info) against the weights' and the KV pool's
      bytes; wake_up(): the same tokens (the graphs captured again), B's parameters;
   4. sleep(level=2), wake_up(tags=["weights"]), A's tensors one a call (TRL's way, norms after their
-     projections), wake_up(tags=["kv_cache"]): A's tokens and parameters.
+     projections), wake_up(tags=["kv_cache"]): A's tokens and parameters;
+  5. an engine on B with B itself as its draft model (speculative_config, 4 tokens): its tokens and
+     acceptance; sleep(level=1) frees both models' weights and both KV pools; wake_up() brings back
+     the same tokens (both runners' graphs captured again) at the same acceptance.
 Prints one JSON line (and writes it under --out)."""
 import argparse
 import json
@@ -124,6 +127,38 @@ def main() -> int:
     llm.wake_up(tags=["kv_cache"])
     checks["sleep 2 / A one tensor a call: A's tokens"] = tokens(llm) == expected_a
     checks["sleep 2 / A one tensor a call: A's parameters"] = same(state(llm), state_a)
+    llm.shutdown()
+    del llm, runner
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+    drafted = LLM(b, speculative_config={"model": b, "num_speculative_tokens": 4}, **options)
+    draft_runner = drafted.engine.draft.runner
+
+    def acceptance() -> float:
+        rate = drafted.engine.spec_decode_stats.acceptance_rate
+        drafted.engine.spec_decode_stats = type(drafted.engine.spec_decode_stats)()
+        return round(rate, 3)
+    with_draft = tokens(drafted)
+    result["draft_acceptance"] = acceptance()
+    both_bytes = sum(s.nbytes() for r in (drafted.engine.runner, draft_runner)
+                     for s in {p.untyped_storage().data_ptr(): p.untyped_storage()
+                               for p in r.model.parameters()}.values())
+    both_bytes += sum(r.kv_cache.untyped_storage().nbytes() for r in (drafted.engine.runner, draft_runner))
+    result["draft_cuda_graphs"] = draft_runner.graph_runner is not None
+    before = free_bytes()
+    drafted.sleep(level=1)
+    result["draft_freed_GiB"] = (free_bytes() - before) / 2**30
+    result["draft_weights_and_kv_GiB"] = both_bytes / 2**30
+    drafted.wake_up()
+    checks["with a draft model, sleep 1 / wake: the same tokens"] = tokens(drafted) == with_draft
+    result["draft_acceptance_after_wake"] = acceptance()
+    checks["with a draft model, sleep 1 / wake: the same acceptance"] = (
+        result["draft_acceptance_after_wake"] == result["draft_acceptance"] > 0.5)
+    if dev == "cuda":
+        checks["with a draft model, sleep 1 freed both models' weights and KV pools"] = (
+            result["draft_freed_GiB"] >= result["draft_weights_and_kv_GiB"])
+    drafted.shutdown()
     result["checks"] = checks
     result["passed"] = all(checks.values())
     line = json.dumps(result)
