@@ -146,9 +146,12 @@ def main() -> int:
                                for p in r.model.parameters()}.values())
     both_bytes += sum(r.kv_cache.untyped_storage().nbytes() for r in (drafted.engine.runner, draft_runner))
     result["draft_cuda_graphs"] = draft_runner.graph_runner is not None
-    before = free_bytes()
+    before, before_allocated = free_bytes(), allocated()
+    before_reserved = torch.cuda.memory_reserved() if dev == "cuda" else 0
     drafted.sleep(level=1)
     result["draft_freed_GiB"] = (free_bytes() - before) / 2**30
+    result["draft_allocated_freed_GiB"] = (before_allocated - allocated()) / 2**30
+    result["draft_reserved_freed_GiB"] = (before_reserved - (torch.cuda.memory_reserved() if dev == "cuda" else 0)) / 2**30
     result["draft_weights_and_kv_GiB"] = both_bytes / 2**30
     drafted.wake_up()
     checks["with a draft model, sleep 1 / wake: the same tokens"] = tokens(drafted) == with_draft
@@ -158,6 +161,8 @@ def main() -> int:
     if dev == "cuda":
         checks["with a draft model, sleep 1 freed both models' weights and KV pools"] = (
             result["draft_freed_GiB"] >= result["draft_weights_and_kv_GiB"])
+        checks["with a draft model, sleep 1 gave the allocator both models' weights and KV pools"] = (
+            result["draft_allocated_freed_GiB"] >= result["draft_weights_and_kv_GiB"])
     drafted.shutdown()
     result["checks"] = checks
     result["passed"] = all(checks.values())

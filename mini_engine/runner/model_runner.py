@@ -192,6 +192,11 @@ class ModelRunner:
         if mc.quantization is not None:
             use_triton = "awq_linear" in self.kernels if isinstance(mc.quantization, AwqConfig) else fp8_triton
             hold_quantized_weights(self.model, mc.quantization, use_triton, self.device)
+        if self.device.type == "cuda":
+            # The weights in segments of their own, not in the free rest of one the process cached
+            # before (a checkpoint written or a model run in it), whose other tensors would keep the
+            # segment, and so the weights' memory, from going back to the device when they sleep.
+            torch.cuda.empty_cache()
         self.model.materialize(self.device)
         load_model(self.model, config.model)
         if config.quantization == "fp8" and mc.quantization is None:
@@ -467,6 +472,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         mc = self.model_config
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()            # a segment of its own, as the weights' (start)
         # Zeroed, not empty: attention reads whole blocks and masks the slots past a sequence's
         # end, and a masked weight of 0 times a NaN left in uninitialised memory is still NaN.
         kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads,
