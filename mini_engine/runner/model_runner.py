@@ -188,15 +188,44 @@ class ModelRunner:
                                               lm_head=not self.pooling or self.classifier_token_ids is not None)
         finally:
             torch.set_default_dtype(default_dtype)
-        fp8_triton = check_fp8_kernels(config, self.device, self.kernels)
-        if mc.quantization is not None:
-            use_triton = "awq_linear" in self.kernels if isinstance(mc.quantization, AwqConfig) else fp8_triton
-            hold_quantized_weights(self.model, mc.quantization, use_triton, self.device)
+        # (The step buffers are allocated before the weights: allocated after, they would fit the free
+        # ends of the weights' segments, and keep that memory when the weights sleep.)
+        # Consecutive launches take turns, 0 and 1 (self.turn: the next launch's). A turn has its
+        # own staged inputs (self.inputs[turn]) and samples (self.sampled_tokens[turn], static, so
+        # that a CUDA graph reads and writes them), where the next launch takes its input tokens
+        # (a row's prev_token_index). So on CUDA the next step's inputs cross on a copy stream, and
+        # the step's tokens go to the host on a stream of their own, while the device runs on: the
+        # next launch waits for neither, and the one after finds both long done (it waits for
+        # tokens_copied[turn] before it overwrites the turn's samples, and its input copy for
+        # StepInputBuffers.release). Between two decode graphs the device then runs no copy at
+        # all (benchmarks/NOTES.md, entry 41).
+        self.turn = 0
+        self.sampled_tokens = torch.zeros(2, config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.tokens_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.tokens_copied: list[torch.cuda.Event | None] = [None, None]
+        self.take_prev_tokens = take_prev_tokens if "prev_tokens" in self.kernels else take_prev_tokens_ref
+        self.max_blocks = -(-config.max_model_len // self.block_size)
+        # The Triton varlen attention kernel: it leaves tokens outside every sequence alone, so an
+        # eager step's tokens may be padded (the PyTorch reference gives each token a row), and its
+        # programs take their queries from a work list built here (prefill_work).
+        self.triton_attention = "attention" in self.kernels
+        max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
+        self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
+        max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
+        # Not tokens_stream: there the next step's input copy would queue behind the tokens' copy,
+        # which waits for the step before to end.
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.inputs = [StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
+                                        max_work_items, self.device, self.copy_stream) for _ in range(2)]
         if self.device.type == "cuda":
             # The weights in segments of their own, not in the free rest of one the process cached
             # before (a checkpoint written or a model run in it), whose other tensors would keep the
             # segment, and so the weights' memory, from going back to the device when they sleep.
             torch.cuda.empty_cache()
+        fp8_triton = check_fp8_kernels(config, self.device, self.kernels)
+        if mc.quantization is not None:
+            use_triton = "awq_linear" in self.kernels if isinstance(mc.quantization, AwqConfig) else fp8_triton
+            hold_quantized_weights(self.model, mc.quantization, use_triton, self.device)
         self.model.materialize(self.device)
         load_model(self.model, config.model)
         if config.quantization == "fp8" and mc.quantization is None:
@@ -227,33 +256,6 @@ class ModelRunner:
         self.graph_runner = None
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
-        # Consecutive launches take turns, 0 and 1 (self.turn: the next launch's). A turn has its
-        # own staged inputs (self.inputs[turn]) and samples (self.sampled_tokens[turn], static, so
-        # that a CUDA graph reads and writes them), where the next launch takes its input tokens
-        # (a row's prev_token_index). So on CUDA the next step's inputs cross on a copy stream, and
-        # the step's tokens go to the host on a stream of their own, while the device runs on: the
-        # next launch waits for neither, and the one after finds both long done (it waits for
-        # tokens_copied[turn] before it overwrites the turn's samples, and its input copy for
-        # StepInputBuffers.release). Between two decode graphs the device then runs no copy at
-        # all (benchmarks/NOTES.md, entry 41).
-        self.turn = 0
-        self.sampled_tokens = torch.zeros(2, config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self.tokens_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.tokens_copied: list[torch.cuda.Event | None] = [None, None]
-        self.take_prev_tokens = take_prev_tokens if "prev_tokens" in self.kernels else take_prev_tokens_ref
-        self.max_blocks = -(-config.max_model_len // self.block_size)
-        # The Triton varlen attention kernel: it leaves tokens outside every sequence alone, so an
-        # eager step's tokens may be padded (the PyTorch reference gives each token a row), and its
-        # programs take their queries from a work list built here (prefill_work).
-        self.triton_attention = "attention" in self.kernels
-        max_tokens = padded_token_count(config.max_num_batched_tokens, config.max_num_seqs)
-        self.prefill_block_q = prefill_block_q(mc.num_attention_heads // mc.num_key_value_heads)
-        max_work_items = config.max_num_batched_tokens // self.prefill_block_q + config.max_num_seqs
-        # Not tokens_stream: there the next step's input copy would queue behind the tokens' copy,
-        # which waits for the step before to end.
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.inputs = [StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
-                                        max_work_items, self.device, self.copy_stream) for _ in range(2)]
         self.decode_workspace = None
         if self.triton_attention:
             # One scratch for every layer's decode splits: allocated before the KV pool is sized, so
