@@ -479,16 +479,25 @@ class OpenAIServer:
 
     async def stream_events(self, streams: list[RequestStream], request_id: str, created: int, chat: bool,
                             include_usage: bool, prompts: Prompts, parsers: list[ChatOutputParser] | None = None,
-                            model: str | None = None) -> AsyncIterator[str]:
+                            model: str | None = None, continuous_usage: bool = False) -> AsyncIterator[str]:
+        """continuous_usage: every chunk carries the request's usage so far (vLLM's
+        continuous_usage_stats; its chunks hold one choice each, and count that choice's tokens,
+        where one here may hold several, and counts all the request's)."""
         model = model or self.model_name
+        offsets, last, failed = [0] * len(streams), [None] * len(streams), None
+
+        def so_far() -> dict | None:
+            if not continuous_usage:
+                return None
+            return usage(sum(stream.num_prompt_tokens for stream in streams[::prompts.n]),
+                         sum(delta.num_output_tokens for delta in last if delta is not None))
         if chat:
             first = [{"index": k, "delta": {"role": prompts.role, "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(streams))]
-            yield sse(completion_body(request_id, created, model, first, None, chunk=True, chat=True))
+            yield sse(completion_body(request_id, created, model, first, so_far(), chunk=True, chat=True))
             if prompts.chat_echo:       # as vLLM's, a chunk of its own before the choices' tokens
                 echoed = [self.choice(k, prompts.chat_echo, None, True, chunk=True) for k in range(len(streams))]
-                yield sse(completion_body(request_id, created, model, echoed, None, chunk=True, chat=True))
-        offsets, last, failed = [0] * len(streams), [None] * len(streams), None
+                yield sse(completion_body(request_id, created, model, echoed, so_far(), chunk=True, chat=True))
         echoes = StreamedEchoes(prompts) if prompts.echoes is not None else None
         async for ready in interleaved(streams):
             choices = []          # the deltas ready together go out as one chunk
@@ -518,7 +527,7 @@ class OpenAIServer:
                 yield sse(error_body(failed, 500))
                 break
             if choices:
-                yield sse(completion_body(request_id, created, model, choices, None, chunk=True, chat=chat))
+                yield sse(completion_body(request_id, created, model, choices, so_far(), chunk=True, chat=chat))
         if include_usage and failed is None:
             u = self.usage_of(last, prompts.n)
             yield sse(completion_body(request_id, created, model, [], u, chunk=True, chat=chat))
@@ -584,7 +593,8 @@ class OpenAIServer:
 
     async def respond(self, raw: Request, request_id: str, streams: list[RequestStream], chat: bool,
                       streaming: bool, include_usage: bool, prompts: Prompts,
-                      parsers: list[ChatOutputParser] | None = None, model: str | None = None) -> Response:
+                      parsers: list[ChatOutputParser] | None = None, model: str | None = None,
+                      continuous_usage: bool = False) -> Response:
         """streams: one for each completion (choice) asked for (add's); parsers: a chat response's
         output parsers, one for each (output_parsers'); model: the responses' `model` (default:
         the served model's name)."""
@@ -592,7 +602,7 @@ class OpenAIServer:
         created = int(time.time())
         if streaming:
             return self.streamed(self.stream_events(streams, request_id, created, chat, include_usage, prompts,
-                                                    parsers, model), streams)
+                                                    parsers, model, continuous_usage), streams)
         return await self.unless_disconnected(
             raw, self.collect(streams, request_id, created, chat, prompts, parsers, model), streams)
 
@@ -681,7 +691,7 @@ class OpenAIServer:
         streams = self.add(request_id, prompts, params, req.priority, lora_request, req.cache_salt)
         return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
                                   Prompts(prompts, params.n, echoes, logprobs_json=logprobs_json),
-                                  model=self.response_model_name(lora_request))
+                                  model=self.response_model_name(lora_request), continuous_usage=req.continuous_usage)
 
     def echo(self, prompt: str | list[int], prompt_token_ids: list[int], max_tokens: int,
              logprobs_json: LogprobsJSON) -> Echo:
@@ -764,7 +774,8 @@ class OpenAIServer:
         return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
                                   Prompts([prompt_token_ids], params.n, chat_echo=echo, role=role,
                                           logprobs_json=self.request_logprobs_json(req)),
-                                  self.output_parsers(req, prompt, params), self.response_model_name(lora_request))
+                                  self.output_parsers(req, prompt, params), self.response_model_name(lora_request),
+                                  continuous_usage=req.continuous_usage)
 
 
 def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | None = None,

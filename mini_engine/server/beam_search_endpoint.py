@@ -72,7 +72,7 @@ class BeamSearchEndpoint:
                        for ids, beams in zip(prompts.token_ids, best) for k, beam in enumerate(beams)]
             if req.stream:
                 return server.streamed(server.stream_events(streams, request_id, created, chat, req.include_usage,
-                                                            prompts, parsers, model), [])
+                                                            prompts, parsers, model, req.continuous_usage), [])
             return await server.collect(streams, request_id, created, chat, prompts, parsers, model)
 
         # The search aborts its own step's requests when the client leaves (search's finally).

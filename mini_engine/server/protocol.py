@@ -54,8 +54,11 @@ def random_id(prefix: str) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # As OpenAI: a stream ends with a usage chunk (its choices empty) only when asked, since
-    # clients that read chunk.choices[0] of every chunk fail on it.
-    include_usage: bool = False
+    # clients that read chunk.choices[0] of every chunk fail on it. continuous_usage_stats (vLLM's):
+    # every chunk also carries the usage so far; it asks for the usage chunk too, unless
+    # include_usage is false (vLLM's include_usage defaults to true, so there it always does).
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False
 
 
 # The sampling fields that beam search leaves alone, and their neutral values (what a client that
@@ -142,7 +145,15 @@ class SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        options = self.stream_options
+        if options is None:
+            return False
+        return options.continuous_usage_stats if options.include_usage is None else options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -390,6 +390,32 @@ def test_streams_end_with_usage_only_when_asked(served, client):
     assert not asked[-1].choices and asked[-1].usage.completion_tokens == 5
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far (the role
+    chunk none of the output yet), the stream still ends with the usage chunk (asked for by it
+    unless include_usage is false), and its counts are the last chunk's."""
+    params = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=7, temperature=0, stream=True,
+                  extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(**params, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    final, streamed = chunks[-1], chunks[:-1]
+    assert not final.choices and final.usage.completion_tokens == 7
+    assert streamed[0].choices[0].delta.role == "assistant" and streamed[0].usage.completion_tokens == 0
+    counts = [c.usage.completion_tokens for c in streamed]
+    assert counts == sorted(counts) and counts[-1] == 7 and len(set(counts)) > 2, counts
+    assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    # Two completions of one prompt: the prompt once, both completions' tokens.
+    both = list(client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, n=2, temperature=0.8,
+                                          seed=1, stream=True, extra_body={"ignore_eos": True},
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert both[-2].usage.completion_tokens == both[-1].usage.completion_tokens == 8
+    assert both[-1].usage.prompt_tokens == both[0].usage.prompt_tokens
+    off = list(client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, temperature=0, stream=True,
+                                         stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert all(c.choices and c.usage is None for c in off)
+
+
 def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
     body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3, "response_format": {"type": "text"},
             "tools": [], "tool_choice": "none"}
