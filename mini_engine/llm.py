@@ -1,5 +1,6 @@
 """LLM: the offline entry point, shaped like vLLM's."""
 import dataclasses
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class LLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self.chat_template = None       # the checkpoint's, read on the first chat()
+        self._hf_tokenizer = None       # get_tokenizer's
+        self._profiler = self._profile_dir = None   # start_profile's
 
     def shutdown(self) -> None:
         """With tensor_parallel_size > 1: stops the other ranks' processes (they stop at exit too)."""
@@ -71,7 +74,54 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The checkpoint's tokenizer.json, as the `tokenizers` library loads it (None without one):
+        what the engine encodes prompts and decodes outputs with."""
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """vLLM's LLM.get_tokenizer: the checkpoint's tokenizer as transformers loads it
+        (AutoTokenizer: encode, decode, apply_chat_template, eos_token_id, ...), which its users
+        build prompts with. Loaded once, on the first call; needs transformers, which the engine
+        itself does not."""
+        if self._hf_tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as e:
+                raise ImportError(f"LLM.get_tokenizer returns transformers' tokenizer: pip install transformers "
+                                  f"({e}); LLM.tokenizer is the engine's own (the tokenizers library's)") from None
+            if self.engine.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: it takes prompts as token ids")
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.engine.config.model)
+        return self._hf_tokenizer
+
+    def start_profile(self, profile_dir: str | None = None) -> None:
+        """vLLM's LLM.start_profile: torch.profiler records the engine's process (CPU and, on a GPU,
+        CUDA activity) until stop_profile, which writes a Chrome trace (chrome://tracing, Perfetto)
+        into profile_dir, or into $VLLM_TORCH_PROFILER_DIR as vLLM's does. Under tensor parallelism
+        this is rank 0's process alone."""
+        profile_dir = profile_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        if not profile_dir:
+            raise ValueError("start_profile needs a folder for the trace: profile_dir, or VLLM_TORCH_PROFILER_DIR "
+                             "in the environment (vLLM's)")
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already running: stop_profile() first")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.engine.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        os.makedirs(profile_dir, exist_ok=True)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+        self._profile_dir = profile_dir
+
+    def stop_profile(self) -> str:
+        """Ends start_profile's recording and returns the trace's path."""
+        if self._profiler is None:
+            raise RuntimeError("no profile is running: start_profile() first")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        path = os.path.join(self._profile_dir, f"mini_engine_trace_{os.getpid()}_{time.time_ns()}.json")
+        profiler.export_chrome_trace(path)
+        return path
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() samples with when given no SamplingParams: the checkpoint's

@@ -151,3 +151,42 @@ def test_chat_with_a_template_of_the_callers(llm, tmp_path):
         with pytest.raises(ValueError, match=match):
             llm.chat(messages, params, chat_template=bad)
     assert llm.engine.num_free_blocks == 64 and not llm.engine.has_unfinished_requests()
+
+
+def test_get_tokenizer_is_transformers_over_the_checkpoint(llm):
+    """vLLM's LLM.get_tokenizer, what its users build prompts with: transformers' tokenizer of the
+    checkpoint, encoding as the engine encodes and rendering chats as LLM.chat renders them (the
+    prompt it returns, generated as LLM.chat generates it)."""
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.get_tokenizer()
+    text = "Hello, Größe 🚀 world"
+    assert tokenizer.encode(text, add_special_tokens=False) == llm.engine.tokenize(text)
+    ids = llm.engine.tokenize(text)
+    assert tokenizer.decode(ids) == llm.engine.detokenize(ids)
+    assert tokenizer.eos_token_id == llm.tokenizer.token_to_id("<|im_end|>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    chatted = llm.chat(messages, params, use_tqdm=False)[0]
+    assert chatted.prompt == prompt
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text == chatted.outputs[0].text
+
+
+def test_start_and_stop_profile_write_a_chrome_trace(llm, tmp_path, monkeypatch):
+    """vLLM's LLM.start_profile / stop_profile: the steps between them in a Chrome trace, in the
+    folder given or $VLLM_TORCH_PROFILER_DIR; without either, or out of order, a clear error."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(ValueError, match="VLLM_TORCH_PROFILER_DIR"):
+        llm.start_profile()
+    with pytest.raises(RuntimeError, match="start_profile"):
+        llm.stop_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    llm.start_profile()
+    with pytest.raises(RuntimeError, match="already running"):
+        llm.start_profile()
+    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    path = llm.stop_profile()
+    assert path.startswith(str(tmp_path / "traces"))
+    with open(path) as f:
+        names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
+    assert any("linear" in name for name in names), sorted(names)[:20]
