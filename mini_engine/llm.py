@@ -1,6 +1,5 @@
 """LLM: the offline entry point, shaped like vLLM's."""
 import dataclasses
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -66,7 +65,6 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self.chat_template = None       # the checkpoint's, read on the first chat()
         self._hf_tokenizer = None       # get_tokenizer's
-        self._profiler = self._profile_dir = None   # start_profile's
 
     def shutdown(self) -> None:
         """With tensor_parallel_size > 1: stops the other ranks' processes (they stop at exit too)."""
@@ -97,31 +95,12 @@ class LLM:
     def start_profile(self, profile_dir: str | None = None) -> None:
         """vLLM's LLM.start_profile: torch.profiler records the engine's process (CPU and, on a GPU,
         CUDA activity) until stop_profile, which writes a Chrome trace (chrome://tracing, Perfetto)
-        into profile_dir, or into $VLLM_TORCH_PROFILER_DIR as vLLM's does. Under tensor parallelism
-        this is rank 0's process alone."""
-        profile_dir = profile_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR")
-        if not profile_dir:
-            raise ValueError("start_profile needs a folder for the trace: profile_dir, or VLLM_TORCH_PROFILER_DIR "
-                             "in the environment (vLLM's)")
-        if self._profiler is not None:
-            raise RuntimeError("a profile is already running: stop_profile() first")
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.engine.runner.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        os.makedirs(profile_dir, exist_ok=True)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-        self._profiler.start()
-        self._profile_dir = profile_dir
+        into profile_dir, or into $VLLM_TORCH_PROFILER_DIR as vLLM's does (LLMEngine.start_profile)."""
+        self.engine.start_profile(profile_dir)
 
     def stop_profile(self) -> str:
         """Ends start_profile's recording and returns the trace's path."""
-        if self._profiler is None:
-            raise RuntimeError("no profile is running: start_profile() first")
-        profiler, self._profiler = self._profiler, None
-        profiler.stop()
-        path = os.path.join(self._profile_dir, f"mini_engine_trace_{os.getpid()}_{time.time_ns()}.json")
-        profiler.export_chrome_trace(path)
-        return path
+        return self.engine.stop_profile()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() samples with when given no SamplingParams: the checkpoint's

@@ -5,8 +5,12 @@ import gc
 import itertools
 import logging
 import numbers
+import os
+import time
 import warnings
 from dataclasses import dataclass
+
+import torch
 
 from mini_engine.config import EngineConfig
 from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids, check_bad_words
@@ -120,6 +124,7 @@ class LLMEngine:
         self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
         self.spec_decode_stats = SpecDecodeStats()     # with speculative_config: its drafts' fate
         self.proposal: tuple[list[Sequence], Proposal] | None = None   # a draft model's, on the device
+        self.profiler, self.profile_dir = None, None       # start_profile's
         self.draft_backoff = 0              # steps left that skip the proposer (MAX_DRAFT_BACKOFF_STEPS)
         self.next_draft_backoff = 1
         # Everything alive now (imported modules, the model, compiled kernels) lives as long as the
@@ -723,6 +728,35 @@ class LLMEngine:
             woken = [tag for tag in SLEEP_TAGS if tag in tags and tag in runner.sleep_state.sleeping_tags]
             if woken:
                 runner.wake_up(woken)
+
+    def start_profile(self, profile_dir: str | None = None) -> None:
+        """torch.profiler over this process (CPU, and CUDA on a GPU) until stop_profile (vLLM's
+        start_profile): its trace goes into profile_dir, or $VLLM_TORCH_PROFILER_DIR as vLLM's.
+        Under tensor parallelism, rank 0's process alone."""
+        profile_dir = profile_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        if not profile_dir:
+            raise ValueError("start_profile needs a folder for the trace: profile_dir, or VLLM_TORCH_PROFILER_DIR "
+                             "in the environment (vLLM's)")
+        if self.profiler is not None:
+            raise RuntimeError("a profile is already running: stop_profile() first")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        os.makedirs(profile_dir, exist_ok=True)
+        profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        profiler.start()
+        self.profiler, self.profile_dir = profiler, profile_dir
+
+    def stop_profile(self) -> str:
+        """Ends start_profile's recording; writes its Chrome trace (chrome://tracing, Perfetto) and
+        returns the file's path."""
+        if self.profiler is None:
+            raise RuntimeError("no profile is running: start_profile() first")
+        profiler, self.profiler = self.profiler, None
+        profiler.stop()
+        path = os.path.join(self.profile_dir, f"mini_engine_trace_{os.getpid()}_{time.time_ns()}.json")
+        profiler.export_chrome_trace(path)
+        return path
 
     def runners(self) -> list[ModelRunner]:
         """The target's runner, and the draft model's with one: what sleeps and wakes."""

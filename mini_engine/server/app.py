@@ -30,7 +30,7 @@ from mini_engine.sampling_params import SamplingParams, check_truncate_prompt_to
 from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
 from mini_engine.server.beam_search_endpoint import BeamSearchEndpoint
 from mini_engine.server.constraints import forced_tool, structured_outputs
-from mini_engine.server.dev_endpoints import add_dev_routes, dev_mode
+from mini_engine.server.dev_endpoints import add_dev_routes, add_profile_routes, dev_mode, profiling
 from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.lora_modules import LoRAModulePath, LoRAModules, runtime_updating_allowed
@@ -882,6 +882,8 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
 
     if dev_mode():       # as vLLM's, only where the environment asks for them
         add_dev_routes(app, server.async_engine)
+    if profiling():
+        add_profile_routes(app, server.async_engine)
 
     @app.get("/health")
     @app.get("/ping")           # SageMaker's, GET or POST, as vLLM's

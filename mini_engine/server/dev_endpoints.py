@@ -15,10 +15,17 @@ from fastapi.responses import JSONResponse
 from mini_engine.server.protocol import error_response
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# vLLM's: where it is set, POST /start_profile and /stop_profile run torch.profiler in the engine's
+# process (LLMEngine.start_profile) and write its trace there.
+PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 
 
 def dev_mode() -> bool:
     return os.environ.get(DEV_MODE_ENV, "0").strip().lower() in ("1", "true")
+
+
+def profiling() -> bool:
+    return bool(os.environ.get(PROFILER_DIR_ENV))
 
 
 async def engine_call(call, *args) -> tuple[object, JSONResponse | None]:
@@ -58,3 +65,17 @@ def add_dev_routes(app: FastAPI, async_engine) -> None:
     async def is_sleeping():
         sleeping, error = await engine_call(async_engine.call, "is_sleeping")
         return error or JSONResponse({"is_sleeping": sleeping})
+
+
+def add_profile_routes(app: FastAPI, async_engine) -> None:
+    """POST /start_profile, then POST /stop_profile: the engine's steps between them in a Chrome
+    trace under $VLLM_TORCH_PROFILER_DIR (its path in the response). 409 out of order."""
+    @app.post("/start_profile")
+    async def start_profile():
+        _, error = await engine_call(async_engine.call, "start_profile")
+        return error or JSONResponse({"profiling": True})
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        path, error = await engine_call(async_engine.call, "stop_profile")
+        return error or JSONResponse({"profiling": False, "trace": path})

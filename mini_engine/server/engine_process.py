@@ -44,6 +44,8 @@ ENGINE_CALLS = {
     "sleep": LLMEngine.sleep,
     "wake_up": LLMEngine.wake_up,
     "is_sleeping": LLMEngine.is_sleeping,
+    "start_profile": LLMEngine.start_profile,
+    "stop_profile": LLMEngine.stop_profile,
 }
 
 

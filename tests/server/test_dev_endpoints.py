@@ -14,9 +14,14 @@ GREEDY = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature"
 
 
 @pytest.fixture(scope="module")
-def dev_server(tiny_model, tmp_path_factory):
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("dev-server-traces")
+
+
+@pytest.fixture(scope="module")
+def dev_server(tiny_model, tmp_path_factory, profile_dir):
     with launched_server(tiny_model, tmp_path_factory.mktemp("dev-server-log"), options=("--enable-sleep-mode",),
-                         env={"VLLM_SERVER_DEV_MODE": "1"}) as handle:
+                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_TORCH_PROFILER_DIR": str(profile_dir)}) as handle:
         yield handle
 
 
@@ -91,3 +96,18 @@ def test_routes_exist_only_in_dev_mode(served):
         for route in ("/sleep", "/wake_up", "/reset_prefix_cache"):
             assert client.post(route).status_code == 404
         assert client.get("/is_sleeping").status_code == 404
+
+
+def test_start_and_stop_profile_write_the_engines_trace(dev, profile_dir):
+    """vLLM's /start_profile and /stop_profile (with VLLM_TORCH_PROFILER_DIR set): the engine
+    process's steps between them in a Chrome trace there; out of order, a 409."""
+    assert dev.post("/stop_profile").status_code == 409
+    assert dev.post("/start_profile").json() == {"profiling": True}
+    assert dev.post("/start_profile").status_code == 409
+    before = completion_text(dev)
+    stopped = dev.post("/stop_profile").json()
+    assert stopped["profiling"] is False and stopped["trace"].startswith(str(profile_dir))
+    with open(stopped["trace"]) as f:
+        names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
+    assert any("linear" in name for name in names)
+    assert completion_text(dev) == before

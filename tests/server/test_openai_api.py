@@ -416,6 +416,13 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, clie
     assert all(c.choices and c.usage is None for c in off)
 
 
+def test_development_and_profile_routes_exist_only_when_asked(served):
+    """As vLLM's: /sleep and the like with VLLM_SERVER_DEV_MODE=1, /start_profile with
+    VLLM_TORCH_PROFILER_DIR (tests/server/test_dev_endpoints.py); this server has neither."""
+    for route in ("/sleep", "/reset_prefix_cache", "/start_profile", "/stop_profile"):
+        assert httpx.post(served.base_url + route, timeout=60).status_code == 404, route
+
+
 def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
     body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3, "response_format": {"type": "text"},
             "tools": [], "tool_choice": "none"}
