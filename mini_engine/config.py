@@ -300,6 +300,9 @@ class EngineConfig:
     # between generations (an RL trainer's turn on the GPU), and wake_up() takes it again
     # (runner/sleep_mode.py).
     enable_sleep_mode: bool = False
+    # As vLLM's: a prompt may be given as its embeddings, {"prompt_embeds": [n, hidden] tensor}, in
+    # place of token ids (engine.prompt_embeds).
+    enable_prompt_embeds: bool = False
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
@@ -346,8 +349,9 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} needs {article} {self.quantization.upper()} "
                              f"checkpoint (config.json's quantization_config with quant_method "
                              f"{self.quantization!r}); this one has none")
-        if not isinstance(self.enable_sleep_mode, bool):
-            raise ValueError(f"enable_sleep_mode must be True or False, got {self.enable_sleep_mode!r}")
+        for name in ("enable_sleep_mode", "enable_prompt_embeds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         mc = self.model_config

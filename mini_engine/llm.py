@@ -26,14 +26,25 @@ from mini_engine.tokenizer import encode_pair
 def unwrap_prompt(prompt):
     """vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids} (TextPrompt, TokensPrompt),
     each with an optional "cache_salt" (prompt_cache_salt), as the text or ids they hold. Other keys
-    (multi_modal_data, ...) ask for what this engine does not do, so they are refused."""
+    (multi_modal_data, ...) ask for what this engine does not do, so they are refused; so is
+    {"prompt_embeds": ...} (EmbedsPrompt) where it reaches here: only generate takes it (prompt_embeds_of)."""
     if not isinstance(prompt, dict):
         return prompt
     content = prompt.keys() - {"cache_salt"}
     if content in ({"prompt"}, {"prompt_token_ids"}):
         return prompt[content.pop()]
-    raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and may hold 'cache_salt'; got "
-                     f"keys {sorted(prompt)}")
+    if content == {"prompt_embeds"}:
+        raise ValueError("a prompt given as embeddings ({'prompt_embeds': ...}) is taken by LLM.generate alone")
+    raise ValueError(f"a prompt dict holds 'prompt' (text), 'prompt_token_ids' or 'prompt_embeds', and may hold "
+                     f"'cache_salt'; got keys {sorted(prompt)}")
+
+
+def prompt_embeds_of(prompt):
+    """vLLM's EmbedsPrompt, {"prompt_embeds": [n, hidden] tensor} (with enable_prompt_embeds): the
+    tensor; None for any other prompt."""
+    if isinstance(prompt, dict) and prompt.keys() - {"cache_salt"} == {"prompt_embeds"}:
+        return prompt["prompt_embeds"]
+    return None
 
 
 def prompt_cache_salt(prompt) -> str | None:
@@ -51,8 +62,10 @@ class Admission:
     each was estimated to cost a step's budget."""
     shared_blocks: set[int] = field(default_factory=set)
     prompt_costs: dict[str, int] = field(default_factory=dict)
-    # The prompt added last: its token ids, which its other completions share.
+    # The prompt added last: its token ids, which its other completions share (and its embeddings,
+    # where it was given as them: its ids are then placeholders).
     last_prompt_ids: list[int] = field(default_factory=list)
+    last_prompt_embeds: object | None = None
     # Each prompt's request id (drawn in the prompts' order, as vLLM's, whatever order they are
     # added in), priority and LoRA adapter (None: the base model).
     request_ids: list[str] = field(default_factory=list)
@@ -500,8 +513,13 @@ class LLM:
                 return False
             i, k, n, prompt, params = request
             try:
-                if k == 0:                       # a prompt's completions share its token ids
-                    admission.last_prompt_ids = engine.tokenize(unwrap_prompt(prompt), params)
+                if k == 0:                       # a prompt's completions share its token ids (or embeddings)
+                    embeds = prompt_embeds_of(prompt)
+                    if embeds is None:
+                        admission.last_prompt_ids = engine.tokenize(unwrap_prompt(prompt), params)
+                    else:
+                        admission.last_prompt_ids, embeds = engine.embeds_prompt(embeds, params)
+                    admission.last_prompt_embeds = embeds
                 ids = admission.last_prompt_ids
                 cache_salt = prompt_cache_salt(prompt)
                 engine.validate(ids, params)
@@ -513,7 +531,8 @@ class LLM:
             # One completion takes its prompt's request id; several, vLLM's ids for its children.
             request_id = admission.request_ids[i] if n == 1 else f"{k}_{admission.request_ids[i]}"
             seq = engine.add_request(ids, params, request_id, validated=True, priority=admission.priorities[i],
-                                     lora_request=admission.loras[i], cache_salt=cache_salt)
+                                     lora_request=admission.loras[i], cache_salt=cache_salt,
+                                     prompt_embeds=admission.last_prompt_embeds)
             completion_of[seq.request_id] = (i, k)
             seqs.append(seq)
             if isinstance(params, SamplingParams) and params.stop:
@@ -553,11 +572,12 @@ class LLM:
         """A prompt's output: its completions in index order (each one sequence)."""
         completions = sorted(completions, key=lambda c: c[0])
         first = completions[0][1]
-        prompt = unwrap_prompt(prompt)
+        embedded = first.prompt_embeds is not None
+        prompt = None if embedded else unwrap_prompt(prompt)
         return RequestOutput(
             request_id=first.request_id if len(completions) == 1 else first.request_id.split("_", 1)[1],
             prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=first.prompt_token_ids,
+            prompt_token_ids=None if embedded else first.prompt_token_ids,    # none: placeholders stood in
             outputs=[self.to_completion(k, seq, stoppers.get(seq.request_id)) for k, seq in completions],
             finished=True,
             num_cached_tokens=max(seq.num_cached_tokens for _, seq in completions),

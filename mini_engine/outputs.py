@@ -15,7 +15,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None      # None for a prompt given as embeddings (it has none)
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     # Prompt tokens served by the prefix cache (at the last admission; of n completions, the most

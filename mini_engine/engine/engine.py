@@ -15,6 +15,7 @@ import torch
 from mini_engine.config import EngineConfig
 from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids, check_bad_words
 from mini_engine.engine.block_manager import BlockManager
+from mini_engine.engine.prompt_embeds import PLACEHOLDER_TOKEN, check_prompt_embeds, prompt_embeds_digest
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -150,6 +151,13 @@ class LLMEngine:
         ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=self.config.runner == "pooling")
         return ids if params is None else truncate_prompt(ids, params, self.config.max_model_len)
 
+    def embeds_prompt(self, prompt_embeds, params) -> tuple[list[int], torch.Tensor]:
+        """A prompt given as its embeddings: its placeholder token ids and the embeddings as the
+        engine keeps them (engine/prompt_embeds.py), cut to the request's truncate_prompt_tokens."""
+        embeds = check_prompt_embeds(prompt_embeds, params, self.config.model_config.hidden_size,
+                                     self.config.max_model_len, self.config.enable_prompt_embeds)
+        return [PLACEHOLDER_TOKEN] * embeds.shape[0], embeds
+
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
@@ -159,14 +167,22 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
                     request_id: str | None = None, validated: bool = False, priority: int = 0,
-                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> Sequence:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+                    prompt_embeds: torch.Tensor | None = None) -> Sequence:
         """params: SamplingParams, or an embedding engine's PoolingParams. validated: the caller
         has already passed these token ids and params to validate() (a batch is validated whole
         before any of it is added), so the prompt is not checked twice. priority: with
         scheduling_policy "priority", a lower value is scheduled first (vLLM's). lora_request:
         the LoRA adapter it runs with (enable_lora), None for the base model. cache_salt (vLLM's):
-        its prefix-cache blocks serve only requests of the same salt (Sequence.cache_salt)."""
-        prompt_token_ids = self.tokenize(prompt, params)
+        its prefix-cache blocks serve only requests of the same salt (Sequence.cache_salt).
+        prompt_embeds: the prompt as its embeddings (engine/prompt_embeds.py, enable_prompt_embeds),
+        in place of prompt (then ignored), checked and truncated by embeds_prompt unless validated."""
+        if prompt_embeds is not None:
+            if not validated:
+                prompt, prompt_embeds = self.embeds_prompt(prompt_embeds, params)
+            prompt_token_ids = list(prompt)
+        else:
+            prompt_token_ids = self.tokenize(prompt, params)
         if not validated:
             self.validate(prompt_token_ids, params)
         self.check_priority(priority)
@@ -182,7 +198,8 @@ class LLMEngine:
             self.scheduler.add(seq)
             return seq
         seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals),
-                       lora_request=lora_request, cache_salt=cache_salt)
+                       lora_request=lora_request, cache_salt=cache_salt, prompt_embeds=prompt_embeds,
+                       prompt_embeds_digest=None if prompt_embeds is None else prompt_embeds_digest(prompt_embeds))
         self.draft_backoff, self.next_draft_backoff = 0, 1     # the proposer looks at a new prompt at once
         stop_token_ids = self.stop_token_ids(params)
         if params.bad_words:            # before anything of the engine's changes: it may raise
@@ -322,7 +339,8 @@ class LLMEngine:
         """Each running decode's drafts for the next step (mini_engine/speculative.py), as many as
         its request may still take, while the step has rows to spare: each draft is a row. A request
         whose next tokens depend on the ones before in ways a row cannot see gets none: penalties
-        (counts on the device), a grammar's or a bad word's state (needs_last_token). Where it
+        (counts on the device), a grammar's or a bad word's state (needs_last_token); nor does a
+        prompt given as embeddings, whose placeholder ids a proposer would read as its tokens. Where it
         looked and found none, the proposer backs off (MAX_DRAFT_BACKOFF_STEPS)."""
         spec = self.config.speculative_config
         spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
@@ -332,7 +350,7 @@ class LLMEngine:
             room = min(spec.num_speculative_tokens, spare_rows, p.max_tokens - seq.num_output_tokens - 1,
                        self.config.max_model_len - seq.num_tokens - 1)
             if (room <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or p.penalized
-                    or seq.request_id in self.needs_last_token):
+                    or seq.request_id in self.needs_last_token or seq.prompt_embeds is not None):
                 seq.spec_token_ids = []
                 continue
             if self.draft is not None:
@@ -606,6 +624,8 @@ class LLMEngine:
             seed = hash((p.seed, seq.num_output_tokens)) & 0x7FFFFFFF if sample and p.seed is not None else None
             row = BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed,
                            seq.block_table_array, lora_request=seq.lora_request)
+            if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:
+                row.prompt_embeds = seq.prompt_embeds[start:min(start + n, seq.num_prompt_tokens)]
             if row.token_ids[-1] == PENDING_TOKEN:        # sampled by the step still in flight
                 row.prev_token_index = seq.pending_sample_index
             if sample and p.penalized:

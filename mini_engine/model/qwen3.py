@@ -188,12 +188,16 @@ class Qwen3ForCausalLM(nn.Module):
         return modules
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+                lora_slots: torch.Tensor | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Returns the final hidden states, [T, hidden]. lora_slots: with enable_lora, each token's
-        adapter slot ([T] int32, -1: none)."""
+        adapter slot ([T] int32, -1: none). embeds: (token indices [E], their embeddings [E, hidden])
+        in place of their token ids' (prompts given as embeddings)."""
         if self.lora_step is not None:
             self.lora_step.begin(lora_slots)
         hidden = self.embed_tokens(input_ids)       # the residual stream, updated in place by each layer
+        if embeds is not None:
+            hidden.index_copy_(0, embeds[0], embeds[1])
         for layer in self.layers:
             hidden = layer(hidden, positions, meta)
         return self.norm(hidden)

@@ -43,6 +43,9 @@ class BatchRow:
     pooling: str | None = None
     # With enable_lora: the adapter the row's request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # For a row of a prompt given as embeddings (enable_prompt_embeds): the embeddings of its first
+    # len(prompt_embeds) tokens, the prompt's, in place of their (placeholder) token ids.
+    prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

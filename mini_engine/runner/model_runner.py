@@ -611,7 +611,9 @@ class ModelRunner:
         # A step with prompt log-probabilities or pooling runs eager: it needs its prompts' hidden states.
         prompt_rows = [r for r in rows if r.prompt_logprob_targets is not None]
         pooling_rows = any(r.pooling is not None for r in rows)
-        if self.graph_runner is not None and not prompt_rows and not pooling_rows:
+        # A step with prompt embeddings runs eager too: a decode graph embeds token ids only.
+        embeds = self.prompt_embeds(rows) if any(r.prompt_embeds is not None for r in rows) else None
+        if self.graph_runner is not None and not prompt_rows and not pooling_rows and embeds is None:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
         t, meta = self.prepare_inputs(rows, graph_size, turn)
         if self.tokens_copied[turn] is not None:
@@ -631,7 +633,7 @@ class ModelRunner:
         else:
             if any(r.prev_token_index >= 0 for r in rows):
                 self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens[1 - turn])
-            hidden = self.model(t.input_ids, t.positions, meta, t.lora_slots)
+            hidden = self.model(t.input_ids, t.positions, meta, t.lora_slots, embeds)
             logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
         prompt_extras = self.prompt_logprob_extras(rows, prompt_rows, hidden) if prompt_rows else []
         pooled = self.pool(rows, hidden) if pooling_rows else None
@@ -690,6 +692,18 @@ class ModelRunner:
         pooled = pool_chunks(hidden, ints[0], ints[1], len(chunks))
         # A sequence classifier's rows: their shares' logits (its head is linear, so MEAN's shares still sum).
         return pooled if self.model.score is None else self.model.score(pooled)
+
+    def prompt_embeds(self, rows: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tokens given as embeddings: their indices among the step's tokens (laid out
+        row after row, as prepare_inputs lays them) and the embeddings, on the device."""
+        indices, values, start = [], [], 0
+        for row in rows:
+            if row.prompt_embeds is not None:
+                indices.append(np.arange(start, start + row.prompt_embeds.shape[0]))
+                values.append(row.prompt_embeds)
+            start += len(row.token_ids)
+        return (to_device(torch.from_numpy(np.concatenate(indices)), self.device),
+                to_device(torch.cat(values).to(self.dtype), self.device))
 
     @staticmethod
     def samples_outside_graph(rows: list[BatchRow]) -> bool:
