@@ -10,7 +10,10 @@ as tokens is refused or kept away from them: prompt_logprobs and repetition_pena
 prompt's tokens), speculative decoding (its drafts follow the prompt's tokens), and the prefix cache's
 hashes, which a digest of the embeddings roots (Sequence.cache_root), so that two prompts share
 blocks only where their embeddings are the same."""
+import base64
+import binascii
 import hashlib
+import io
 
 import torch
 
@@ -52,3 +55,19 @@ def check_prompt_embeds(prompt_embeds, params, hidden_size: int, max_model_len: 
 def prompt_embeds_digest(embeds: torch.Tensor) -> str:
     """What the prefix cache's hashes of a prompt of these embeddings chain from."""
     return hashlib.sha256(str(embeds.dtype).encode() + embeds.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def decode_prompt_embeds(value: str) -> torch.Tensor:
+    """The server's prompt_embeds field, as vLLM's: base64 of torch.save(tensor), loaded with
+    weights_only (a pickle of anything else is refused, not run)."""
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise ValueError("prompt_embeds must be base64 (of torch.save(tensor))") from None
+    try:
+        embeds = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:      # any unpickling failure: the client's bytes, not the server's fault
+        raise ValueError(f"prompt_embeds do not hold a torch.save'd tensor ({type(e).__name__})") from None
+    if not isinstance(embeds, torch.Tensor):
+        raise ValueError(f"prompt_embeds must hold one tensor, got {type(embeds).__name__}")
+    return embeds

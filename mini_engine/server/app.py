@@ -24,6 +24,7 @@ from mini_engine import __version__
 from mini_engine.chat_template import (ChatTemplate, checkpoint_special_tokens, continue_final_message,
                                        template_message)
 from mini_engine.config import EngineConfig
+from mini_engine.engine.prompt_embeds import PLACEHOLDER_TOKEN, check_prompt_embeds, decode_prompt_embeds
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.sampling_params import SamplingParams, check_truncate_prompt_tokens
@@ -309,12 +310,13 @@ class OpenAIServer:
 
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams,
             priority: int = 0, lora_request: LoRARequest | None = None,
-            cache_salt: str | None = None) -> list[RequestStream]:
+            cache_salt: str | None = None, prompt_embeds: list | None = None) -> list[RequestStream]:
         """A stream for each of the params.n completions of each prompt, in that order: one request
         for one prompt and n = 1; else vLLM's ids ("{request_id}-{prompt}" for a batch of prompts,
         "{index}_..." for each of n, seeded seed + index), and the n of a prompt share it, which the
         prefix cache computes once. All are validated before any is sent: one bad prompt of a
-        batch refuses the request."""
+        batch refuses the request. prompt_embeds: each prompt's embeddings, checked, where prompts
+        are their placeholders (embedded_prompts)."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         for i, prompt in enumerate(prompts):        # the children differ in seed alone
             try:
@@ -322,13 +324,16 @@ class OpenAIServer:
             except (ValueError, TypeError) as e:
                 raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
         n = params.n if isinstance(params, SamplingParams) else 1
-        completions = [(prompt, child_id, child) for prompt_id, prompt in zip(ids, prompts)
+        embeds = prompt_embeds or [None] * len(prompts)
+        completions = [(prompt, embedded, child_id, child)
+                       for prompt_id, prompt, embedded in zip(ids, prompts, embeds)
                        for child_id, child in ([(prompt_id, params)] if n == 1 else
                                                [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
             return [self.async_engine.add_request(child_id, prompt, child, validated=True, priority=priority,
-                                                  lora_request=lora_request, cache_salt=cache_salt)
-                    for prompt, child_id, child in completions]
+                                                  lora_request=lora_request, cache_salt=cache_salt,
+                                                  prompt_embeds=embedded)
+                    for prompt, embedded, child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None
         except RuntimeError as e:        # the engine process is gone
@@ -668,6 +673,11 @@ class OpenAIServer:
         lora_request = self.check(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        if (req.prompt is None) == (req.prompt_embeds is None):
+            raise ProtocolError("give prompt or prompt_embeds (vLLM's, with --enable-prompt-embeds), one of the two",
+                                param="prompt")
+        if req.prompt_embeds is not None:
+            return await self.embedded_completions(req, raw, lora_request)
         inputs = self.prompt_list(req.prompt)
         several = len(inputs) > 1
         whole = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
@@ -691,6 +701,34 @@ class OpenAIServer:
         streams = self.add(request_id, prompts, params, req.priority, lora_request, req.cache_salt)
         return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
                                   Prompts(prompts, params.n, echoes, logprobs_json=logprobs_json),
+                                  model=self.response_model_name(lora_request), continuous_usage=req.continuous_usage)
+
+    async def embedded_completions(self, req: CompletionRequest, raw: Request,
+                                   lora_request: LoRARequest | None) -> Response:
+        """vLLM's prompt_embeds: each a base64 of torch.save(a [num_tokens, hidden_size] tensor),
+        checked (and truncated) as LLM.generate checks them, a prompt each (engine/prompt_embeds.py)."""
+        for name in ("echo", "use_beam_search"):
+            if getattr(req, name):
+                raise ProtocolError(f"{name} needs a prompt's tokens, which prompt_embeds have not", param=name)
+        values = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else req.prompt_embeds
+        if not values:
+            raise ProtocolError("prompt_embeds is empty", param="prompt_embeds")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, req.logprobs, None)
+        embeds = []
+        for i, value in enumerate(values):
+            where = f"prompt_embeds {i}" if len(values) > 1 else "prompt_embeds"
+            try:
+                embeds.append(check_prompt_embeds(decode_prompt_embeds(value), params,
+                                                  self.config.model_config.hidden_size, self.config.max_model_len,
+                                                  self.config.enable_prompt_embeds))
+            except (ValueError, TypeError) as e:
+                raise ProtocolError(f"{where}: {e}", param="prompt_embeds") from None
+        prompts = [[PLACEHOLDER_TOKEN] * len(e) for e in embeds]
+        request_id = random_id("cmpl")
+        streams = self.add(request_id, prompts, params, req.priority, lora_request, req.cache_salt, embeds)
+        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
+                                  Prompts(prompts, params.n, logprobs_json=self.request_logprobs_json(req)),
                                   model=self.response_model_name(lora_request), continuous_usage=req.continuous_usage)
 
     def echo(self, prompt: str | list[int], prompt_token_ids: list[int], max_tokens: int,

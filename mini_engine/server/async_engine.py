@@ -114,11 +114,13 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     validated: bool = False, priority: int = 0, lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None) -> RequestStream:
+                    cache_salt: str | None = None, prompt_embeds=None) -> RequestStream:
         """Raises ValueError for a request the engine could never run, before it is sent
         (validated: the caller has checked these ids and params already). lora_request: an
         adapter the engine has read already (the server's, checked by check_lora). cache_salt: the
-        request's (vLLM's), whose prefix-cache blocks serve only requests of the same salt."""
+        request's (vLLM's), whose prefix-cache blocks serve only requests of the same salt.
+        prompt_embeds: the prompt's embeddings, checked (LLMEngine.embeds_prompt), whose
+        placeholders prompt_token_ids are."""
         if not validated:
             self.limits.validate(prompt_token_ids, params)
         if not self.is_alive:
@@ -128,7 +130,8 @@ class AsyncEngine:
         stream = RequestStream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self.commands.put(("add", request_id, list(prompt_token_ids), params, priority, lora_request, cache_salt))
+        self.commands.put(("add", request_id, list(prompt_token_ids), params, priority, lora_request, cache_salt,
+                           prompt_embeds))
         return stream
 
     async def call(self, name: str, *args):

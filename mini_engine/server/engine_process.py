@@ -8,7 +8,8 @@ sends it commands and reads, once a step, what every request gained. If the HTTP
 behind, its deltas pile up and are sent merged; the engine never waits for it.
 
 Messages (tuples, cheap to pickle), the API process to the engine:
-    ("add", request_id, prompt_token_ids, params, priority, lora_request, cache_salt), ("abort", request_id),
+    ("add", request_id, prompt_token_ids, params, priority, lora_request, cache_salt, prompt_embeds),
+    ("abort", request_id),
     ("call", token, name, args), ("shutdown",)
 and the engine to the API process:
     ("ready", RequestLimits) or ("failed", traceback text or message), once, at start-up;
@@ -156,13 +157,13 @@ class EngineLoop:
 
     def apply(self, command: tuple) -> list[EngineDelta]:
         if command[0] == "add":
-            _, request_id, prompt_token_ids, params, priority, lora_request, cache_salt = command
+            _, request_id, prompt_token_ids, params, priority, lora_request, cache_salt, prompt_embeds = command
             if self.engine.is_sleeping():       # one sent as sleep() was: the API refuses the next ones
                 return [ended(request_id, "error", error="the engine is asleep: wake_up first")]
             try:
                 # The API process validated it with the same RequestLimits.
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority,
-                                        lora_request=lora_request, cache_salt=cache_salt)
+                                        lora_request=lora_request, cache_salt=cache_salt, prompt_embeds=prompt_embeds)
             except (ValueError, TypeError) as e:
                 return [ended(request_id, "error", error=str(e))]
             self.states[request_id] = RequestState(None if isinstance(params, PoolingParams) else

@@ -157,7 +157,10 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # A prompt or a batch; or, with --enable-prompt-embeds, vLLM's prompt_embeds in its place: each
+    # a base64 of torch.save(a [num_tokens, hidden_size] tensor) (engine/prompt_embeds.py).
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

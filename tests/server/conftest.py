@@ -171,7 +171,8 @@ def launched_server(model: str, log_dir, num_kv_blocks: int = NUM_KV_BLOCKS, opt
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
-    with launched_server(tiny_model, tmp_path_factory.mktemp("server-log")) as handle:
+    with launched_server(tiny_model, tmp_path_factory.mktemp("server-log"),
+                         options=("--enable-prompt-embeds",)) as handle:
         yield handle
 
 

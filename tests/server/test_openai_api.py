@@ -1,11 +1,14 @@
 """The server through the official openai client: completions and chat, streamed and not,
 against each other and against LLM.generate; stop strings, stop tokens, logprobs, seeds."""
+import base64
+import io
 import itertools
 import json
 import re
 
 import httpx
 import pytest
+import torch
 
 from mini_engine import SamplingParams
 from mini_engine.chat_template import ChatTemplate
@@ -421,6 +424,40 @@ def test_development_and_profile_routes_exist_only_when_asked(served):
     VLLM_TORCH_PROFILER_DIR (tests/server/test_dev_endpoints.py); this server has neither."""
     for route in ("/sleep", "/reset_prefix_cache", "/start_profile", "/stop_profile"):
         assert httpx.post(served.base_url + route, timeout=60).status_code == 404, route
+
+
+def test_prompt_embeds_complete_as_their_tokens_do(served, llm):
+    """vLLM's prompt_embeds (base64 of torch.save(tensor), with --enable-prompt-embeds): a prompt's
+    own embedding rows complete as its text does, streamed or not, one or a batch; what cannot be
+    read or run is a 400 naming the field."""
+    ids = llm.engine.tokenize("Hello world, once more")
+    table = llm.engine.runner.model.embed_tokens.weight
+
+    def encoded(tensor) -> str:
+        buffer = io.BytesIO()
+        torch.save(tensor.detach().clone(), buffer)
+        return base64.b64encode(buffer.getvalue()).decode()
+    body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    url = served.base_url + "/v1/completions"
+    want = reference(llm, ids, temperature=0, max_tokens=8, ignore_eos=True)[0]
+    r = httpx.post(url, json=body | {"prompt_embeds": encoded(table[ids])}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want and r.json()["usage"]["prompt_tokens"] == len(ids)
+    batch = httpx.post(url, json=body | {"prompt_embeds": [encoded(table[ids]), encoded(table[ids[:3]])]},
+                       timeout=60).json()
+    assert [c["text"] for c in batch["choices"]] == [want, reference(llm, ids[:3], temperature=0, max_tokens=8,
+                                                                     ignore_eos=True)[0]]
+    streamed = httpx.post(url, json=body | {"prompt_embeds": encoded(table[ids]), "stream": True}, timeout=60).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    for extra, match in [({"prompt_embeds": "not base64!"}, "base64"),
+                         ({"prompt_embeds": encoded(table[ids]), "prompt": "Hi"}, "one of the two"),
+                         ({}, "one of the two"),
+                         ({"prompt_embeds": encoded(table[ids][:, :5])}, "hidden_size"),
+                         ({"prompt_embeds": base64.b64encode(b"not a pickle").decode()}, "torch.save"),
+                         ({"prompt_embeds": encoded(table[ids]), "echo": True}, "echo")]:
+        bad = httpx.post(url, json=body | extra, timeout=60)
+        assert bad.status_code == 400 and match in bad.json()["error"]["message"], (extra.keys(), bad.text)
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
