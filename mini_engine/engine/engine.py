@@ -384,8 +384,9 @@ class LLMEngine:
                 seq.spec_token_ids[:] = drafts
             return
         for i, seq in enumerate(seqs):
-            seq.spec_token_ids[:], seq.draft_places = map(list, zip(*(proposal.token(i, d)
-                                                                     for d in range(len(seq.spec_token_ids)))))
+            placed = [proposal.token(i, d) for d in range(len(seq.spec_token_ids))]
+            seq.spec_token_ids[:] = [token for token, _ in placed]     # placeholders but for a known first draft
+            seq.draft_places = [place for _, place in placed]
         self.proposal = (seqs, proposal)
 
     def read_drafts(self) -> None:
@@ -664,6 +665,8 @@ class LLMEngine:
                            num_output_tokens=output_index if p.min_tokens else 0, lora_request=seq.lora_request,
                            prev_token_index=place)
             if seq.bad_words_ids:
+                # (Single-token bad words only: a longer one needs the last token, and so no drafts,
+                # whose values the host may not know yet here.)
                 row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.token_ids + tokens[1:i + 1],
                                                   seq.num_prompt_tokens)
             rows.append(row)

@@ -83,6 +83,7 @@ class DraftModel:
         later = [{i: n for n, i in enumerate(i for i in range(len(seqs)) if num_drafts[i] > j)}
                  for j in range(1, max(num_drafts))]
         proposal = Proposal.place(num_drafts, known, [first_of, *later], self.runner.device)
+        # (The catch-up's last step always samples: it reaches the last token of every sequence it has.)
         self.runner.take_prev_tokens(proposal.tokens, proposal.gathers[0], handle.samples)
         launched, before = [handle], first_of
         for j, sample_of in enumerate(later, start=1):
@@ -175,7 +176,7 @@ class Proposal:
             for i, n in samples.items():
                 gathers[s, offsets[i] + s] = n
         return cls(num_drafts, known, sample_of, offsets,
-                   torch.empty(sum(num_drafts), dtype=torch.int64, device=device),
+                   torch.zeros(sum(num_drafts), dtype=torch.int64, device=device),    # a known draft's place stays 0
                    to_device(torch.from_numpy(gathers), device))
 
     def token(self, i: int, d: int) -> tuple[int, int]:

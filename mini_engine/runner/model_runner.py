@@ -593,6 +593,10 @@ class ModelRunner:
                 self.workers.send(rows)         # the other ranks run the same step on their shares
             if prev_tokens is not None:
                 assert self.workers is None, "the other ranks would take their own samples"
+                # Every row that takes a token on the device takes one of these (none still waits
+                # for the previous launch's samples, which these overwrite).
+                assert prev_tokens.shape[0] <= self.config.max_num_seqs and all(
+                    r.prev_token_index < prev_tokens.shape[0] for r in rows)
                 if self.tokens_copied[1 - turn] is not None:
                     torch.cuda.current_stream(self.device).wait_event(self.tokens_copied[1 - turn])
                 self.sampled_tokens[1 - turn, :prev_tokens.shape[0]].copy_(prev_tokens)
@@ -603,7 +607,9 @@ class ModelRunner:
             raise
         finally:
             self.inputs[turn].release()       # (also after a failed launch: its kernels may be queued)
-        self.turn = 1 - turn                  # a failed launch leaves the turn, and its samples, as they were
+        # A failed launch leaves the turn as it was, and its samples (but for prev_tokens, copied over
+        # samples the host had read already).
+        self.turn = 1 - turn
         return handle
 
     def enqueue(self, rows: list[BatchRow], turn: int) -> "StepHandle":

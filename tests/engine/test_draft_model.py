@@ -211,14 +211,17 @@ def test_a_stand_in_runner_runs_without_drafts(tiny_checkpoint):
     assert engine.draft is None and engine.spec_decode_stats.num_draft_tokens == 0
 
 
-def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, plain, monkeypatch):
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole-prompts", "chunked-prompts"])
+def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, plain, monkeypatch, budget):
     """Once a sequence's prompt is caught up, a proposal's first step is decode rows (the accepted
     drafts and the target's token after them, one a token at its own position: what a CUDA graph
     replays) and its later steps take their input tokens from the step before's samples on the
     device; the target's verifying step takes the drafts on the device too, so the host waits for
     none of the draft's steps before all of them and the verifying step are launched. Outputs stay
-    plain decoding's."""
-    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint, k=4))
+    plain decoding's. (A budget below the prompts' lengths catches a prompt up over several steps,
+    the host reading first drafts of the earlier ones.)"""
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint, k=4),
+              **({} if budget is None else {"max_num_batched_tokens": budget}))
     runner, proposals = llm.engine.draft.runner, []
     launch, propose = runner.launch, DraftModel.propose
     target_launch = llm.engine.runner.launch
@@ -250,18 +253,27 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
     proposals = [events for events in proposals if events]        # (a step whose sequences had no places)
     prompt_catch_ups = [events for events in proposals if any(n > 1 for n, _ in events[0])]
     assert len(prompt_catch_ups) <= len(PROMPTS) and len(proposals) - len(prompt_catch_ups) >= 5
+    read_on_host = 0
     for events in proposals:
         steps = [e for e in events if e != "wait" and e[0] != "verify"]
         verify = [e for e in events if e[0] == "verify"]
-        # every step launched, then the verifying step, before the first wait
-        assert events == steps + verify + ["wait"] * len(steps) and len(verify) == 1
-        # The verifying rows take each draft once from the proposal's tokens on the device (a
-        # prompt's catch-up of several steps may have read first drafts on the host already).
+        assert len(verify) == 1
+        if events in prompt_catch_ups:      # its earlier catch-up steps are waited for (their first drafts)
+            assert events.index(verify[0]) > max(events.index(step) for step in steps)
+        else:       # every step launched, then the verifying step, before the first wait
+            assert events == steps + verify + ["wait"] * len(steps)
+        # The verifying rows take each draft once from the proposal's tokens on the device: all of
+        # its places, but those of first drafts that a prompt's catch-up of several steps read on the host.
         taken = sorted(p for p in verify[0][1] if p >= 0)
-        assert taken == list(range(len(taken))) and (taken or events in prompt_catch_ups), verify
-        assert all(prev >= 0 for step in steps[1:] for _, prev in step)
-        if events not in prompt_catch_ups:
+        if events in prompt_catch_ups:
+            assert len(set(taken)) == len(taken), verify
+            read_on_host += taken != list(range(len(taken)))
+        else:
+            assert taken == list(range(len(taken))) and taken, verify
+        if events not in prompt_catch_ups:      # (a prompt's: chunks, then first drafts some read on the host)
+            assert all(prev >= 0 for step in steps[1:] for _, prev in step)
             assert all(n == 1 and prev == -1 for n, prev in steps[0])
+    assert (read_on_host > 0) == (budget is not None)
     assert llm.engine.spec_decode_stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE
     assert_all_blocks_free(llm)
 
