@@ -103,7 +103,8 @@ class LLMEngine:
         self.limits = RequestLimits(mc.vocab_size, config.max_model_len, config.block_size,
                                     self.block_manager.num_blocks, self.tokenizer is not None, config.max_logprobs,
                                     tuple(mc.eos_token_ids), config.runner == "pooling", mc.hidden_size,
-                                    mc.is_matryoshka, mc.matryoshka_dimensions)
+                                    mc.is_matryoshka, mc.matryoshka_dimensions,
+                                    self.runner.dtype if config.enable_prompt_embeds else None)
         if config.num_kv_blocks is None and self.limits.max_sequence_tokens() < config.max_model_len:
             # vLLM refuses to start here; requests that fit the pool still run, so this one warns,
             # and each request the pool can never hold is refused with its own error.
@@ -155,7 +156,8 @@ class LLMEngine:
         """A prompt given as its embeddings: its placeholder token ids and the embeddings as the
         engine keeps them (engine/prompt_embeds.py), cut to the request's truncate_prompt_tokens."""
         embeds = check_prompt_embeds(prompt_embeds, params, self.config.model_config.hidden_size,
-                                     self.config.max_model_len, self.config.enable_prompt_embeds)
+                                     self.config.max_model_len, self.config.enable_prompt_embeds,
+                                     self.limits.prompt_embeds_dtype)
         return [PLACEHOLDER_TOKEN] * embeds.shape[0], embeds
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -626,7 +628,9 @@ class LLMEngine:
             row = BatchRow(seq.token_ids[start:start + n], start, seq.block_table, sample, p, seed,
                            seq.block_table_array, lora_request=seq.lora_request)
             if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:
-                row.prompt_embeds = seq.prompt_embeds[start:min(start + n, seq.num_prompt_tokens)]
+                # A copy, not a view: under tensor parallelism the row is pickled, a view with its
+                # whole storage.
+                row.prompt_embeds = seq.prompt_embeds[start:min(start + n, seq.num_prompt_tokens)].clone()
             if row.token_ids[-1] == PENDING_TOKEN:        # sampled by the step still in flight
                 row.prev_token_index = seq.pending_sample_index
             if sample and p.penalized:

@@ -8,8 +8,15 @@ works unchanged, and each step's rows of it carry their embeddings (BatchRow.pro
 the model writes over the placeholders' (Qwen3ForCausalLM.forward). What would read the placeholders
 as tokens is refused or kept away from them: prompt_logprobs and repetition_penalty (they read the
 prompt's tokens), speculative decoding (its drafts follow the prompt's tokens), and the prefix cache's
-hashes, which a digest of the embeddings roots (Sequence.cache_root), so that two prompts share
-blocks only where their embeddings are the same."""
+hashes, which a digest of the prompt's embeddings roots (Sequence.cache_root): only an equal prompt
+shares its blocks. (vLLM hashes each block's own embeddings, so two prompts that part after a shared
+stretch share that stretch's blocks; here they share none.) With a reasoning_parser, whether such a
+prompt opened a thought cannot be read from it: the engine takes it as a prompt that did not.
+
+The embeddings are copied, cast to the model's dtype (what the model reads; and half an fp32
+caller's bytes for a bf16 model) and checked finite in that dtype. Between the server's processes
+they travel as bytes (as_message), not as tensors, which torch would share through a file
+descriptor each for as long as the request lives."""
 import base64
 import binascii
 import hashlib
@@ -23,33 +30,62 @@ from mini_engine.sampling_params import SamplingParams
 PLACEHOLDER_TOKEN = 0
 
 
-def check_prompt_embeds(prompt_embeds, params, hidden_size: int, max_model_len: int, enabled: bool) -> torch.Tensor:
-    """The prompt's embeddings as the engine keeps them: [n, hidden] on the host, contiguous, cut to
-    the request's truncate_prompt_tokens. ValueError (TypeError for what is not a tensor) for a
-    prompt or request that cannot run."""
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def conflicting_field(params) -> str | None:
+    """The request field that reads the prompt's tokens, which a prompt given as embeddings has not
+    (None: none does); conflict_message says why."""
+    if params.prompt_logprobs is not None:
+        return "prompt_logprobs"
+    if params.repetition_penalty != 1.0:
+        return "repetition_penalty"
+    return None
+
+
+def conflict_message(name: str) -> str:
+    advice = ": use presence_penalty or frequency_penalty (the output's alone)" if name == "repetition_penalty" else ""
+    return f"{name} reads the prompt's tokens, which a prompt given as embeddings has not{advice}"
+
+
+def check_prompt_embeds(prompt_embeds, params, hidden_size: int, max_model_len: int, enabled: bool,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The prompt's embeddings as the engine keeps them: a copy, [n, hidden] on the host in dtype (the
+    model's), cut to the request's truncate_prompt_tokens. ValueError (TypeError for what is not a
+    tensor) for a prompt or request that cannot run."""
     if not enabled:
         raise ValueError("prompt_embeds needs an engine started with enable_prompt_embeds=True (vLLM's option)")
     if not isinstance(prompt_embeds, torch.Tensor):
         raise TypeError(f"prompt_embeds must be a torch.Tensor of [num_tokens, hidden_size], got "
                         f"{type(prompt_embeds).__name__}")
+    if prompt_embeds.layout != torch.strided or prompt_embeds.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"prompt_embeds must be a dense tensor of {[str(d) for d in FLOAT_DTYPES]}, got "
+                         f"{prompt_embeds.dtype} ({prompt_embeds.layout})")
     if prompt_embeds.dim() == 3 and prompt_embeds.shape[0] == 1:
         prompt_embeds = prompt_embeds[0]            # a batch of one, as a model's inputs_embeds are shaped
     if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != hidden_size or prompt_embeds.shape[0] == 0:
         raise ValueError(f"prompt_embeds must be [num_tokens >= 1, hidden_size={hidden_size}], got "
                          f"{list(prompt_embeds.shape)}")
-    if not prompt_embeds.is_floating_point():
-        raise ValueError(f"prompt_embeds must be floating point, got {prompt_embeds.dtype}")
     if not isinstance(params, SamplingParams):
         raise ValueError("prompt_embeds are a generating engine's prompts (SamplingParams)")
-    if params.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs need the prompt's token ids, which a prompt given as embeddings has not")
-    if params.repetition_penalty != 1.0:
-        raise ValueError("repetition_penalty counts the prompt's tokens, which a prompt given as embeddings has "
-                         "not: use presence_penalty or frequency_penalty (the output's alone)")
-    embeds = truncate_prompt(prompt_embeds, params, max_model_len).detach().to("cpu").contiguous()
+    if (name := conflicting_field(params)) is not None:
+        raise ValueError(conflict_message(name))
+    kept = truncate_prompt(prompt_embeds, params, max_model_len).detach()
+    # A copy: the caller's tensor may change after the request is added, under the digest taken now.
+    embeds = kept.to("cpu", dtype=dtype, copy=True).contiguous()
     if not torch.isfinite(embeds).all():
-        raise ValueError("prompt_embeds hold a value that is not finite")
+        raise ValueError(f"prompt_embeds hold a value that is not finite in the model's dtype ({dtype})")
     return embeds
+
+
+def as_message(embeds: torch.Tensor) -> tuple[bytes, str, tuple[int, ...]]:
+    """Embeddings as plain bytes, for a queue between processes (from_message takes them back)."""
+    return embeds.view(torch.uint8).numpy().tobytes(), str(embeds.dtype).removeprefix("torch."), tuple(embeds.shape)
+
+
+def from_message(message: tuple[bytes, str, tuple[int, ...]]) -> torch.Tensor:
+    data, dtype, shape = message
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
 def prompt_embeds_digest(embeds: torch.Tensor) -> str:

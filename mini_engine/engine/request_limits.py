@@ -3,6 +3,7 @@ that the API server, in another process than the engine, rejects a bad request b
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
@@ -23,6 +24,9 @@ class RequestLimits:
     hidden_size: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # With enable_prompt_embeds: the model's dtype, which prompt embeddings are cast to
+    # (engine/prompt_embeds.py); None without.
+    prompt_embeds_dtype: torch.dtype | None = None
 
     def max_sequence_tokens(self) -> int:
         """The longest sequence (prompt and output) that max_model_len and the KV pool allow. Its

@@ -24,7 +24,8 @@ from mini_engine import __version__
 from mini_engine.chat_template import (ChatTemplate, checkpoint_special_tokens, continue_final_message,
                                        template_message)
 from mini_engine.config import EngineConfig
-from mini_engine.engine.prompt_embeds import PLACEHOLDER_TOKEN, check_prompt_embeds, decode_prompt_embeds
+from mini_engine.engine.prompt_embeds import (PLACEHOLDER_TOKEN, check_prompt_embeds, conflict_message,
+                                             conflicting_field, decode_prompt_embeds)
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.sampling_params import SamplingParams, check_truncate_prompt_tokens
@@ -673,11 +674,13 @@ class OpenAIServer:
         lora_request = self.check(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
-        if (req.prompt is None) == (req.prompt_embeds is None):
-            raise ProtocolError("give prompt or prompt_embeds (vLLM's, with --enable-prompt-embeds), one of the two",
-                                param="prompt")
         if req.prompt_embeds is not None:
+            # (OpenAI's client needs a prompt: vLLM's example sends "" beside prompt_embeds.)
+            if req.prompt not in (None, ""):
+                raise ProtocolError("give prompt or prompt_embeds, not both", param="prompt")
             return await self.embedded_completions(req, raw, lora_request)
+        if req.prompt is None:
+            raise ProtocolError("give prompt (or, with --enable-prompt-embeds, vLLM's prompt_embeds)", param="prompt")
         inputs = self.prompt_list(req.prompt)
         several = len(inputs) > 1
         whole = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
@@ -707,6 +710,9 @@ class OpenAIServer:
                                    lora_request: LoRARequest | None) -> Response:
         """vLLM's prompt_embeds: each a base64 of torch.save(a [num_tokens, hidden_size] tensor),
         checked (and truncated) as LLM.generate checks them, a prompt each (engine/prompt_embeds.py)."""
+        if not self.config.enable_prompt_embeds:        # before any of the client's bytes are unpickled
+            raise ProtocolError("prompt_embeds needs the server started with --enable-prompt-embeds",
+                                param="prompt_embeds")
         for name in ("echo", "use_beam_search"):
             if getattr(req, name):
                 raise ProtocolError(f"{name} needs a prompt's tokens, which prompt_embeds have not", param=name)
@@ -715,13 +721,15 @@ class OpenAIServer:
             raise ProtocolError("prompt_embeds is empty", param="prompt_embeds")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens, req.logprobs, None)
+        if (name := conflicting_field(params)) is not None:
+            raise ProtocolError(conflict_message(name), param=name)
         embeds = []
         for i, value in enumerate(values):
             where = f"prompt_embeds {i}" if len(values) > 1 else "prompt_embeds"
             try:
                 embeds.append(check_prompt_embeds(decode_prompt_embeds(value), params,
                                                   self.config.model_config.hidden_size, self.config.max_model_len,
-                                                  self.config.enable_prompt_embeds))
+                                                  True, self.async_engine.limits.prompt_embeds_dtype))
             except (ValueError, TypeError) as e:
                 raise ProtocolError(f"{where}: {e}", param="prompt_embeds") from None
         prompts = [[PLACEHOLDER_TOKEN] * len(e) for e in embeds]

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from mini_engine.config import EngineConfig
+from mini_engine.engine.prompt_embeds import as_message
 from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
@@ -119,8 +120,9 @@ class AsyncEngine:
         (validated: the caller has checked these ids and params already). lora_request: an
         adapter the engine has read already (the server's, checked by check_lora). cache_salt: the
         request's (vLLM's), whose prefix-cache blocks serve only requests of the same salt.
-        prompt_embeds: the prompt's embeddings, checked (LLMEngine.embeds_prompt), whose
-        placeholders prompt_token_ids are."""
+        prompt_embeds: the prompt's embeddings, checked already (engine/prompt_embeds.py), whose
+        placeholders prompt_token_ids are; they cross to the engine's process as bytes."""
+        assert prompt_embeds is None or validated, "prompt embeddings are checked by the caller"
         if not validated:
             self.limits.validate(prompt_token_ids, params)
         if not self.is_alive:
@@ -131,7 +133,7 @@ class AsyncEngine:
         self.streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.commands.put(("add", request_id, list(prompt_token_ids), params, priority, lora_request, cache_salt,
-                           prompt_embeds))
+                           None if prompt_embeds is None else as_message(prompt_embeds)))
         return stream
 
     async def call(self, name: str, *args):

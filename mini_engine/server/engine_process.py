@@ -8,7 +8,7 @@ sends it commands and reads, once a step, what every request gained. If the HTTP
 behind, its deltas pile up and are sent merged; the engine never waits for it.
 
 Messages (tuples, cheap to pickle), the API process to the engine:
-    ("add", request_id, prompt_token_ids, params, priority, lora_request, cache_salt, prompt_embeds),
+    ("add", request_id, prompt_token_ids, params, priority, lora_request, cache_salt, prompt_embeds as bytes),
     ("abort", request_id),
     ("call", token, name, args), ("shutdown",)
 and the engine to the API process:
@@ -32,6 +32,7 @@ from typing import NamedTuple
 from mini_engine.config import EngineConfig
 from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine.engine import LLMEngine, StepOutput
+from mini_engine.engine.prompt_embeds import from_message
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 
@@ -163,7 +164,8 @@ class EngineLoop:
             try:
                 # The API process validated it with the same RequestLimits.
                 self.engine.add_request(prompt_token_ids, params, request_id, validated=True, priority=priority,
-                                        lora_request=lora_request, cache_salt=cache_salt, prompt_embeds=prompt_embeds)
+                                        lora_request=lora_request, cache_salt=cache_salt,
+                                        prompt_embeds=None if prompt_embeds is None else from_message(prompt_embeds))
             except (ValueError, TypeError) as e:
                 return [ended(request_id, "error", error=str(e))]
             self.states[request_id] = RequestState(None if isinstance(params, PoolingParams) else

@@ -105,12 +105,14 @@ def test_no_drafts_for_a_prompt_given_as_embeddings(tiny_checkpoint):
 @pytest.mark.parametrize("prompt, params, match", [
     (torch.zeros(4, 7), GREEDY, "hidden_size"),
     (torch.zeros(0, 64), GREEDY, "num_tokens >= 1"),
-    (torch.zeros(4, 64, dtype=torch.long), GREEDY, "floating point"),
+    (torch.zeros(4, 64, dtype=torch.long), GREEDY, "dense tensor of"),
+    (torch.zeros(4, 64).to(torch.float8_e4m3fn), GREEDY, "dense tensor of"),
+    (torch.zeros(4, 64).to_sparse(), GREEDY, "dense tensor of"),
     (torch.full((4, 64), float("nan")), GREEDY, "not finite"),
     (torch.zeros(4, 64), SamplingParams(max_tokens=3, prompt_logprobs=1), "prompt_logprobs"),
     (torch.zeros(4, 64), SamplingParams(max_tokens=3, repetition_penalty=1.2), "repetition_penalty"),
     (torch.zeros(100, 64), GREEDY, "max_model_len"),
-], ids=["hidden-size", "empty", "integers", "nan", "prompt-logprobs", "repetition-penalty", "too-long"])
+], ids=["hidden-size", "empty", "integers", "fp8", "sparse", "nan", "prompt-logprobs", "repetition-penalty", "too-long"])
 def test_bad_prompt_embeds_are_refused_by_name(tiny_checkpoint, prompt, params, match):
     llm = engine(tiny_checkpoint, max_model_len=64)
     assert llm.engine.config.model_config.hidden_size == 64
@@ -154,3 +156,53 @@ def test_on_the_gpu_a_prompt_of_one_embedding_runs_eager(tiny_checkpoint):
     prompts = [{"prompt_embeds": table_rows(llm, p)} for p in ids]
     assert llm.engine.runner.graph_runner is not None
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == tokens(llm.generate(ids, GREEDY, use_tqdm=False))
+
+
+def test_the_engine_keeps_a_copy_of_the_callers_embeddings(tiny_checkpoint):
+    """The digest is taken when the request is added: a caller that then reuses its tensor must not
+    change what the engine computes (nor cache the new values' K and V under the old digest). (A
+    review found the tensor kept by reference.)"""
+    llm = engine(tiny_checkpoint)
+    hidden = llm.engine.config.model_config.hidden_size
+    first, second = random_embeds(40, hidden, 11), random_embeds(40, hidden, 12)
+    want = tokens(engine(tiny_checkpoint).generate([{"prompt_embeds": first}], GREEDY, use_tqdm=False))
+    buffer = first.clone()
+    seq = llm.engine.add_request([], GREEDY, prompt_embeds=buffer)
+    buffer.copy_(second)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert [seq.output_token_ids] == want
+    again = llm.generate({"prompt_embeds": first}, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32 and [again.outputs[0].token_ids] == want
+
+
+def test_embeddings_are_checked_in_the_models_dtype_and_rows_carry_their_own(tiny_checkpoint, monkeypatch):
+    """Finite in fp32 but not in fp16: refused for an fp16 model. And a row's embeddings are a
+    tensor of their own, not a view of the prompt's (pickled to tensor parallelism's other ranks, a
+    view takes its whole storage: a review measured 8x the bytes for a prompt in 8 chunks)."""
+    from mini_engine.engine.prompt_embeds import check_prompt_embeds
+    with pytest.raises(ValueError, match="not finite in the model's dtype"):
+        check_prompt_embeds(torch.full((2, 64), 1e6), GREEDY, 64, 64, True, torch.float16)
+    assert check_prompt_embeds(torch.ones(2, 64, dtype=torch.float64), GREEDY, 64, 64, True,
+                               torch.bfloat16).dtype == torch.bfloat16
+    llm = engine(tiny_checkpoint, max_num_batched_tokens=8)
+    launch, seen = llm.engine.runner.launch, []
+
+    def recorded(rows, **kwargs):
+        seen.extend(r.prompt_embeds for r in rows if r.prompt_embeds is not None)
+        return launch(rows, **kwargs)
+    monkeypatch.setattr(llm.engine.runner, "launch", recorded)
+    llm.generate({"prompt_embeds": random_embeds(30, 64, 1)}, GREEDY, use_tqdm=False)
+    assert len(seen) == 4 and all(e.untyped_storage().nbytes() == e.nbytes for e in seen)
+
+
+def test_embeddings_cross_between_processes_as_bytes():
+    """The server's queue to the engine's process carries them as bytes: a tensor would be shared
+    through a file descriptor for as long as the request lives (a review ran the server out of
+    descriptors with 700 requests at once)."""
+    from mini_engine.engine.prompt_embeds import as_message, from_message
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        embeds = random_embeds(5, 64, 2).to(dtype)
+        message = as_message(embeds)
+        assert not any(isinstance(part, torch.Tensor) for part in message)
+        assert torch.equal(from_message(message), embeds) and from_message(message).dtype == dtype

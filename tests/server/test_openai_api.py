@@ -450,14 +450,22 @@ def test_prompt_embeds_complete_as_their_tokens_do(served, llm):
     streamed = httpx.post(url, json=body | {"prompt_embeds": encoded(table[ids]), "stream": True}, timeout=60).text
     chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == want
-    for extra, match in [({"prompt_embeds": "not base64!"}, "base64"),
-                         ({"prompt_embeds": encoded(table[ids]), "prompt": "Hi"}, "one of the two"),
-                         ({}, "one of the two"),
-                         ({"prompt_embeds": encoded(table[ids][:, :5])}, "hidden_size"),
-                         ({"prompt_embeds": base64.b64encode(b"not a pickle").decode()}, "torch.save"),
-                         ({"prompt_embeds": encoded(table[ids]), "echo": True}, "echo")]:
+    # As vLLM's example sends them with OpenAI's client, which needs a prompt: an empty one beside.
+    beside = httpx.post(url, json=body | {"prompt_embeds": encoded(table[ids]), "prompt": ""}, timeout=60)
+    assert beside.json()["choices"][0]["text"] == want
+    for extra, match, param in [
+            ({"prompt_embeds": "not base64!"}, "base64", "prompt_embeds"),
+            ({"prompt_embeds": encoded(table[ids]), "prompt": "Hi"}, "not both", "prompt"),
+            ({}, "give prompt", "prompt"),
+            ({"prompt_embeds": encoded(table[ids][:, :5])}, "hidden_size", "prompt_embeds"),
+            ({"prompt_embeds": encoded(table[ids].to(torch.float8_e4m3fn))}, "dense tensor", "prompt_embeds"),
+            ({"prompt_embeds": base64.b64encode(b"not a pickle").decode()}, "torch.save", "prompt_embeds"),
+            ({"prompt_embeds": encoded(table[ids]), "repetition_penalty": 1.2}, "prompt's tokens",
+             "repetition_penalty"),
+            ({"prompt_embeds": encoded(table[ids]), "echo": True}, "echo", "echo")]:
         bad = httpx.post(url, json=body | extra, timeout=60)
-        assert bad.status_code == 400 and match in bad.json()["error"]["message"], (extra.keys(), bad.text)
+        error = bad.json()["error"]
+        assert bad.status_code == 400 and match in error["message"] and error["param"] == param, (extra.keys(), bad.text)
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
