@@ -537,7 +537,7 @@ class LLM:
             seqs.append(seq)
             if isinstance(params, SamplingParams) and params.stop:
                 stoppers[seq.request_id] = IncrementalDetokenizer.for_request(engine.tokenizer, params)
-            cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks, seq.cache_root)
+            cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks, seq.cache_root, seq.block_extra)
             if seq.computes_whole_prompt:       # the cache serves it nothing (prompt_logprobs, a MEAN embedding)
                 cost = len(ids)
             admission.prompt_costs[seq.request_id] = cost

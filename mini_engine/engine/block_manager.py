@@ -4,7 +4,7 @@ A full block is identified by a hash chained with its parent's, so equal hashes 
 prefixes (the stored key is compared on a hit to rule out collisions). Free blocks sit in LRU
 order; a free block keeps its cached contents until it is actually handed out again.
 """
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,17 +73,19 @@ class FreeBlockQueue:
         return block
 
 
-def block_key(parent_hash: int | None, token_ids: list[int]) -> tuple:
-    return (parent_hash, tuple(token_ids))
+def block_key(parent_hash: int | None, token_ids: list[int], extra: str | None = None) -> tuple:
+    return (parent_hash, tuple(token_ids)) if extra is None else (parent_hash, tuple(token_ids), extra)
 
 
 def chained_blocks(token_ids: list[int], block_size: int, start: int, stop: int,
-                   parent: int | None = None) -> Iterator[tuple[int, tuple, int]]:
+                   parent: int | None = None,
+                   extra: Callable[[int], str | None] | None = None) -> Iterator[tuple[int, tuple, int]]:
     """(i, key, hash) of the full blocks start..stop-1 of token_ids, each key holding the hash
     before it (parent: block start-1's; for the first block, the sequence's Sequence.cache_root,
-    None for the base model's without a cache salt)."""
+    None for the base model's without a cache salt). extra(i): what else block i's K and V depend
+    on (a prompt given as embeddings: its rows' digest, Sequence.block_extra), or None."""
     for i in range(start, stop):
-        key = block_key(parent, token_ids[i * block_size:(i + 1) * block_size])
+        key = block_key(parent, token_ids[i * block_size:(i + 1) * block_size], extra and extra(i))
         parent = hash(key)
         yield i, key, parent
 
@@ -118,23 +120,24 @@ class BlockManager:
             return []
         hits = []
         for _, key, h in chained_blocks(seq.token_ids, self.block_size, 0, (seq.num_tokens - 1) // self.block_size,
-                                        seq.cache_root):
+                                        seq.cache_root, seq.block_extra):
             block_id = self.cached_blocks.get(h)
             if block_id is None or self.blocks[block_id].key != key:
                 break
             hits.append(block_id)
         return hits
 
-    def prompt_cost(self, token_ids: list[int], shared: set[int], cache_root: int | None = None) -> int:
+    def prompt_cost(self, token_ids: list[int], shared: set[int], cache_root: int | None = None,
+                    extra: Callable[[int], str | None] | None = None) -> int:
         """The tokens a new prompt will take from a step's budget: those past the longest chain of
         its full blocks that the cache holds or that `shared` holds, the hashes of the prompts
         waiting ahead of it, whose blocks are cached as they are admitted (first come, first
-        served: before it, or in the same step). Adds its own hashes to shared. cache_root: its
-        sequence's (Sequence.cache_root)."""
+        served: before it, or in the same step). Adds its own hashes to shared. cache_root and
+        extra: its sequence's (Sequence.cache_root, Sequence.block_extra)."""
         if not self.enable_prefix_caching:
             return len(token_ids)
         bs, covered = self.block_size, 0
-        for i, _, h in chained_blocks(token_ids, bs, 0, (len(token_ids) - 1) // bs, cache_root):   # the last is computed
+        for i, _, h in chained_blocks(token_ids, bs, 0, (len(token_ids) - 1) // bs, cache_root, extra):   # the last is computed
             if covered == i * bs and (h in shared or h in self.cached_blocks):
                 covered += bs
             shared.add(h)
@@ -199,7 +202,7 @@ class BlockManager:
         num_tokens = min(num_tokens, seq.num_tokens - (seq.token_ids[-1] == PENDING_TOKEN))
         start = len(seq.block_hashes)
         parent = seq.block_hashes[-1] if start else seq.cache_root
-        for i, key, h in chained_blocks(seq.token_ids, bs, start, num_tokens // bs, parent):
+        for i, key, h in chained_blocks(seq.token_ids, bs, start, num_tokens // bs, parent, seq.block_extra):
             seq.block_hashes.append(h)
             if self.enable_prefix_caching and h not in self.cached_blocks:
                 block = self.blocks[seq.block_table[i]]

@@ -15,7 +15,7 @@ import torch
 from mini_engine.config import EngineConfig
 from mini_engine.engine.bad_words import bad_word_bans, bad_words_token_ids, check_bad_words
 from mini_engine.engine.block_manager import BlockManager
-from mini_engine.engine.prompt_embeds import PLACEHOLDER_TOKEN, check_prompt_embeds, prompt_embeds_digest
+from mini_engine.engine.prompt_embeds import PLACEHOLDER_TOKEN, BlockDigests, check_prompt_embeds
 from mini_engine.engine.request_limits import RequestLimits
 from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -201,7 +201,7 @@ class LLMEngine:
             return seq
         seq = Sequence(request_id, prompt_token_ids, params, priority=int(priority), arrival=next(self.arrivals),
                        lora_request=lora_request, cache_salt=cache_salt, prompt_embeds=prompt_embeds,
-                       prompt_embeds_digest=None if prompt_embeds is None else prompt_embeds_digest(prompt_embeds))
+                       block_extra=None if prompt_embeds is None else BlockDigests(prompt_embeds, self.config.block_size))
         self.draft_backoff, self.next_draft_backoff = 0, 1     # the proposer looks at a new prompt at once
         stop_token_ids = self.stop_token_ids(params)
         if params.bad_words:            # before anything of the engine's changes: it may raise

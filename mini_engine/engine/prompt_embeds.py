@@ -8,10 +8,10 @@ works unchanged, and each step's rows of it carry their embeddings (BatchRow.pro
 the model writes over the placeholders' (Qwen3ForCausalLM.forward). What would read the placeholders
 as tokens is refused or kept away from them: prompt_logprobs and repetition_penalty (they read the
 prompt's tokens), speculative decoding (its drafts follow the prompt's tokens), and the prefix cache's
-hashes, which a digest of the prompt's embeddings roots (Sequence.cache_root): only an equal prompt
-shares its blocks. (vLLM hashes each block's own embeddings, so two prompts that part after a shared
-stretch share that stretch's blocks; here they share none.) With a reasoning_parser, whether such a
-prompt opened a thought cannot be read from it: the engine takes it as a prompt that did not.
+hashes, whose keys hold each block's digest of its embeddings beside its placeholder ids
+(BlockDigests, Sequence.block_extra), as vLLM's do: two such prompts share the blocks of their common
+start, and none of a token prompt's. With a reasoning_parser, whether such a prompt opened a thought
+cannot be read from it: the engine takes it as a prompt that did not.
 
 The embeddings are copied, cast to the model's dtype (what the model reads; and half an fp32
 caller's bytes for a bf16 model) and checked finite in that dtype. Between the server's processes
@@ -21,6 +21,7 @@ import base64
 import binascii
 import hashlib
 import io
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,8 +90,23 @@ def from_message(message: tuple[bytes, str, tuple[int, ...]]) -> torch.Tensor:
 
 
 def prompt_embeds_digest(embeds: torch.Tensor) -> str:
-    """What the prefix cache's hashes of a prompt of these embeddings chain from."""
     return hashlib.sha256(str(embeds.dtype).encode() + embeds.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class BlockDigests:
+    """Block i's digest of a prompt's embeddings (rows i * block_size on, within the prompt; None
+    past it): what, beside its placeholder ids, the block's K and V depend on, and so what its
+    prefix-cache key holds (block_manager.chained_blocks). Each computed once, when first asked."""
+    embeds: torch.Tensor
+    block_size: int
+    digests: dict[int, str | None] = field(default_factory=dict)
+
+    def __call__(self, i: int) -> str | None:
+        if i not in self.digests:
+            rows = self.embeds[i * self.block_size:(i + 1) * self.block_size]
+            self.digests[i] = prompt_embeds_digest(rows.contiguous()) if len(rows) else None
+        return self.digests[i]
 
 
 def decode_prompt_embeds(value: str) -> torch.Tensor:

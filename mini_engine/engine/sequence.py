@@ -1,4 +1,5 @@
 """A request's state as the engine moves it through waiting, running and finished."""
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -90,9 +91,10 @@ class Sequence:
     # With enable_lora: the adapter it runs with, or None (the base model).
     lora_request: LoRARequest | None = None
     # A prompt given as its embeddings (enable_prompt_embeds): [num_prompt_tokens, hidden] on the
-    # host, its token ids placeholders; and their digest, which roots its prefix-cache blocks' hashes.
+    # host, its token ids placeholders; and what each block's prefix-cache key holds beside its ids
+    # (prompt_embeds.BlockDigests: block i -> its rows' digest, None past the prompt).
     prompt_embeds: torch.Tensor | None = field(default=None, repr=False)
-    prompt_embeds_digest: str | None = None
+    block_extra: Callable[[int], str | None] | None = field(default=None, repr=False)
     # vLLM's cache_salt: its prefix-cache blocks serve only requests of the same salt, so that one
     # tenant cannot learn from hit timings what another's prompts hold. None (or empty, as in
     # vLLM): the blocks every unsalted request shares.
@@ -111,8 +113,6 @@ class Sequence:
         first block's hash alone. Each kind is tagged, so that a salt never stands for an adapter
         (vLLM's untagged extra keys let a LoRA name equal to a salt share blocks: its issue 44701)."""
         root = None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
-        if self.prompt_embeds_digest is not None:       # its placeholder ids stand for nothing
-            root = hash(("prompt_embeds", root, self.prompt_embeds_digest))
         return hash(("cache_salt", root, self.cache_salt)) if self.cache_salt else root
 
     def __post_init__(self):

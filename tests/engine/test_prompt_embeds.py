@@ -66,15 +66,22 @@ def test_a_prompts_own_embedding_rows_give_its_outputs(tiny_checkpoint, kwargs):
 
 
 def test_the_prefix_cache_shares_blocks_only_between_equal_embeddings(tiny_checkpoint):
+    """Each block's key holds its rows' digest beside its placeholder ids (as vLLM's): an equal
+    prompt, or one with the same start, shares those blocks; a change in a block's rows makes it and
+    every block after it the prompt's own."""
     llm = engine(tiny_checkpoint)
-    hidden = llm.engine.config.model_config.hidden_size
+    hidden, bs = llm.engine.config.model_config.hidden_size, llm.engine.config.block_size
     embeds = random_embeds(40, hidden, 3)
     first = llm.generate({"prompt_embeds": embeds}, GREEDY, use_tqdm=False)[0]
     again = llm.generate({"prompt_embeds": embeds.clone()}, GREEDY, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    other = embeds.clone()
-    other[0, 0] += 1.0                  # another first token: nothing of the prompt's is the same
-    assert llm.generate({"prompt_embeds": other}, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    assert again.num_cached_tokens == 2 * bs and again.outputs[0].token_ids == first.outputs[0].token_ids
+    for row, shared in ((0, 0), (bs + 3, bs)):      # a change in the first block; in the second
+        other = embeds.clone()
+        other[row, 0] += 1.0
+        out = llm.generate({"prompt_embeds": other}, GREEDY, use_tqdm=False)[0]
+        assert out.num_cached_tokens == shared
+        assert out.outputs[0].token_ids == tokens(engine(tiny_checkpoint).generate({"prompt_embeds": other}, GREEDY,
+                                                                                  use_tqdm=False))[0]
     # The placeholder ids, as a token prompt, are not the embeddings' prompt.
     placeholders = llm.generate([[0] * 40], GREEDY, use_tqdm=False)[0]
     assert placeholders.num_cached_tokens == 0
