@@ -156,8 +156,7 @@ class LLMEngine:
         """A prompt given as its embeddings: its placeholder token ids and the embeddings as the
         engine keeps them (engine/prompt_embeds.py), cut to the request's truncate_prompt_tokens."""
         embeds = check_prompt_embeds(prompt_embeds, params, self.config.model_config.hidden_size,
-                                     self.config.max_model_len, self.config.enable_prompt_embeds,
-                                     self.limits.prompt_embeds_dtype)
+                                     self.config.max_model_len, self.limits.prompt_embeds_dtype)
         return [PLACEHOLDER_TOKEN] * embeds.shape[0], embeds
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -49,12 +49,13 @@ def conflict_message(name: str) -> str:
     return f"{name} reads the prompt's tokens, which a prompt given as embeddings has not{advice}"
 
 
-def check_prompt_embeds(prompt_embeds, params, hidden_size: int, max_model_len: int, enabled: bool,
-                        dtype: torch.dtype) -> torch.Tensor:
+def check_prompt_embeds(prompt_embeds, params, hidden_size: int, max_model_len: int,
+                        dtype: torch.dtype | None) -> torch.Tensor:
     """The prompt's embeddings as the engine keeps them: a copy, [n, hidden] on the host in dtype (the
-    model's), cut to the request's truncate_prompt_tokens. ValueError (TypeError for what is not a
-    tensor) for a prompt or request that cannot run."""
-    if not enabled:
+    model's; RequestLimits.prompt_embeds_dtype, None for an engine started without
+    enable_prompt_embeds), cut to the request's truncate_prompt_tokens. ValueError (TypeError for
+    what is not a tensor) for a prompt or request that cannot run."""
+    if dtype is None:
         raise ValueError("prompt_embeds needs an engine started with enable_prompt_embeds=True (vLLM's option)")
     if not isinstance(prompt_embeds, torch.Tensor):
         raise TypeError(f"prompt_embeds must be a torch.Tensor of [num_tokens, hidden_size], got "

@@ -729,7 +729,7 @@ class OpenAIServer:
             try:
                 embeds.append(check_prompt_embeds(decode_prompt_embeds(value), params,
                                                   self.config.model_config.hidden_size, self.config.max_model_len,
-                                                  True, self.async_engine.limits.prompt_embeds_dtype))
+                                                  self.async_engine.limits.prompt_embeds_dtype))
             except (ValueError, TypeError) as e:
                 raise ProtocolError(f"{where}: {e}", param="prompt_embeds") from None
         prompts = [[PLACEHOLDER_TOKEN] * len(e) for e in embeds]

@@ -189,8 +189,8 @@ def test_embeddings_are_checked_in_the_models_dtype_and_rows_carry_their_own(tin
     view takes its whole storage: a review measured 8x the bytes for a prompt in 8 chunks)."""
     from mini_engine.engine.prompt_embeds import check_prompt_embeds
     with pytest.raises(ValueError, match="not finite in the model's dtype"):
-        check_prompt_embeds(torch.full((2, 64), 1e6), GREEDY, 64, 64, True, torch.float16)
-    assert check_prompt_embeds(torch.ones(2, 64, dtype=torch.float64), GREEDY, 64, 64, True,
+        check_prompt_embeds(torch.full((2, 64), 1e6), GREEDY, 64, 64, torch.float16)
+    assert check_prompt_embeds(torch.ones(2, 64, dtype=torch.float64), GREEDY, 64, 64,
                                torch.bfloat16).dtype == torch.bfloat16
     llm = engine(tiny_checkpoint, max_num_batched_tokens=8)
     launch, seen = llm.engine.runner.launch, []
