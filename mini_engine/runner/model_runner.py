@@ -1,6 +1,7 @@
 """Owns the model and the KV pool on the device: turns a scheduled batch into tensors, runs the
 forward pass and the sampler, and sizes the pool from measured memory."""
 import atexit
+import contextlib
 import random
 import time
 import warnings
@@ -221,8 +222,13 @@ class ModelRunner:
         # Not tokens_stream: there the next step's input copy would queue behind the tokens' copy,
         # which waits for the step before to end.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.inputs = [StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
-                                        max_work_items, self.device, self.copy_stream) for _ in range(2)]
+        # In a memory pool of their own: in the allocator's shared one they could fit the free tail of
+        # a segment that another model's weights leave (a draft model's embedding, started first),
+        # and hold it, and so hold the whole segment, while those weights sleep.
+        self.step_buffer_pool = torch.cuda.MemPool() if self.device.type == "cuda" else None
+        with torch.cuda.use_mem_pool(self.step_buffer_pool) if self.step_buffer_pool else contextlib.nullcontext():
+            self.inputs = [StepInputBuffers(max(max_tokens, config.max_num_seqs), config.max_num_seqs, self.max_blocks,
+                                            max_work_items, self.device, self.copy_stream) for _ in range(2)]
         fp8_triton = check_fp8_kernels(config, self.device, self.kernels)
         if mc.quantization is not None:
             use_triton = "awq_linear" in self.kernels if isinstance(mc.quantization, AwqConfig) else fp8_triton

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from mini_engine import SamplingParams
 from tests.server.conftest import CHATML_TEMPLATE
@@ -190,3 +191,19 @@ def test_start_and_stop_profile_write_a_chrome_trace(llm, tmp_path, monkeypatch)
     with open(path) as f:
         names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
     assert any("linear" in name for name in names), sorted(names)[:20]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's kernels are profiled on a GPU")
+def test_on_the_gpu_the_profile_holds_the_devices_kernels(tokenized_model, tmp_path):
+    """On CUDA the trace has the device's side too: the kernels that the steps launched, those
+    replayed inside a CUDA graph among them (a trace of host events alone would pass the test above)."""
+    from mini_engine import LLM
+    gpu = LLM(tokenized_model, num_kv_blocks=64)
+    assert gpu.engine.runner.graph_runner is not None
+    gpu.start_profile(str(tmp_path))
+    gpu.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    with open(gpu.stop_profile()) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert len(kernels) > 8 * gpu.engine.config.model_config.num_hidden_layers, len(kernels)
+    assert any(e.get("name") == "cudaGraphLaunch" for e in events), sorted({e.get("name") for e in events})[:40]
