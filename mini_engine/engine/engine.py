@@ -25,7 +25,7 @@ from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
-from mini_engine.runner.draft_model import DraftModel, Proposal
+from mini_engine.runner.draft_model import CatchUpAhead, DraftModel, Proposal
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.runner.sleep_mode import SLEEP_TAGS
 from mini_engine.sampling_params import SamplingParams
@@ -63,6 +63,18 @@ class InFlightStep:
     prompt_logprob_rows: list[tuple[Sequence, int]]
     # The embedding requests that pool in it, in the runner's row order, and their chunks' (start, end).
     pooled_rows: list[tuple[Sequence, int, int]]
+
+    def first_samples(self) -> list[tuple[Sequence, int, int]]:
+        """Each sequence, where its token goes, and the index of its first sample among the step's."""
+        out, first = [], 0
+        for seq, position in self.samples:
+            out.append((seq, position, first))
+            first += 1 + len(seq.spec_token_ids)
+        return out
+
+    def verifying(self) -> list[tuple[Sequence, int, int]]:
+        """first_samples' sequences with drafts: the ones the step verifies."""
+        return [entry for entry in self.first_samples() if entry[0].spec_token_ids]
 
 
 @dataclass
@@ -126,6 +138,7 @@ class LLMEngine:
         self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
         self.spec_decode_stats = SpecDecodeStats()     # with speculative_config: its drafts' fate
         self.proposal: tuple[list[Sequence], Proposal] | None = None   # a draft model's, on the device
+        self.draft_ahead: CatchUpAhead | None = None       # the next proposal's catch-up, on a guess
         self.profiler, self.profile_dir = None, None       # start_profile's
         self.draft_backoff = 0              # steps left that skip the proposer (MAX_DRAFT_BACKOFF_STEPS)
         self.next_draft_backoff = 1
@@ -291,6 +304,7 @@ class LLMEngine:
         they follow each sequence's newest token, and the step after follows from how many of them
         were accepted."""
         self.last_step_prefill_tokens = self.last_step_decode_tokens = 0
+        ahead, self.draft_ahead = self.draft_ahead, None       # for this step's proposal only
         try:
             early = self.wait_for_last_tokens() + self.start_compiled_grammars()
             speculating = self.speculates()
@@ -301,10 +315,12 @@ class LLMEngine:
             if self.config.enable_lora:
                 early += self.read_adapters(batch)
             if speculating and self.draft is not None:
-                self.draft_tokens(batch)
+                self.draft_tokens(batch, ahead)
             if batch.is_empty and self.in_flight is None and self.compiling and not early:
                 self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None
+            if self.proposal is not None and launched is not None:
+                self.draft_ahead = self.draft.launch_ahead(launched.verifying(), launched.handle.samples)
             previous, self.in_flight = self.in_flight, launched
             outputs = early + (self.resolve(previous) if previous else [])
             if (not self.config.async_scheduling or speculating) and launched is not None:
@@ -313,7 +329,7 @@ class LLMEngine:
                 outputs += self.resolve(launched)
         except BaseException:
             self.block_manager.reset_prefix_cache()     # what the failed step hashed may hold no KV
-            self.proposal = None
+            self.proposal = self.draft_ahead = None
             for seq in self.scheduler.running:          # drafts (or a draft model's places) never verified
                 seq.spec_token_ids.clear()
                 seq.draft_places.clear()
@@ -370,16 +386,17 @@ class LLMEngine:
             self.draft_backoff = self.next_draft_backoff
             self.next_draft_backoff = min(2 * self.next_draft_backoff, MAX_DRAFT_BACKOFF_STEPS)
 
-    def draft_tokens(self, batch: SchedulerOutput) -> None:
+    def draft_tokens(self, batch: SchedulerOutput, ahead: CatchUpAhead | None) -> None:
         """The draft model's tokens for the places the step granted (propose_drafts, then
         Scheduler.grant_drafts, which gave them slots), launched: the verifying step takes them on
         the device (Sequence.draft_places), and the host reads them when it resolves that step
         (read_drafts). Under tensor parallelism the host reads them first: the other ranks take
-        them as the rows' tokens."""
+        them as the rows' tokens. ahead: the catch-up launched behind the step before, on the
+        guess that it accepted every draft (DraftModel.launch_ahead)."""
         seqs = [seq for seq in batch.seqs if seq.spec_token_ids]
         if not seqs:
             return
-        proposal = self.draft.propose(seqs, [len(seq.spec_token_ids) for seq in seqs])
+        proposal = self.draft.propose(seqs, [len(seq.spec_token_ids) for seq in seqs], ahead)
         if self.runner.workers is not None:
             for seq, drafts in zip(seqs, proposal.read()):
                 seq.spec_token_ids[:] = drafts
@@ -503,11 +520,10 @@ class LLMEngine:
         for (seq, position), values in zip(step.prompt_logprob_rows, step.handle.prompt_logprobs or []):
             seq.prompt_logprobs[position:position + len(values)] = values
         outputs = self.resolve_pooled(step) if step.pooled_rows else []
-        next_sample = 0
-        for seq, position in step.samples:
-            first, next_sample = next_sample, next_sample + 1 + len(seq.spec_token_ids)
+        for seq, position, first in step.first_samples():
             if seq.spec_token_ids:
-                outputs += self.resolve_drafts(seq, position, tokens[first:next_sample], logprobs[first:next_sample])
+                end = first + 1 + len(seq.spec_token_ids)
+                outputs += self.resolve_drafts(seq, position, tokens[first:end], logprobs[first:end])
                 continue
             token, lp = tokens[first], logprobs[first]
             if seq.is_finished:

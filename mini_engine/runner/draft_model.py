@@ -59,6 +59,7 @@ class DraftModel:
         # measured (the draft's steps never run before the target's pool is sized): a decode step's,
         # 22 MiB for a 0.6B draft at 64 rows on the H200 (benchmarks/NOTES.md entry 62), comes out
         # of what gpu_memory_utilization leaves.
+        self.guessed_right = False     # did the last proposal find every draft before it accepted (launch_ahead)
         self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.max_num_seqs, self.runner.model_config.vocab_size,
                                                             self.runner.dtype) if self.use_cuda_graphs else 0)
 
@@ -68,7 +69,7 @@ class DraftModel:
         self.runner.use_cuda_graphs = self.use_cuda_graphs
         self.runner.reallocate_kv_cache(num_blocks)
 
-    def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> "Proposal":
+    def propose(self, seqs: list[Sequence], num_drafts: list[int], ahead: "CatchUpAhead | None" = None) -> "Proposal":
         """num_drafts[i] greedy drafts for seqs[i], whose next num_drafts[i] + 1 positions have
         slots in its block table (Scheduler.grant_drafts), launched and not waited for. The
         catch-up's last step gives each sequence its first draft, and each further draft is one
@@ -77,8 +78,14 @@ class DraftModel:
         as the engine's asynchronous decode steps do), and behind each, one gather copies its drafts
         into the proposal's tokens, where the target's verifying step, launched next, takes them
         (ModelRunner.launch's prev_tokens). The host reads them once that step has run
-        (Proposal.read), so the device goes from drafting to verifying without waiting for it."""
-        handle, first_of, known = self.catch_up(seqs)
+        (Proposal.read), so the device goes from drafting to verifying without waiting for it.
+        ahead: the catch-up that the verifying step before was followed by (launch_ahead); where it
+        guessed every sequence's tokens right, it is this proposal's catch-up, already run."""
+        self.guessed_right = ahead is not None and ahead.guessed_right(seqs)
+        if self.guessed_right and ahead.handle is not None:
+            handle, first_of, known = ahead.handle, {i: ahead.first_draft_of(seq) for i, seq in enumerate(seqs)}, {}
+        else:
+            handle, first_of, known = self.catch_up(seqs)
         # Step j's samples (j >= 1): each sequence still drafting, in order.
         later = [{i: n for n, i in enumerate(i for i in range(len(seqs)) if num_drafts[i] > j)}
                  for j in range(1, max(num_drafts))]
@@ -145,11 +152,59 @@ class DraftModel:
             sample_of = {i: n for n, i in enumerate(samplers)}
             handle = self.runner.launch([row for _, row in rows])
 
+    def launch_ahead(self, verifying: list[tuple[Sequence, int, int]], samples: torch.Tensor) -> "CatchUpAhead":
+        """The next proposal's catch-up, launched behind the verifying step on the guess that it
+        accepts every draft, so that the device runs it while the host resolves the step and
+        schedules the next (otherwise the device waits through that: benchmarks/NOTES.md entry 64).
+        verifying: each sequence with drafts, the position of its first verifying row's sample, and
+        that sample's index among the step's samples (samples: where the device holds them).
+
+        Where every draft is accepted, the catch-up is two tokens a sequence: its last draft and
+        the target's sample after it, the verifying step's last two samples, which the rows take
+        on the device (ModelRunner.launch's prev_tokens). Where the guess is wrong the rows wrote
+        K and V past the sequence's accepted tokens, which nothing reads before a later step
+        writes them again (num_draft_computed is not moved), and the proposal catches up as
+        before. Launched only after a verifying step whose guess was right (guessed_right): a
+        wrong guess costs a draft step. Never where a sample's row would fall past the sequence's
+        blocks (the next step has not granted them yet)."""
+        expected = {seq: (position + len(seq.spec_token_ids) + 1, first + len(seq.spec_token_ids))
+                    for seq, position, first in verifying}
+        room = all(num_tokens - 1 < len(seq.block_table) * self.runner.block_size
+                   for seq, (num_tokens, _) in expected.items())
+        if not (self.guessed_right and room and len(samples) <= self.config.max_num_seqs):
+            return CatchUpAhead(expected, None, {})
+        rows, first_draft = [], {}
+        for seq, (num_tokens, last) in expected.items():
+            rows += [self.row([0], num_tokens - 2, seq, sample=True, prev_token_index=last - 1),
+                     self.row([0], num_tokens - 1, seq, sample=True, prev_token_index=last)]
+            first_draft[seq] = len(rows) - 1
+        return CatchUpAhead(expected, self.runner.launch(rows, prev_tokens=samples), first_draft)
+
     @staticmethod
     def row(token_ids: list[int], start: int, seq: Sequence, sample: bool, prev_token_index: int = -1) -> BatchRow:
         """(With prev_token_index, token_ids' one token stands in for the sample the device fills in.)"""
         return BatchRow(token_ids, start, seq.block_table, sample, GREEDY if sample else None,
                         block_table_array=seq.block_table_array, prev_token_index=prev_token_index)
+
+
+@dataclass
+class CatchUpAhead:
+    """DraftModel.launch_ahead's guess: each verified sequence's num_tokens if its step accepts
+    every draft, and the sample index of its last verifying row; the catch-up launched on that
+    guess (None where none was), and in it each sequence's first draft's sample index."""
+    expected: dict[Sequence, tuple[int, int]]
+    handle: StepHandle | None
+    first_draft: dict[Sequence, int]
+
+    def guessed_right(self, seqs: list[Sequence]) -> bool:
+        """Did every one of seqs accept all its drafts, and its draft K and V stay as the guess
+        left them (a preempted sequence starts again from nothing)? Then the catch-up covers them."""
+        return all(seq in self.expected and seq.num_tokens == self.expected[seq][0]
+                   and seq.num_computed_tokens == seq.num_tokens - 1
+                   and seq.num_draft_computed == seq.num_tokens - 2 for seq in seqs)
+
+    def first_draft_of(self, seq: Sequence) -> int:
+        return self.first_draft[seq]
 
 
 @dataclass

@@ -147,21 +147,34 @@ def test_drafts_that_cannot_run_are_refused(tiny_checkpoint, tmp_path):
             EngineConfig(tiny_checkpoint, device="cpu", speculative_config=spec, **options)
 
 
-def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_checkpoint, other_draft, monkeypatch):
+@pytest.mark.parametrize("always_ahead", [False, True], ids=["as-guessed", "catch-up-ahead-every-step"])
+def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_checkpoint, other_draft, monkeypatch,
+                                                                     always_ahead):
     """A draft of another model is mostly rejected; then a second request makes the batch larger
     than disable_by_batch_size, and the first runs steps without drafts past the positions where
     the draft wrote its rejected tokens' K and V. Once it drafts again, each proposal's first draft
     must still be the draft model's own greedy token after the sequence's tokens (those stale K and
-    V, counted as the sequence's, made about a third of them other tokens)."""
-    proposals = []
+    V, counted as the sequence's, made about a third of them other tokens). With a catch-up
+    launched ahead behind every verifying step, whatever the step before did (launch_ahead), the
+    wrong guesses' K and V lie past the sequence too, and must not count either."""
+    proposals, launched_ahead = [], []
     propose = DraftModel.propose
 
-    def recorded(self, seqs, num_drafts):
-        proposal = propose(self, seqs, num_drafts)
+    def recorded(self, seqs, num_drafts, ahead=None):
+        proposal = propose(self, seqs, num_drafts, ahead)
         proposals.extend((list(seq.token_ids), d[0]) for seq, d in zip(seqs, proposal.read()))
         return proposal
 
     monkeypatch.setattr(DraftModel, "propose", recorded)
+    if always_ahead:
+        launch_ahead = DraftModel.launch_ahead
+
+        def every_time(self, verifying, samples):
+            self.guessed_right = True
+            ahead = launch_ahead(self, verifying, samples)
+            launched_ahead.append(ahead.handle is not None)
+            return ahead
+        monkeypatch.setattr(DraftModel, "launch_ahead", every_time)
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256,
               speculative_config=draft_config(other_draft, disable_by_batch_size=1))
     engine = llm.engine
@@ -177,6 +190,7 @@ def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_check
     own = [o.outputs[0].token_ids[0]
            for o in draft_alone.generate([tokens for tokens, _ in proposals], one_token, use_tqdm=False)]
     assert [first for _, first in proposals] == own
+    assert sum(launched_ahead) > (20 if always_ahead else -1)
     assert_all_blocks_free(llm)
 
 
@@ -222,7 +236,7 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
     the host reading first drafts of the earlier ones.)"""
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint, k=4),
               **({} if budget is None else {"max_num_batched_tokens": budget}))
-    runner, proposals = llm.engine.draft.runner, []
+    runner, proposals, used = llm.engine.draft.runner, [], []
     launch, propose = runner.launch, DraftModel.propose
     target_launch = llm.engine.runner.launch
 
@@ -231,9 +245,10 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
             proposals[-1].append(("verify", [r.prev_token_index for r in rows]))
         return target_launch(rows, **kwargs)
 
-    def recorded_launch(rows):
-        proposals[-1].append([(len(r.token_ids), r.prev_token_index) for r in rows])
-        handle = launch(rows)
+    def recorded_launch(rows, **kwargs):
+        shape = [(len(r.token_ids), r.prev_token_index) for r in rows]
+        proposals[-1].append(("ahead", shape) if kwargs else shape)    # (only launch_ahead gives prev_tokens)
+        handle = launch(rows, **kwargs)
         result = handle.result
 
         def waited():
@@ -242,26 +257,40 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
         handle.result = waited
         return handle
 
-    def recorded_propose(self, seqs, num_drafts):
+    def recorded_propose(self, seqs, num_drafts, ahead=None):
         proposals.append([])
-        return propose(self, seqs, num_drafts)
+        proposal = propose(self, seqs, num_drafts, ahead)
+        used.append(self.guessed_right and ahead.handle is not None)
+        return proposal
 
     monkeypatch.setattr(runner, "launch", recorded_launch)
     monkeypatch.setattr(llm.engine.runner, "launch", recorded_target_launch)
     monkeypatch.setattr(DraftModel, "propose", recorded_propose)
     assert generate(llm, GREEDY) == generate(plain, GREEDY)
+    assert len(used) == len(proposals)
+    used = [u for u, events in zip(used, proposals) if events]
     proposals = [events for events in proposals if events]        # (a step whose sequences had no places)
-    prompt_catch_ups = [events for events in proposals if any(n > 1 for n, _ in events[0])]
+    prompt_catch_ups = [events for events in proposals if isinstance(events[0], list) and
+                        any(n > 1 for n, _ in events[0])]
     assert len(prompt_catch_ups) <= len(PROMPTS) and len(proposals) - len(prompt_catch_ups) >= 5
+    # The draft is right at every position, so after the first verifying step of each run, the
+    # catch-up launched behind each is the next proposal's (DraftModel.launch_ahead).
+    assert sum(used) >= (len(proposals) - len(prompt_catch_ups)) // 2, used
     read_on_host = 0
-    for events in proposals:
-        steps = [e for e in events if e != "wait" and e[0] != "verify"]
+    for events, used_ahead in zip(proposals, used):
+        steps = [e for e in events if isinstance(e, list)]
         verify = [e for e in events if e[0] == "verify"]
-        assert len(verify) == 1
+        ahead = [e for e in events if e[0] == "ahead"]
+        assert len(verify) == 1 and len(ahead) <= 1
+        # A catch-up launched ahead: the step's last two samples, each sequence's, on the device.
+        assert all(n == 1 and prev >= 0 for _, rows in ahead for n, prev in rows)
         if events in prompt_catch_ups:      # its earlier catch-up steps are waited for (their first drafts)
             assert events.index(verify[0]) > max(events.index(step) for step in steps)
-        else:       # every step launched, then the verifying step, before the first wait
-            assert events == steps + verify + ["wait"] * len(steps)
+        else:       # every step launched, then the verifying step (and a catch-up ahead), before the first wait
+            assert events == steps + verify + ahead + ["wait"] * (len(steps) + used_ahead)
+        if used_ahead:      # its catch-up ran behind the step before: only drafts over drafts
+            assert events not in prompt_catch_ups and all(prev >= 0 for step in steps for _, prev in step)
+            steps = [[(1, -1)]] + steps       # (the catch-up's place, for the checks below)
         # The verifying rows take each draft once from the proposal's tokens on the device: all of
         # its places, but those of first drafts that a prompt's catch-up of several steps read on the host.
         taken = sorted(p for p in verify[0][1] if p >= 0)

@@ -1,0 +1,16 @@
+#!/bin/bash
+# session 64 call 2: the draft's catch-up launched ahead (DraftModel.launch_ahead): the self-draft
+# check in full on the new tree, then the deepened pair's speed, old tree then new, on one machine.
+export PYTHONPATH=. MINI_ENGINE_GIT_COMMIT=$1
+mkdir -p $OUT/logs/new $OUT/logs/old_deep $OUT/logs/new_deep
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader > $OUT/logs/gpu.txt 2>&1
+step() { local name=$1 limit=$2; shift 2; local t0=$(date +%s.%N)
+  timeout $limit "$@" > $OUT/logs/$name.log 2>&1; local rc=$?
+  echo "$name rc=$rc $(python3 -c "import time;print(round(time.time()-$t0,1))")s" | tee -a $OUT/logs/steps.txt; }
+step spec_self_new 290 python3 -u benchmarks/spec_decode_check.py --draft-model self --out $OUT/logs/new
+(cd ab_s64/old && PYTHONPATH=. step deep_old 120 python3 -u benchmarks/spec_decode_check.py --draft-model self --speed-only --deep-only --out $OUT/logs/old_deep)
+step deep_new 120 python3 -u benchmarks/spec_decode_check.py --draft-model self --speed-only --deep-only --out $OUT/logs/new_deep
+cat $OUT/logs/gpu.txt $OUT/logs/steps.txt
+tail -n 30 $OUT/logs/spec_self_new.log | tr '\r' '\n' | grep -v Loading | grep -E "PASS|FAIL|speed|ALL" | cut -c1-700
+for f in deep_old deep_new; do echo "== $f"; tail -n 8 $OUT/logs/$f.log | tr '\r' '\n' | grep -E "speed|PASS|FAIL|Error" | cut -c1-700; done
+tar -czf $OUT/logs.tgz -C $OUT logs && rm -rf $OUT/logs
