@@ -25,7 +25,7 @@ from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
 from mini_engine.runner.batch import BatchRow, StepHandle
-from mini_engine.runner.draft_model import CatchUpAhead, DraftModel, Proposal
+from mini_engine.runner.draft_model import DraftModel, LaunchedAhead, Proposal
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.runner.sleep_mode import SLEEP_TAGS
 from mini_engine.sampling_params import SamplingParams
@@ -138,7 +138,7 @@ class LLMEngine:
         self.last_step_decode_tokens = 0     # tokens the last step generated from decode rows
         self.spec_decode_stats = SpecDecodeStats()     # with speculative_config: its drafts' fate
         self.proposal: tuple[list[Sequence], Proposal] | None = None   # a draft model's, on the device
-        self.draft_ahead: CatchUpAhead | None = None       # the next proposal's catch-up, on a guess
+        self.draft_ahead: LaunchedAhead | None = None      # the next proposal's start, on a guess
         self.profiler, self.profile_dir = None, None       # start_profile's
         self.draft_backoff = 0              # steps left that skip the proposer (MAX_DRAFT_BACKOFF_STEPS)
         self.next_draft_backoff = 1
@@ -320,7 +320,7 @@ class LLMEngine:
                 self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None
             if self.proposal is not None and launched is not None:
-                self.draft_ahead = self.draft.launch_ahead(launched.verifying(), launched.handle.samples)
+                self.draft_ahead = self.launch_ahead(launched)
             previous, self.in_flight = self.in_flight, launched
             outputs = early + (self.resolve(previous) if previous else [])
             if (not self.config.async_scheduling or speculating) and launched is not None:
@@ -363,10 +363,8 @@ class LLMEngine:
         spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
         looked = found = False
         for seq in self.scheduler.running:
-            p = seq.sampling_params
-            room = min(spec.num_speculative_tokens, spare_rows, p.max_tokens - seq.num_output_tokens - 1,
-                       self.config.max_model_len - seq.num_tokens - 1)
-            if (room <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or p.penalized
+            room = self.draft_room(seq, seq.num_tokens, spare_rows)
+            if (room <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.sampling_params.penalized
                     or seq.request_id in self.needs_last_token or seq.prompt_embeds is not None):
                 seq.spec_token_ids = []
                 continue
@@ -386,7 +384,31 @@ class LLMEngine:
             self.draft_backoff = self.next_draft_backoff
             self.next_draft_backoff = min(2 * self.next_draft_backoff, MAX_DRAFT_BACKOFF_STEPS)
 
-    def draft_tokens(self, batch: SchedulerOutput, ahead: CatchUpAhead | None) -> None:
+    def draft_room(self, seq: Sequence, num_tokens: int, spare_rows: int) -> int:
+        """How many drafts seq may take at num_tokens tokens: the most speculative_config gives, as
+        many as its request may still take, while the step has rows to spare."""
+        spec = self.config.speculative_config
+        return min(spec.num_speculative_tokens, spare_rows,
+                   seq.sampling_params.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1,
+                   self.config.max_model_len - num_tokens - 1)
+
+    def launch_ahead(self, verifying: InFlightStep) -> LaunchedAhead:
+        """The draft model's next proposal started behind the verifying step, on the guess that it
+        accepts every draft (DraftModel.launch_ahead), for the proposal's sequences in its order:
+        each one's length then, its last verifying sample, and the drafts the next step would give it."""
+        seqs, (_, proposal) = self.proposal[0], self.proposal
+        where = {seq: (position, first) for seq, position, first in verifying.verifying()}
+        num_tokens, last_samples, next_drafts = [], [], []
+        spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
+        for seq, drafts in zip(seqs, proposal.num_drafts):
+            position, first = where[seq]
+            num_tokens.append(position + drafts + 1)
+            last_samples.append(first + drafts)
+            next_drafts.append(max(self.draft_room(seq, num_tokens[-1], spare_rows), 0))
+            spare_rows -= next_drafts[-1]
+        return self.draft.launch_ahead(seqs, num_tokens, last_samples, next_drafts, verifying.handle.samples)
+
+    def draft_tokens(self, batch: SchedulerOutput, ahead: LaunchedAhead | None) -> None:
         """The draft model's tokens for the places the step granted (propose_drafts, then
         Scheduler.grant_drafts, which gave them slots), launched: the verifying step takes them on
         the device (Sequence.draft_places), and the host reads them when it resolves that step
