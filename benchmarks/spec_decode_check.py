@@ -258,6 +258,8 @@ def main() -> int:
                     llm.engine.config.async_scheduling = asynchronous
                     generate(llm, batch, params)       # warm-up
                     llm.engine.spec_decode_stats = SpecDecodeStats()
+                    if llm.engine.draft is not None:
+                        llm.engine.draft.ahead_counts.clear()
                     walls = []
                     for _ in range(3):
                         start = time.perf_counter()
@@ -271,6 +273,8 @@ def main() -> int:
                         row[kind] |= dict(acceptance_rate=round(s.acceptance_rate, 3),
                                           mean_acceptance_length=round(s.mean_acceptance_length, 3),
                                           accepted_per_position=s.accepted_per_position)
+                        if llm.engine.draft is not None:    # what launch_ahead started, and what was used
+                            row[kind]["ahead"] = dict(llm.engine.draft.ahead_counts)
                         row["outputs equal"] = outs == plain_outs[num]
                     elif asynchronous:
                         plain_outs[num] = outs

@@ -392,21 +392,32 @@ class LLMEngine:
                    seq.sampling_params.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1,
                    self.config.max_model_len - num_tokens - 1)
 
-    def launch_ahead(self, verifying: InFlightStep) -> LaunchedAhead:
+    def launch_ahead(self, verifying: InFlightStep) -> LaunchedAhead | None:
         """The draft model's next proposal started behind the verifying step, on the guess that it
-        accepts every draft (DraftModel.launch_ahead), for the proposal's sequences in its order:
-        each one's length then, its last verifying sample, and the drafts the next step would give it."""
-        seqs, (_, proposal) = self.proposal[0], self.proposal
+        accepts every draft (DraftModel.launch_ahead), for the proposal's sequences in its order
+        that would draft again (not one that the step ends, at max_tokens): each one's length then,
+        its last verifying sample, and the drafts the next step would give it. Only a head start:
+        where it fails, the next proposal catches up as it would have (the step, launched, must
+        still be resolved)."""
+        seqs, proposal = self.proposal
         where = {seq: (position, first) for seq, position, first in verifying.verifying()}
-        num_tokens, last_samples, next_drafts = [], [], []
+        guess = []
         spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
         for seq, drafts in zip(seqs, proposal.num_drafts):
             position, first = where[seq]
-            num_tokens.append(position + drafts + 1)
-            last_samples.append(first + drafts)
-            next_drafts.append(max(self.draft_room(seq, num_tokens[-1], spare_rows), 0))
-            spare_rows -= next_drafts[-1]
-        return self.draft.launch_ahead(seqs, num_tokens, last_samples, next_drafts, verifying.handle.samples)
+            num_tokens = position + drafts + 1
+            room = self.draft_room(seq, num_tokens, spare_rows)
+            if room > 0:
+                guess.append((seq, num_tokens, first + drafts, room))
+                spare_rows -= room
+        if not guess:
+            return None
+        try:
+            return self.draft.launch_ahead(*map(list, zip(*guess)), verifying.handle.samples)
+        except Exception as e:
+            logger.warning("the draft model's launch ahead of the next proposal failed (%s: %s); the next "
+                           "proposal catches up instead", type(e).__name__, e)
+            return None
 
     def draft_tokens(self, batch: SchedulerOutput, ahead: LaunchedAhead | None) -> None:
         """The draft model's tokens for the places the step granted (propose_drafts, then

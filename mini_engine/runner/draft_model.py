@@ -23,9 +23,19 @@ takes the smaller of the two, for a step that never verified its drafts. A seque
 that is preempted starts again from nothing (Scheduler.preempt), since the blocks it takes back
 may be another sequence's cached prefix, whose draft K and V the draft may never have written.
 
+A verifying step waits for its tokens before the next step is scheduled, and the host's turn then
+(resolving the step, scheduling the next, building the draft's rows) would leave the device idle.
+So behind the verifying step the next proposal starts at once on a guess, that the step accepts
+every draft (launch_ahead): the catch-up over the last draft and the target's token after it, both
+taken from the step's samples on the device, and, while such guesses keep holding, the draft steps
+after it too. A proposal whose sequences all accepted every draft starts from what was launched
+(LaunchedAhead); any other launches its own, and the guess's K and V, past the accepted tokens,
+are written over before anything reads them.
+
 Drafting greedily, the draft gives each position one token and no probabilities: the target keeps
 it with the probability its own sampling gives it (speculative.py), so outputs keep the target's
 distribution whatever the draft proposes, and only the acceptance rate depends on the draft."""
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +78,8 @@ class DraftModel:
         # Did the last proposal find every draft before it accepted (launch_ahead), and how often
         # lately (a running mean).
         self.guessed_right, self.guess_rate = False, 0.0
+        # What went ahead and what a proposal then started from (benchmarks/spec_decode_check.py).
+        self.ahead_counts = Counter()
         self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.max_num_seqs, self.runner.model_config.vocab_size,
                                                             self.runner.dtype) if self.use_cuda_graphs else 0)
 
@@ -91,11 +103,13 @@ class DraftModel:
         self.guess_rate += GUESS_RATE_WEIGHT * (guessed - self.guess_rate)
         if guessed and ahead.proposal is not None and ahead.seqs == seqs and ahead.proposal.num_drafts == num_drafts:
             proposal = ahead.proposal
+            self.ahead_counts["proposals used"] += 1
         else:
             # (After a whole proposal launched ahead, the draft's later steps have overwritten its
             # catch-up's samples: a proposal that does not match it starts again.)
             if guessed and ahead.handle is not None and ahead.proposal is None:
                 start = ahead.handle, {i: ahead.first_draft[seq] for i, seq in enumerate(seqs)}, {}
+                self.ahead_counts["catch-ups used"] += 1
             else:
                 start = self.catch_up(seqs)
             proposal = self.launch_drafts(seqs, num_drafts, [seq.num_tokens - 1 for seq in seqs], *start)
@@ -205,12 +219,14 @@ class DraftModel:
                      self.row([0], n - 1, seq, sample=True, prev_token_index=last)]
             ahead.first_draft[seq] = len(rows) - 1
         ahead.handle = self.runner.launch(rows, prev_tokens=samples)
+        self.ahead_counts["catch-ups launched"] += 1
         # The last draft step's row: the sequence's last token's position plus its drafts less one.
         if (self.guess_rate >= WHOLE_AHEAD_RATE and min(next_drafts) >= 1
                 and all(n + k - 2 < c for n, k, c in zip(num_tokens, next_drafts, capacity))):
             first_of = {i: ahead.first_draft[seq] for i, seq in enumerate(seqs)}
             ahead.proposal = self.launch_drafts(seqs, next_drafts, [n - 1 for n in num_tokens], ahead.handle,
                                                 first_of, {})
+            self.ahead_counts["proposals launched"] += 1
         return ahead
 
     @staticmethod

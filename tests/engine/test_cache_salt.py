@@ -121,7 +121,10 @@ def test_beam_search_steps_keep_the_prompts_salt(llm):
     assert cached_tokens(llm, PROMPT) == 0
     assert cached_tokens(llm, salted(PROMPT, "a")) == HIT
     plain = llm.beam_search([PROMPT], params)[0].sequences
-    assert [(b.tokens, b.cum_logprob) for b in beams] == [(b.tokens, b.cum_logprob) for b in plain]
+    # (The unsalted search finds the prompt cached, by cached_tokens above, and computes less of it
+    # in its first step: its log-probabilities may differ in the last bits, 5e-7 on an AVX-512 CPU.)
+    assert [b.tokens for b in beams] == [b.tokens for b in plain]
+    assert [b.cum_logprob for b in beams] == pytest.approx([b.cum_logprob for b in plain], rel=1e-5, abs=1e-6)
 
 
 def test_text_prompts_take_a_salt_and_a_bad_one_fails_the_call(tokenized_model):

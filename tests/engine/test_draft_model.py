@@ -350,6 +350,41 @@ def test_a_whole_proposal_launched_ahead_is_the_next_one_where_the_guess_holds(t
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("failing_launch", [1, 2], ids=["its-catch-up", "a-later-draft-step"])
+def test_a_launch_ahead_that_fails_costs_only_the_head_start(tiny_checkpoint, plain, monkeypatch, failing_launch):
+    """launch_ahead runs after the verifying step is launched: where one of its launches fails (the
+    catch-up, or a draft step of a whole proposal), the step must still be resolved and the next
+    proposal catch up as it would have. (Found by a review: the step was lost, and every later
+    step fed its sequences a placeholder token.)"""
+    monkeypatch.setattr(draft_model, "WHOLE_AHEAD_RATE", 0.0)
+    llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint))
+    runner, launch_ahead = llm.engine.draft.runner, DraftModel.launch_ahead
+    launch, calls = runner.launch, {"inside": False, "launches": 0, "aheads": 0, "failed": 0}
+
+    def failing_launch_once(rows, **kwargs):
+        if calls["inside"]:
+            calls["launches"] += 1
+            if calls["aheads"] >= 3 and not calls["failed"] and calls["launches"] == failing_launch:
+                calls["failed"] += 1
+                raise RuntimeError("CUDA out of memory (simulated)")
+        return launch(rows, **kwargs)
+
+    def watched(self, *args):
+        calls["inside"], calls["launches"] = True, 0
+        calls["aheads"] += 1
+        try:
+            return launch_ahead(self, *args)
+        finally:
+            calls["inside"] = False
+
+    monkeypatch.setattr(runner, "launch", failing_launch_once)
+    monkeypatch.setattr(DraftModel, "launch_ahead", watched)
+    assert generate(llm, GREEDY) == generate(plain, GREEDY)
+    assert calls["failed"] == 1
+    assert llm.engine.spec_decode_stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE
+    assert_all_blocks_free(llm)
+
+
 def test_a_tensor_parallel_target_drafts_on_rank_0(tiny_checkpoint, plain):
     """The draft runs whole on rank 0's device (draft_tensor_parallel_size 1, as vLLM allows), in
     the blocks of the target's split pool; its drafts go to the other ranks as the verifying

@@ -71,10 +71,12 @@ def hf_fp8_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOK
 # a model's outputs discontinuous in its inputs (a sum in another order moves a value across an
 # e4m3 rounding boundary; benchmarks/NOTES.md, entry 56), and chunked prefill, preemption and
 # batches sum attention in other orders. So each of the engine's tokens is judged by the oracle
-# given the same prefix: its logit within TIE of the oracle's largest. Measured here: the worst a
-# token of these tests came to 0.004 under (7.858 against 7.862, chunked prefill); tokens of a
-# wrong KV slot or scale are whole logits under.
-TIE = 0.02
+# given the same prefix: its logit within TIE of the oracle's largest. Measured: the worst a token
+# of these tests came to 0.004 under (7.858 against 7.862, chunked prefill) on the CPUs of earlier
+# sessions, 0.089 (and 0.054 with the MoE layers) on an AVX-512/AMX Xeon, whose matrix products sum
+# in another order (session 64: at 1f5ba6d too); every projection 3% off comes to 0.21 under, and
+# tokens of a wrong KV slot or scale are whole logits under.
+TIE = 0.15
 
 
 @torch.inference_mode()
