@@ -393,10 +393,10 @@ class LLMEngine:
                    self.config.max_model_len - num_tokens - 1)
 
     def launch_ahead(self, verifying: InFlightStep) -> LaunchedAhead | None:
-        """The draft model's next proposal started behind the verifying step, on the guess that it
-        accepts every draft (DraftModel.launch_ahead), for the proposal's sequences in its order
-        that would draft again (not one that the step ends, at max_tokens): each one's length then,
-        its last verifying sample, and the drafts the next step would give it. Only a head start:
+        """The draft model's next catch-up started behind the verifying step, on the guess that it
+        accepts every draft (DraftModel.launch_ahead), for the proposal's sequences that would draft
+        again (not one that the step ends, at max_tokens): each one's length then, and its last
+        verifying sample. Only a head start:
         where it fails, the next proposal catches up as it would have (the step, launched, must
         still be resolved)."""
         seqs, proposal = self.proposal
@@ -408,7 +408,7 @@ class LLMEngine:
             num_tokens = position + drafts + 1
             room = self.draft_room(seq, num_tokens, spare_rows)
             if room > 0:
-                guess.append((seq, num_tokens, first + drafts, room))
+                guess.append((seq, num_tokens, first + drafts))
                 spare_rows -= room
         if not guess:
             return None

@@ -25,12 +25,11 @@ may be another sequence's cached prefix, whose draft K and V the draft may never
 
 A verifying step waits for its tokens before the next step is scheduled, and the host's turn then
 (resolving the step, scheduling the next, building the draft's rows) would leave the device idle.
-So behind the verifying step the next proposal starts at once on a guess, that the step accepts
-every draft (launch_ahead): the catch-up over the last draft and the target's token after it, both
-taken from the step's samples on the device, and, while such guesses keep holding, the draft steps
-after it too. A proposal whose sequences all accepted every draft starts from what was launched
-(LaunchedAhead); any other launches its own, and the guess's K and V, past the accepted tokens,
-are written over before anything reads them.
+So behind the verifying step the next proposal's catch-up starts at once on a guess, that the
+step accepts every draft (launch_ahead): the draft over the last draft and the target's token after
+it, both taken from the step's samples on the device. A proposal whose sequences all accepted every
+draft starts from it (LaunchedAhead); any other catches up itself, and the guess's K and V, past
+the accepted tokens, are written over before anything reads them.
 
 Drafting greedily, the draft gives each position one token and no probabilities: the target keeps
 it with the probability its own sampling gives it (speculative.py), so outputs keep the target's
@@ -50,12 +49,6 @@ from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
-# launch_ahead launches a whole proposal behind the verifying step only while this share of its
-# recent guesses were right (a running mean, each new guess weighing GUESS_RATE_WEIGHT): a wrong
-# one costs every draft step, a right one saves only what of the host's turn the catch-up alone
-# leaves unhidden (benchmarks/NOTES.md entry 64).
-WHOLE_AHEAD_RATE = 0.9
-GUESS_RATE_WEIGHT = 0.1
 
 
 class DraftModel:
@@ -75,9 +68,7 @@ class DraftModel:
         # measured (the draft's steps never run before the target's pool is sized): a decode step's,
         # 22 MiB for a 0.6B draft at 64 rows on the H200 (benchmarks/NOTES.md entry 62), comes out
         # of what gpu_memory_utilization leaves.
-        # Did the last proposal find every draft before it accepted (launch_ahead), and how often
-        # lately (a running mean).
-        self.guessed_right, self.guess_rate = False, 0.0
+        self.guessed_right = False     # did the last proposal find every draft before it accepted (launch_ahead)
         # What went ahead and what a proposal then started from (benchmarks/spec_decode_check.py).
         self.ahead_counts = Counter()
         self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.max_num_seqs, self.runner.model_config.vocab_size,
@@ -93,39 +84,20 @@ class DraftModel:
         """num_drafts[i] greedy drafts for seqs[i], whose next num_drafts[i] + 1 positions have
         slots in its block table (Scheduler.grant_drafts), launched and not waited for. The
         catch-up's last step gives each sequence its first draft, and each further draft is one
-        step of the draft over the one before (launch_drafts). The host reads them once the
-        verifying step has run (Proposal.read), so the device goes from drafting to verifying
-        without waiting for it. ahead: what the verifying step before was followed by
-        (launch_ahead); where it guessed every sequence's tokens right, it is this proposal's
-        catch-up, or the whole proposal, already launched."""
-        guessed = ahead is not None and ahead.guessed_right(seqs)
-        self.guessed_right = guessed
-        self.guess_rate += GUESS_RATE_WEIGHT * (guessed - self.guess_rate)
-        if guessed and ahead.proposal is not None and ahead.seqs == seqs and ahead.proposal.num_drafts == num_drafts:
-            proposal = ahead.proposal
-            self.ahead_counts["proposals used"] += 1
+        step of the draft over the one before. All are launched one after another: each step takes
+        its input tokens from the step before's samples on the device (BatchRow.prev_token_index,
+        as the engine's asynchronous decode steps do), and behind each, one gather copies its drafts
+        into the proposal's tokens, where the target's verifying step, launched next, takes them
+        (ModelRunner.launch's prev_tokens). The host reads them once that step has run
+        (Proposal.read), so the device goes from drafting to verifying without waiting for it.
+        ahead: the catch-up that the verifying step before was followed by (launch_ahead); where it
+        guessed every sequence's tokens right, it is this proposal's catch-up, already run."""
+        self.guessed_right = ahead is not None and ahead.guessed_right(seqs)
+        if self.guessed_right and ahead.handle is not None:
+            handle, first_of, known = ahead.handle, {i: ahead.first_draft[seq] for i, seq in enumerate(seqs)}, {}
+            self.ahead_counts["catch-ups used"] += 1
         else:
-            # (After a whole proposal launched ahead, the draft's later steps have overwritten its
-            # catch-up's samples: a proposal that does not match it starts again.)
-            if guessed and ahead.handle is not None and ahead.proposal is None:
-                start = ahead.handle, {i: ahead.first_draft[seq] for i, seq in enumerate(seqs)}, {}
-                self.ahead_counts["catch-ups used"] += 1
-            else:
-                start = self.catch_up(seqs)
-            proposal = self.launch_drafts(seqs, num_drafts, [seq.num_tokens - 1 for seq in seqs], *start)
-        for seq, n in zip(seqs, num_drafts):
-            seq.num_draft_computed = seq.num_tokens - 1 + n     # its last token and its first n - 1 drafts
-        return proposal
-
-    def launch_drafts(self, seqs: list[Sequence], num_drafts: list[int], last_positions: list[int],
-                      handle: StepHandle, first_of: dict[int, int], known: dict[int, int]) -> "Proposal":
-        """The drafts after the first, each sequence's from its last token's position on: the
-        catch-up's handle holds the first ones (first_of: each sequence's sample there; known:
-        those read on the host). The steps follow one another on the device: each takes its input
-        tokens from the step before's samples (BatchRow.prev_token_index, as the engine's
-        asynchronous decode steps do), and behind each, one gather copies its drafts into the
-        proposal's tokens, where the target's verifying step takes them (ModelRunner.launch's
-        prev_tokens)."""
+            handle, first_of, known = self.catch_up(seqs)
         # Step j's samples (j >= 1): each sequence still drafting, in order.
         later = [{i: n for n, i in enumerate(i for i in range(len(seqs)) if num_drafts[i] > j)}
                  for j in range(1, max(num_drafts))]
@@ -135,12 +107,14 @@ class DraftModel:
         launched, before = [handle], first_of
         for j, sample_of in enumerate(later, start=1):
             # (A known first draft is the row's token; any other is the step before's sample.)
-            rows = [self.row([known.get(i, 0)], last_positions[i] + j, seqs[i], sample=True,
+            rows = [self.row([known.get(i, 0)], seqs[i].num_tokens - 1 + j, seqs[i], sample=True,
                              prev_token_index=before.get(i, -1)) for i in sample_of]
             launched.append(self.runner.launch(rows))
             self.runner.take_prev_tokens(proposal.tokens, proposal.gathers[j], launched[-1].samples)
             before = sample_of
         proposal.handles = launched
+        for seq, n in zip(seqs, num_drafts):
+            seq.num_draft_computed = seq.num_tokens - 1 + n     # its last token and its first n - 1 drafts
         return proposal
 
     def catch_up(self, seqs: list[Sequence]) -> tuple[StepHandle, dict[int, int], dict[int, int]]:
@@ -191,27 +165,23 @@ class DraftModel:
             handle = self.runner.launch([row for _, row in rows])
 
     def launch_ahead(self, seqs: list[Sequence], num_tokens: list[int], last_samples: list[int],
-                     next_drafts: list[int], samples: torch.Tensor) -> "LaunchedAhead":
-        """The next proposal's start, launched behind the verifying step on the guess that it
+                     samples: torch.Tensor) -> "LaunchedAhead":
+        """The next proposal's catch-up, launched behind the verifying step on the guess that it
         accepts every draft, so that the device runs it while the host resolves that step and
         schedules the next (otherwise the device waits through that: benchmarks/NOTES.md entry 64).
         For seqs[i]: num_tokens[i], its length if every draft is accepted; last_samples[i], its
-        last verifying row's index among the step's samples (samples: where the device holds
-        them); next_drafts[i], how many drafts the next step would give it.
+        last verifying row's index among the step's samples (samples: where the device holds them).
 
         Then the catch-up is two tokens a sequence, its last draft and the target's sample after
         it: the verifying step's last two samples, which the rows take on the device
         (ModelRunner.launch's prev_tokens). Where the guess is wrong, the rows wrote K and V past
         the sequence's accepted tokens, which nothing reads before a later step writes them again
         (num_draft_computed is not moved), and the next proposal catches up as before. A wrong
-        guess costs a draft step, so the catch-up goes ahead only after a right one; and the whole
-        proposal (launch_drafts) only while guesses are nearly always right (WHOLE_AHEAD_RATE),
-        since a wrong one then costs every draft step. Nothing goes where a row would fall past
-        the sequence's blocks (the next step grants them, later)."""
-        ahead = LaunchedAhead(seqs, dict(zip(seqs, num_tokens)))
-        capacity = [len(seq.block_table) * self.runner.block_size for seq in seqs]
-        if not (self.guessed_right and all(n - 1 < c for n, c in zip(num_tokens, capacity))
-                and len(samples) <= self.config.max_num_seqs):
+        guess costs a draft step, so the catch-up goes ahead only after a right one; and never
+        where a row would fall past the sequence's blocks (the next step grants them, later)."""
+        ahead = LaunchedAhead(dict(zip(seqs, num_tokens)))
+        if not (self.guessed_right and len(samples) <= self.config.max_num_seqs
+                and all(n - 1 < len(seq.block_table) * self.runner.block_size for seq, n in zip(seqs, num_tokens))):
             return ahead
         rows = []
         for seq, n, last in zip(seqs, num_tokens, last_samples):
@@ -220,13 +190,6 @@ class DraftModel:
             ahead.first_draft[seq] = len(rows) - 1
         ahead.handle = self.runner.launch(rows, prev_tokens=samples)
         self.ahead_counts["catch-ups launched"] += 1
-        # The last draft step's row: the sequence's last token's position plus its drafts less one.
-        if (self.guess_rate >= WHOLE_AHEAD_RATE and min(next_drafts) >= 1
-                and all(n + k - 2 < c for n, k, c in zip(num_tokens, next_drafts, capacity))):
-            first_of = {i: ahead.first_draft[seq] for i, seq in enumerate(seqs)}
-            ahead.proposal = self.launch_drafts(seqs, next_drafts, [n - 1 for n in num_tokens], ahead.handle,
-                                                first_of, {})
-            self.ahead_counts["proposals launched"] += 1
         return ahead
 
     @staticmethod
@@ -238,15 +201,12 @@ class DraftModel:
 
 @dataclass
 class LaunchedAhead:
-    """DraftModel.launch_ahead's guess, seqs in the order of the proposal before, each with its
-    num_tokens if its verifying step accepts every draft; and what was launched on it: the
-    catch-up (handle, None where none was; first_draft: each sequence's first draft's sample in
-    it), and the whole next proposal (None where it was not)."""
-    seqs: list[Sequence]
+    """DraftModel.launch_ahead's guess, each sequence's num_tokens if its verifying step accepts
+    every draft, and the catch-up launched on it (handle, None where none was; first_draft: each
+    sequence's first draft's sample in it)."""
     num_tokens: dict[Sequence, int]
     handle: StepHandle | None = None
     first_draft: dict[Sequence, int] = field(default_factory=dict)
-    proposal: "Proposal | None" = None
 
     def guessed_right(self, seqs: list[Sequence]) -> bool:
         """Did every one of seqs accept all its drafts, and its draft K and V stay as the guess

@@ -14,7 +14,6 @@ from mini_engine import LLM, SamplingParams
 from mini_engine.config import EngineConfig
 from mini_engine.engine.engine import LLMEngine
 from mini_engine.model.random_checkpoint import write_random_checkpoint
-from mini_engine.runner import draft_model
 from mini_engine.runner.draft_model import DraftModel
 from mini_engine.speculative import SpecDecodeStats, SpeculativeConfig
 from tests.conftest import tiny_config
@@ -148,16 +147,16 @@ def test_drafts_that_cannot_run_are_refused(tiny_checkpoint, tmp_path):
             EngineConfig(tiny_checkpoint, device="cpu", speculative_config=spec, **options)
 
 
-@pytest.mark.parametrize("always_ahead", [False, True], ids=["as-guessed", "proposal-ahead-every-step"])
+@pytest.mark.parametrize("always_ahead", [False, True], ids=["as-guessed", "catch-up-ahead-every-step"])
 def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_checkpoint, other_draft, monkeypatch,
                                                                      always_ahead):
     """A draft of another model is mostly rejected; then a second request makes the batch larger
     than disable_by_batch_size, and the first runs steps without drafts past the positions where
     the draft wrote its rejected tokens' K and V. Once it drafts again, each proposal's first draft
     must still be the draft model's own greedy token after the sequence's tokens (those stale K and
-    V, counted as the sequence's, made about a third of them other tokens). With a whole
-    proposal launched ahead behind every verifying step, whatever the step before did
-    (launch_ahead), the wrong guesses' K and V lie past the sequence too, and must not count either."""
+    V, counted as the sequence's, made about a third of them other tokens). With a catch-up
+    launched ahead behind every verifying step, whatever the step before did (launch_ahead), the
+    wrong guesses' K and V lie past the sequence too, and must not count either."""
     proposals, launched_ahead = [], []
     propose = DraftModel.propose
 
@@ -173,10 +172,9 @@ def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_check
         def every_time(self, *args):
             self.guessed_right = True
             ahead = launch_ahead(self, *args)
-            launched_ahead.append(ahead.proposal is not None)
+            launched_ahead.append(ahead.handle is not None)
             return ahead
         monkeypatch.setattr(DraftModel, "launch_ahead", every_time)
-        monkeypatch.setattr(draft_model, "WHOLE_AHEAD_RATE", 0.0)     # the whole proposal, each time
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256,
               speculative_config=draft_config(other_draft, disable_by_batch_size=1))
     engine = llm.engine
@@ -268,7 +266,6 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
     monkeypatch.setattr(runner, "launch", recorded_launch)
     monkeypatch.setattr(llm.engine.runner, "launch", recorded_target_launch)
     monkeypatch.setattr(DraftModel, "propose", recorded_propose)
-    monkeypatch.setattr(draft_model, "WHOLE_AHEAD_RATE", 2.0)      # the catch-up alone goes ahead (the test below)
     assert generate(llm, GREEDY) == generate(plain, GREEDY)
     assert len(used) == len(proposals)
     used = [u for u, events in zip(used, proposals) if events]
@@ -311,66 +308,43 @@ def test_a_proposal_is_decode_rows_launched_without_waiting(tiny_checkpoint, pla
 
 
 @pytest.mark.parametrize("budget, num_kv_blocks", [(None, 256), (8, 10)], ids=["whole-prompts", "chunked-preempting"])
-def test_a_whole_proposal_launched_ahead_is_the_next_one_where_the_guess_holds(tiny_checkpoint, plain, monkeypatch,
-                                                                             budget, num_kv_blocks):
-    """While guesses hold (WHOLE_AHEAD_RATE, set to 0 here), launch_ahead runs the whole next
-    proposal behind the verifying step, and a step whose sequences all accepted every draft and
-    take as many drafts as guessed runs no draft step of its own. Outputs stay plain decoding's, the
-    draft stays right (a draft that is the target), and the pool ends free, through chunked prompts,
-    requests that finish (the guess's sequences then differ) and preemption."""
-    monkeypatch.setattr(draft_model, "WHOLE_AHEAD_RATE", 0.0)
+def test_a_catch_up_launched_ahead_starts_the_next_proposal_where_the_guess_holds(tiny_checkpoint, plain, budget,
+                                                                                num_kv_blocks):
+    """A step whose sequences all accepted every draft starts from the catch-up launched behind the
+    step before (launch_ahead); through chunked prompts, requests that finish (the guess's
+    sequences then differ) and preemption, outputs stay plain decoding's, the draft stays right (a
+    draft that is the target) and the pool ends free."""
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=num_kv_blocks,
               speculative_config=draft_config(tiny_checkpoint, k=3),
               **({} if budget is None else {"max_num_batched_tokens": budget}))
-    propose, launches, adopted, count = DraftModel.propose, [], [], [0]
-    launch = llm.engine.draft.runner.launch
-
-    def counted_launch(rows, **kwargs):
-        count[0] += 1
-        return launch(rows, **kwargs)
-
-    def recorded_propose(self, seqs, num_drafts, ahead=None):
-        before = count[0]
-        proposal = propose(self, seqs, num_drafts, ahead)
-        launches.append(count[0] - before)
-        adopted.append(ahead is not None and proposal is ahead.proposal)
-        return proposal
-
-    monkeypatch.setattr(llm.engine.draft.runner, "launch", counted_launch)
-    monkeypatch.setattr(DraftModel, "propose", recorded_propose)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (64, 13, 27, 64)]
     want = [[o.outputs[0].token_ids] for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     assert [[o.outputs[0].token_ids] for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
-    assert sum(adopted) >= 5, adopted
-    assert all(n == 0 for n, used in zip(launches, adopted) if used), (launches, adopted)
-    stats = llm.engine.spec_decode_stats
-    assert stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE, stats
+    counts = llm.engine.draft.ahead_counts
+    assert counts["catch-ups used"] >= 5 and counts["catch-ups used"] <= counts["catch-ups launched"], counts
+    assert llm.engine.spec_decode_stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE
     if num_kv_blocks == 10:
         assert llm.engine.num_preemptions > 0
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("failing_launch", [1, 2], ids=["its-catch-up", "a-later-draft-step"])
-def test_a_launch_ahead_that_fails_costs_only_the_head_start(tiny_checkpoint, plain, monkeypatch, failing_launch):
-    """launch_ahead runs after the verifying step is launched: where one of its launches fails (the
-    catch-up, or a draft step of a whole proposal), the step must still be resolved and the next
-    proposal catch up as it would have. (Found by a review: the step was lost, and every later
-    step fed its sequences a placeholder token.)"""
-    monkeypatch.setattr(draft_model, "WHOLE_AHEAD_RATE", 0.0)
+def test_a_launch_ahead_that_fails_costs_only_the_head_start(tiny_checkpoint, plain, monkeypatch):
+    """launch_ahead runs after the verifying step is launched: where its launch fails, the step
+    must still be resolved and the next proposal catch up as it would have. (Found by a review: the
+    step was lost, and every later step fed its sequences a placeholder token.)"""
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=256, speculative_config=draft_config(tiny_checkpoint))
     runner, launch_ahead = llm.engine.draft.runner, DraftModel.launch_ahead
-    launch, calls = runner.launch, {"inside": False, "launches": 0, "aheads": 0, "failed": 0}
+    launch, calls = runner.launch, {"inside": False, "aheads": 0, "failed": 0}
 
     def failing_launch_once(rows, **kwargs):
         if calls["inside"]:
-            calls["launches"] += 1
-            if calls["aheads"] >= 3 and not calls["failed"] and calls["launches"] == failing_launch:
+            if calls["aheads"] >= 3 and not calls["failed"]:
                 calls["failed"] += 1
                 raise RuntimeError("CUDA out of memory (simulated)")
         return launch(rows, **kwargs)
 
     def watched(self, *args):
-        calls["inside"], calls["launches"] = True, 0
+        calls["inside"] = True
         calls["aheads"] += 1
         try:
             return launch_ahead(self, *args)
