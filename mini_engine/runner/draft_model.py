@@ -63,14 +63,14 @@ class DraftModel:
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.use_cuda_graphs = (self.runner.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.runner.kernels)
+        self.guessed_right = False     # did the last proposal find every draft before it accepted (launch_ahead)
+        # What went ahead and what a proposal then started from (benchmarks/spec_decode_check.py).
+        self.ahead_counts = Counter()
         # Set aside when the target's pool is sized: the draft's graphs' static logits buffer (74 MiB
         # at 256 rows of Qwen3's vocabulary in bf16). Their private pool of activations is not
         # measured (the draft's steps never run before the target's pool is sized): a decode step's,
         # 22 MiB for a 0.6B draft at 64 rows on the H200 (benchmarks/NOTES.md entry 62), comes out
         # of what gpu_memory_utilization leaves.
-        self.guessed_right = False     # did the last proposal find every draft before it accepted (launch_ahead)
-        # What went ahead and what a proposal then started from (benchmarks/spec_decode_check.py).
-        self.ahead_counts = Counter()
         self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.max_num_seqs, self.runner.model_config.vocab_size,
                                                             self.runner.dtype) if self.use_cuda_graphs else 0)
 
