@@ -395,9 +395,11 @@ class LLMEngine:
     def launch_ahead(self, verifying: InFlightStep) -> LaunchedAhead | None:
         """The draft model's next catch-up started behind the verifying step, on the guess that it
         accepts every draft (DraftModel.launch_ahead), for the proposal's sequences that would draft
-        again (not one that the step ends, at max_tokens): each one's length then, and its last
-        verifying sample. Only a head start: where it fails, the next proposal catches up as it
-        would have (and the step, launched, must still be resolved)."""
+        again (draft_room: not one that the step ends at max_tokens or max_model_len, nor past the
+        rows to spare): each one's length then, and its last verifying sample. (The rows are an
+        estimate: a sequence left out that drafts after all makes the next proposal catch up
+        itself.) Only a head start: where it fails, the next proposal catches up as it would have
+        (and the step, launched, must still be resolved)."""
         seqs, proposal = self.proposal
         where = {seq: (position, first) for seq, position, first in verifying.verifying()}
         guess = []

@@ -63,7 +63,7 @@ class DraftModel:
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.use_cuda_graphs = (self.runner.device.type == "cuda" and not config.enforce_eager
                                 and "attention" in self.runner.kernels)
-        self.guessed_right = False     # did the last proposal find every draft before it accepted (launch_ahead)
+        self.guessed_right = False     # did the last proposal find launch_ahead's guess right (every draft accepted)
         # What went ahead and what a proposal then started from (benchmarks/spec_decode_check.py).
         self.ahead_counts = Counter()
         # Set aside when the target's pool is sized: the draft's graphs' static logits buffer (74 MiB
@@ -210,7 +210,8 @@ class LaunchedAhead:
 
     def guessed_right(self, seqs: list[Sequence]) -> bool:
         """Did every one of seqs accept all its drafts, and its draft K and V stay as the guess
-        left them (a preempted sequence starts again from nothing)? Then the catch-up covers them."""
+        left them (a preempted sequence starts again from nothing)? Then the catch-up covers them.
+        A sequence the guess left out never counts as guessed right."""
         return all(seq in self.num_tokens and seq.num_tokens == self.num_tokens[seq]
                    and seq.num_computed_tokens == seq.num_tokens - 1
                    and seq.num_draft_computed == seq.num_tokens - 2 for seq in seqs)

@@ -322,6 +322,8 @@ def test_a_catch_up_launched_ahead_starts_the_next_proposal_where_the_guess_hold
     assert [[o.outputs[0].token_ids] for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
     counts = llm.engine.draft.ahead_counts
     assert counts["catch-ups used"] >= 5 and counts["catch-ups used"] <= counts["catch-ups launched"], counts
+    if num_kv_blocks == 256:        # none launched for a request the step ends (at max_tokens), so none wasted
+        assert counts["catch-ups used"] == counts["catch-ups launched"], counts
     assert llm.engine.spec_decode_stats.acceptance_rate >= SELF_DRAFT_ACCEPTANCE
     if num_kv_blocks == 10:
         assert llm.engine.num_preemptions > 0
