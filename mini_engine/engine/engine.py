@@ -72,10 +72,6 @@ class InFlightStep:
             first += 1 + len(seq.spec_token_ids)
         return out
 
-    def verifying(self) -> list[tuple[Sequence, int, int]]:
-        """first_samples' sequences with drafts: the ones the step verifies."""
-        return [entry for entry in self.first_samples() if entry[0].spec_token_ids]
-
 
 @dataclass
 class StepOutput:
@@ -401,7 +397,7 @@ class LLMEngine:
         itself.) Only a head start: where it fails, the next proposal catches up as it would have
         (and the step, launched, must still be resolved)."""
         seqs, proposal = self.proposal
-        where = {seq: (position, first) for seq, position, first in verifying.verifying()}
+        where = {seq: (position, first) for seq, position, first in verifying.first_samples()}
         guess = []
         spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
         for seq, drafts in zip(seqs, proposal.num_drafts):

@@ -190,7 +190,8 @@ def test_steps_without_drafts_after_a_rejection_leave_the_draft_right(tiny_check
     own = [o.outputs[0].token_ids[0]
            for o in draft_alone.generate([tokens for tokens, _ in proposals], one_token, use_tqdm=False)]
     assert [first for _, first in proposals] == own
-    assert sum(launched_ahead) > (20 if always_ahead else -1)
+    if always_ahead:
+        assert sum(launched_ahead) > 20
     assert_all_blocks_free(llm)
 
 
