@@ -78,29 +78,33 @@ def json_list(value: str) -> list[str]:
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:
-    # As vLLM's build_app: --api-key wins over VLLM_API_KEY, and an empty key is none.
-    api_keys = tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key)
+    """The server's options from its flags; a command without the deployment flags (the batch
+    runner's) takes their defaults, no API keys and no HTTPS."""
+    deployed = {}
+    if hasattr(args, "api_key"):
+        # As vLLM's build_app: --api-key wins over VLLM_API_KEY, and an empty key is none.
+        deployed = dict(
+            api_keys=tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key),
+            allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+            allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs)
     return ServingOptions(
         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids, api_keys=api_keys,
-        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
-        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-        ssl_cert_reqs=args.ssl_cert_reqs)
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, **deployed)
 
 
 def served_name(args: argparse.Namespace) -> str:
     return args.served_model_name or args.model or "qwen3-0.6b-random"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mini_engine.serve", description=__doc__.split("\n\n")[0])
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """What the server and the batch runner (run_batch.py) share: the model, how requests are
+    rendered and parsed, and the engine's options."""
     parser.add_argument("--model", default=None, help="a Hugging Face Qwen3 checkpoint folder "
                         "(default: the embedded random Qwen3-0.6B)")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # As vLLM's flags (and off by default, as there): `vllm serve Qwen/Qwen3-0.6B --reasoning-parser qwen3
     # --enable-auto-tool-choice --tool-call-parser hermes` runs here as it is.
@@ -129,7 +133,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help='logprobs name each token "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
-    # Deployment, as vLLM's flags, names and defaults.
+    add_engine_options(parser)
+
+
+def add_deployment_options(parser: argparse.ArgumentParser) -> None:
+    """The server's alone: where it listens, who may call it. As vLLM's flags, names and defaults."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
                         help="requests need `Authorization: Bearer KEY`, one of these (default: VLLM_API_KEY's "
                         "value, if set), except /health, /ping, /version, /metrics and the docs")
@@ -142,12 +152,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates file")
     parser.add_argument("--ssl-cert-reqs", type=int, default=0,
                         help="whether a client certificate is required (the ssl module's: 0 none, 2 required)")
-    add_engine_options(parser)
-    args = parser.parse_args(argv)
+
+
+def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
-    if args.ssl_keyfile and not args.ssl_certfile:       # else uvicorn fails, once the model has loaded
-        parser.error("--ssl-keyfile needs --ssl-certfile")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
     names = [module.name for module in args.lora_modules]
@@ -155,14 +164,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--lora-modules names each adapter once: {duplicates} given more than once")
     if served_name(args) in names:
         parser.error(f"--lora-modules: the adapter name {served_name(args)!r} is the served model's name")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mini_engine.serve", description=__doc__.split("\n\n")[0])
+    add_deployment_options(parser)
+    add_model_options(parser)
+    args = parser.parse_args(argv)
+    check_model_options(parser, args)
+    if args.ssl_keyfile and not args.ssl_certfile:       # else uvicorn fails, once the model has loaded
+        parser.error("--ssl-keyfile needs --ssl-certfile")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
+def build_served_app(args: argparse.Namespace):
+    """The app that serves args' model (its engine process started and ready), and the options
+    it was built with; the server and the batch runner both run this."""
     from mini_engine.model.random_checkpoint import default_checkpoint
     from mini_engine.server.app import build_app
 
@@ -173,20 +190,27 @@ def main(argv: list[str] | None = None) -> None:
     parsers = ParserOptions(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     serving = serving_options(args)
     app = build_app(config, name, parsers, args.lora_modules, serving)
+    log = logging.getLogger("mini_engine.server")
     limits = app.state.server.async_engine.limits
-    logging.getLogger("mini_engine.server").info(
-        "serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
-        limits.block_size, limits.max_model_len)
+    log.info("serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
+             limits.block_size, limits.max_model_len)
     if args.chat_template is not None:
-        logging.getLogger("mini_engine.server").info("chat requests render with --chat-template's template, in place "
-                                                     "of the checkpoint's")
+        log.info("chat requests render with --chat-template's template, in place of the checkpoint's")
     for module in args.lora_modules:
-        logging.getLogger("mini_engine.server").info("serving LoRA adapter %s as %r", module.path, module.name)
+        log.info("serving LoRA adapter %s as %r", module.path, module.name)
     if config.sampling_defaults:
-        logging.getLogger("mini_engine.server").info(
-            "requests that leave them unset sample with %s, from %s's generation_config.json "
-            "(--generation-config none: temperature 1, top_p 1, no top_k)", config.sampling_defaults,
-            model if config.generation_config == "auto" else config.generation_config)
+        log.info("requests that leave them unset sample with %s, from %s's generation_config.json "
+                 "(--generation-config none: temperature 1, top_p 1, no top_k)", config.sampling_defaults,
+                 model if config.generation_config == "auto" else config.generation_config)
+    return app, serving
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    app, serving = build_served_app(args)
     if serving.api_keys:
         logging.getLogger("mini_engine.server").info("requests need one of %d API keys", len(serving.api_keys))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
