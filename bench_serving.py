@@ -147,10 +147,10 @@ def wait_healthy(base_url: str, process: subprocess.Popen | None, log_path: str 
 
 
 def server_metric(base_url: str, name: str) -> float | None:
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"mini_engine:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    """A metric's value summed over the server's engines (one series each with --data-parallel-size)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines()
+              if line.startswith(f"mini_engine:{name}{{")]
+    return sum(values) if values else None
 
 
 def kv_blocks_used_when_idle(base_url: str, timeout: float = 10) -> float | None:

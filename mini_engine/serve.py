@@ -92,7 +92,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
     return ServingOptions(
         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids, **deployed)
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, data_parallel_size=args.data_parallel_size,
+        **deployed)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -133,6 +134,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help='logprobs name each token "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine processes, each with the whole model on its own GPUs (tensor-parallel-size "
+                        "each), requests shared among them")
     add_engine_options(parser)
 
 
@@ -155,6 +159,8 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.lora_modules and not args.enable_lora:
@@ -192,8 +198,9 @@ def build_served_app(args: argparse.Namespace):
     app = build_app(config, name, parsers, args.lora_modules, serving)
     log = logging.getLogger("mini_engine.server")
     limits = app.state.server.async_engine.limits
-    log.info("serving %s as %r: %d KV blocks of %d tokens, max_model_len %d", model, name, limits.num_blocks,
-             limits.block_size, limits.max_model_len)
+    log.info("serving %s as %r: %d KV blocks of %d tokens%s, max_model_len %d", model, name, limits.num_blocks,
+             limits.block_size, f" in each of {serving.data_parallel_size} engines" if serving.data_parallel_size > 1
+             else "", limits.max_model_len)
     if args.chat_template is not None:
         log.info("chat requests render with --chat-template's template, in place of the checkpoint's")
     for module in args.lora_modules:

@@ -29,9 +29,10 @@ from mini_engine.engine.prompt_embeds import (PLACEHOLDER_TOKEN, check_prompt_em
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.sampling_params import SamplingParams, check_truncate_prompt_tokens
-from mini_engine.server.async_engine import AsyncEngine, RequestDelta, RequestStream
+from mini_engine.server.async_engine import RequestDelta, RequestStream
 from mini_engine.server.beam_search_endpoint import BeamSearchEndpoint
 from mini_engine.server.constraints import forced_tool, structured_outputs
+from mini_engine.server.data_parallel import start_engines
 from mini_engine.server.dev_endpoints import add_dev_routes, add_profile_routes, dev_mode, profiling
 from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
@@ -202,9 +203,11 @@ class OpenAIServer:
         self.config = config
         self.model_name = model_name
         self.parsers = parsers or ParserOptions()
-        self.metrics = ServerMetrics(model_name, config.max_loras if config.enable_lora else None)
+        self.metrics = ServerMetrics(model_name, config.max_loras if config.enable_lora else None,
+                                     options.data_parallel_size)
         self.loras = LoRAModules(model_name, lora_modules)
-        self.async_engine = AsyncEngine(config, self.metrics, tuple(self.loras.requests.values()))
+        self.async_engine = start_engines(config, self.metrics, tuple(self.loras.requests.values()),
+                                          options.data_parallel_size)
         self.tokenizer = load_tokenizer(config.model)
         # By the tokens' text: prompt_logprobs' decoded_token stay text with return_tokens_as_token_ids, as vLLM's.
         self.logprobs_json = LogprobsJSON(self.tokenizer)
@@ -331,9 +334,11 @@ class OpenAIServer:
                        for child_id, child in ([(prompt_id, params)] if n == 1 else
                                                [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
-            return [self.async_engine.add_request(child_id, prompt, child, validated=True, priority=priority,
-                                                  lora_request=lora_request, cache_salt=cache_salt,
-                                                  prompt_embeds=embedded)
+            # One engine for all of them (one of several under data parallelism), so that a prompt's
+            # n completions share its prefix-cache blocks.
+            engine = self.async_engine.next_engine()
+            return [engine.add_request(child_id, prompt, child, validated=True, priority=priority,
+                                       lora_request=lora_request, cache_salt=cache_salt, prompt_embeds=embedded)
                     for prompt, embedded, child_id, child in completions]
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from None

@@ -19,7 +19,7 @@ from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.engine_process import EngineDelta, EngineStats, start_engine_process
-from mini_engine.server.metrics import ServerMetrics
+from mini_engine.server.metrics import EngineMetrics
 
 
 @dataclass
@@ -75,11 +75,15 @@ def merge(first: RequestDelta, second: RequestDelta) -> RequestDelta:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, metrics: ServerMetrics, lora_requests: tuple[LoRARequest, ...] = ()):
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics, lora_requests: tuple[LoRARequest, ...] = (),
+                 visible_devices: str | None = None):
         """Starts the engine process and waits for its engine (model, KV pool, CUDA graphs) and
-        for it to read lora_requests' adapters (RuntimeError, naming the adapter, if one is bad)."""
+        for it to read lora_requests' adapters (RuntimeError, naming the adapter, if one is bad).
+        visible_devices: the process's CUDA_VISIBLE_DEVICES (data parallelism gives each engine
+        its own GPUs); None, this process's."""
         self.metrics = metrics
-        self.process, self.commands, self.outputs, self.limits = start_engine_process(config, lora_requests)
+        self.process, self.commands, self.outputs, self.limits = start_engine_process(
+            config, lora_requests, visible_devices=visible_devices)
         self.streams: dict[str, RequestStream] = {}         # event loop thread only
         self.calls: dict[int, asyncio.Future] = {}      # event loop thread only
         self.call_ids = itertools.count()
@@ -112,6 +116,10 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.process.is_alive() and self.reader is not None and self.reader.is_alive()
+
+    def next_engine(self) -> "AsyncEngine":
+        """The engine a request goes to: this one (data_parallel.DataParallelEngines picks one of several)."""
+        return self
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     validated: bool = False, priority: int = 0, lora_request: LoRARequest | None = None,

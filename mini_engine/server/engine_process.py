@@ -22,9 +22,12 @@ Detokenization and stop strings run here, beside the scheduler, so that a reques
 stop string is aborted, and its blocks freed, before the next step.
 """
 import atexit
+import contextlib
 import logging
 import multiprocessing
+import os
 import queue
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -259,10 +262,33 @@ def engine_main(config: EngineConfig, commands: multiprocessing.Queue, outputs: 
         engine.shutdown()
 
 
-def start_engine_process(config: EngineConfig, lora_requests: tuple[LoRARequest, ...] = (), timeout: float = 900.0):
+# A spawned process takes this process's environment as it is when it starts: engines started
+# side by side (data parallelism) set theirs one at a time.
+SPAWN_ENVIRONMENT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def spawn_environment(variables: dict[str, str]):
+    """os.environ with variables set, for a process started inside; restored after."""
+    with SPAWN_ENVIRONMENT_LOCK:
+        saved = {name: os.environ.get(name) for name in variables}
+        os.environ.update(variables)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def start_engine_process(config: EngineConfig, lora_requests: tuple[LoRARequest, ...] = (), timeout: float = 900.0,
+                         visible_devices: str | None = None):
     """Starts the engine process and waits until its engine is built and has read the LoRA
     adapters. Returns the process, its command and output queues, and the engine's RequestLimits;
-    raises RuntimeError if it failed."""
+    raises RuntimeError if it failed. visible_devices: the process's CUDA_VISIBLE_DEVICES (None:
+    this process's)."""
     # spawn, not fork: the child initialises CUDA, and a forked copy of a parent that touched
     # torch's state is not safe to.
     ctx = multiprocessing.get_context("spawn")
@@ -272,7 +298,8 @@ def start_engine_process(config: EngineConfig, lora_requests: tuple[LoRARequest,
     process = ctx.Process(target=engine_main, args=(config, commands, outputs, logging.getLogger().getEffectiveLevel(),
                                                     tuple(lora_requests)),
                           name="mini_engine-engine", daemon=config.tensor_parallel_size == 1)
-    process.start()
+    with spawn_environment({"CUDA_VISIBLE_DEVICES": visible_devices} if visible_devices is not None else {}):
+        process.start()
     if not process.daemon:
         # multiprocessing joins a non-daemonic child at exit, and this one ends only when told to or
         # when this process is gone: a server that exits without AsyncEngine.shutdown tells it first.

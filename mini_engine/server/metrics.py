@@ -10,57 +10,102 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_loras: int | None = None):
-        """max_loras: with enable_lora, the engine's (the lora_requests_info gauge's max_lora)."""
+    def __init__(self, model_name: str, max_loras: int | None = None, num_engines: int = 1):
+        """max_loras: with enable_lora, the engine's (the lora_requests_info gauge's max_lora).
+        num_engines: the engine processes behind the server (--data-parallel-size); each series
+        carries its engine's index as vLLM's do, `engine="0"`, and engine(i) is what engine i's
+        AsyncEngine writes."""
         self.registry = r = CollectorRegistry()
-        labels = {"model_name": model_name}
+        names = ["model_name", "engine"]
+        self.families: dict[str, Gauge | Counter | Histogram] = {}
 
         def gauge(name, doc):
-            return Gauge(f"mini_engine:{name}", doc, list(labels), registry=r).labels(**labels)
+            self.families[name] = Gauge(f"mini_engine:{name}", doc, names, registry=r)
 
         def counter(name, doc):
-            return Counter(f"mini_engine:{name}", doc, list(labels), registry=r).labels(**labels)
+            self.families[name] = Counter(f"mini_engine:{name}", doc, names, registry=r)
 
         def histogram(name, doc):
-            return Histogram(f"mini_engine:{name}", doc, list(labels), buckets=LATENCY_BUCKETS,
-                             registry=r).labels(**labels)
+            self.families[name] = Histogram(f"mini_engine:{name}", doc, names, buckets=LATENCY_BUCKETS, registry=r)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests scheduled on the engine.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
-        self.kv_blocks_used = gauge("kv_cache_blocks_used", "KV cache blocks held by requests.")
-        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use.")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Tokens served by the prefix cache over tokens "
-                                     "looked up, at each admission (a preempted request's included), since start.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests the server accepted.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.num_preemptions = counter("num_preemptions", "Preemptions since start.")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: steps in which a sequence "
-                                   "had drafts verified.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
-        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
-                                            "accepted.")
-        per_position = Counter("mini_engine:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
-                               "draft tokens accepted, by their position among a step's drafts (0 = the first).",
-                               ["model_name", "position"], registry=r)
-        self.spec_accepted_at = lambda position: per_position.labels(model_name=model_name, position=str(position))
-        self.counted: dict[str, int] = {}       # what each counter has counted of the engine's totals
-        finished = Counter("mini_engine:request_success", "Finished requests, by finish reason.",
-                           ["model_name", "finished_reason"], registry=r)
-        self.finished = lambda reason: finished.labels(model_name=model_name, finished_reason=reason).inc()
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
-        self.tpot = histogram("time_per_output_token_seconds", "Per request: (last token - first token) "
-                              "/ (output tokens - 1).")
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        gauge("num_requests_running", "Requests scheduled on the engine.")
+        gauge("num_requests_waiting", "Requests waiting for admission.")
+        gauge("kv_cache_blocks_used", "KV cache blocks held by requests.")
+        gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
+        gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use.")
+        gauge("prefix_cache_hit_rate", "Tokens served by the prefix cache over tokens looked up, at each admission "
+              "(a preempted request's included), since start.")
+        counter("prompt_tokens", "Prompt tokens of requests the server accepted.")
+        counter("generation_tokens", "Tokens generated.")
+        counter("num_preemptions", "Preemptions since start.")
+        counter("spec_decode_num_drafts", "Speculative decoding: steps in which a sequence had drafts verified.")
+        counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        self.families["spec_accepted_per_pos"] = Counter(
+            "mini_engine:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: draft tokens accepted, by "
+            "their position among a step's drafts (0 = the first).", [*names, "position"], registry=r)
+        self.families["request_success"] = Counter(
+            "mini_engine:request_success", "Finished requests, by finish reason.", [*names, "finished_reason"],
+            registry=r)
+        histogram("time_to_first_token_seconds", "Arrival to first generated token.")
+        histogram("time_per_output_token_seconds", "Per request: (last token - first token) / (output tokens - 1).")
+        histogram("e2e_request_latency_seconds", "Arrival to last token.")
         # vLLM's lora_requests_info, with its labels and no others (routers such as the Gateway API
         # Inference Extension read them): the adapters running and waiting, by name, comma-separated,
-        # and max_lora; the value, when the engine last reported them. One series, the current one:
+        # and max_lora; the value, when an engine last reported them. One series, the current one:
         # vLLM keeps every combination it has seen, each at its last time (readers take the latest).
+        # With several engines, the adapters of all of them, each once.
         self.max_loras = max_loras
         self.lora_info = self.lora_labels = None
         if max_loras is not None:
             self.lora_info = Gauge("mini_engine:lora_requests_info", "Running stats on lora requests.",
                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self.engines = [EngineMetrics(self, model_name, str(i)) for i in range(num_engines)]
+
+    def engine(self, index: int) -> "EngineMetrics":
+        return self.engines[index]
+
+    def update_engine_state(self, stats: EngineStats) -> None:
+        """A server of one engine: engine 0's."""
+        self.engines[0].update_engine_state(stats)
+
+    def update_lora_info(self) -> None:
+        reported = [e.last_stats for e in self.engines if e.last_stats is not None]
+        running, waiting = ({name: None for stats in reported for name in getattr(stats, kind)}
+                            for kind in ("running_lora_adapters", "waiting_lora_adapters"))
+        labels = (str(self.max_loras), ",".join(waiting), ",".join(running))
+        if self.lora_labels is not None and labels != self.lora_labels:
+            self.lora_info.remove(*self.lora_labels)
+        self.lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    """One engine's series of the server's metrics: what its AsyncEngine writes."""
+
+    def __init__(self, server: ServerMetrics, model_name: str, engine: str):
+        self.server = server
+        families = server.families
+        labels = {"model_name": model_name, "engine": engine}
+        for attribute, name in (
+                ("num_requests_running", "num_requests_running"), ("num_requests_waiting", "num_requests_waiting"),
+                ("kv_blocks_used", "kv_cache_blocks_used"), ("kv_blocks_total", "kv_cache_blocks_total"),
+                ("kv_usage", "kv_cache_usage_perc"), ("prefix_hit_rate", "prefix_cache_hit_rate"),
+                ("prompt_tokens", "prompt_tokens"), ("generation_tokens", "generation_tokens"),
+                ("num_preemptions", "num_preemptions"), ("spec_drafts", "spec_decode_num_drafts"),
+                ("spec_draft_tokens", "spec_decode_num_draft_tokens"),
+                ("spec_accepted_tokens", "spec_decode_num_accepted_tokens"),
+                ("ttft", "time_to_first_token_seconds"), ("tpot", "time_per_output_token_seconds"),
+                ("e2e", "e2e_request_latency_seconds")):
+            setattr(self, attribute, families[name].labels(**labels))
+        self.spec_accepted_at = lambda position: families["spec_accepted_per_pos"].labels(
+            **labels, position=str(position))
+        self.finished = lambda reason: families["request_success"].labels(**labels, finished_reason=reason).inc()
+        self.counted: dict[str, int] = {}       # what each counter has counted of the engine's totals
+        self.last_stats: EngineStats | None = None     # for lora_requests_info, which spans the engines
 
     def update_engine_state(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -82,15 +127,6 @@ class ServerMetrics:
             name = f"spec_accepted_at_{position}"
             self.spec_accepted_at(position).inc(total - self.counted.get(name, 0))
             self.counted[name] = total
-        if self.lora_info is not None:
-            self.update_lora_info(stats)
-
-    def update_lora_info(self, stats: EngineStats) -> None:
-        labels = (str(self.max_loras), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
-        if self.lora_labels is not None and labels != self.lora_labels:
-            self.lora_info.remove(*self.lora_labels)
-        self.lora_labels = labels
-        self.lora_info.labels(*labels).set_to_current_time()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.server.lora_info is not None:
+            self.last_stats = stats
+            self.server.update_lora_info()

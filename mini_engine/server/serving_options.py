@@ -32,6 +32,9 @@ class ServingOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # --data-parallel-size (vLLM's -dp): engine processes, each with the whole model on GPUs of its
+    # own, requests shared among them (server/data_parallel.py).
+    data_parallel_size: int = 1
 
     def uvicorn_ssl(self) -> dict:
         return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,

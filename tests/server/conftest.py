@@ -101,14 +101,17 @@ class ServerHandle:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
     def metrics(self) -> dict[str, float]:
-        """Every unlabelled-by-reason sample of /metrics, keyed by name (and finish reason)."""
+        """Every sample of /metrics, keyed by name (and finish reason), summed over the engines
+        (a server with --data-parallel-size has a series for each)."""
         text = httpx.get(self.base_url + "/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
             m = re.match(r'^(mini_engine:[a-z_]+)\{([^}]*)\} ([0-9.e+-]+|NaN)$', line)
             if m:
                 reason = re.search(r'finished_reason="(\w+)"', m.group(2))
-                values[m.group(1) + (f":{reason.group(1)}" if reason else "")] = float(m.group(3))
+                bucket = re.search(r'le="([^"]+)"', m.group(2))
+                key = m.group(1) + (f":{reason.group(1)}" if reason else "") + (f":le={bucket.group(1)}" if bucket else "")
+                values[key] = values.get(key, 0.0) + float(m.group(3))
         return values
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
