@@ -838,8 +838,10 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_engine.start()
-        yield
-        server.async_engine.shutdown()
+        try:
+            yield
+        finally:        # the engine process stopped however the app ends (run_batch's may end by an error)
+            server.async_engine.shutdown()
 
     app = FastAPI(title="mini_engine", version=__version__, lifespan=lifespan)
     app.state.server = server

@@ -77,6 +77,22 @@ def forcing_bias(model: str, texts) -> dict[str, dict[str, int]]:
     return {text: {str(tokenizer.token_to_id(text)): 100} for text in texts}
 
 
+def engine_processes(server_pid: int) -> list[int]:
+    """The server's children that run an engine (multiprocessing's spawned ones, not its resource tracker)."""
+    children = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if parent == server_pid and b"spawn_main" in cmdline:
+            children.append(int(pid))
+    return children
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ import pytest
 from mini_engine import SamplingParams, serve
 from mini_engine.server.data_parallel import DataParallelEngines, engine_devices
 from mini_engine.server.engine_process import spawn_environment
-from tests.server.conftest import MODEL_NAME, launched_server
+from tests.server.conftest import MODEL_NAME, engine_processes, launched_server
 
 PROMPTS = [[5, 6, 7, i] for i in range(3, 11)]
 
@@ -89,22 +89,6 @@ def test_a_stream_left_early_frees_its_engines_blocks(dp_server):
 def test_calls_between_steps_reach_every_engine(dp_server):
     assert httpx.post(dp_server.base_url + "/reset_prefix_cache", timeout=30).json() == {"reset": True}
     assert httpx.get(dp_server.base_url + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
-
-
-def engine_processes(server_pid: int) -> list[int]:
-    """The server's children that run an engine (multiprocessing's spawned ones, not its resource tracker)."""
-    children = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if parent == server_pid and b"spawn_main" in cmdline:
-            children.append(int(pid))
-    return children
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the engine processes through /proc")

@@ -4,17 +4,20 @@ and the others run; input and output over HTTP; a batch that fails leaves no res
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
 import torch
 
-from mini_engine.run_batch import BATCH_URLS, parse_line
+import mini_engine.run_batch as run_batch_module
+from mini_engine.run_batch import BATCH_URLS, parse_line, results_file, split_lines
 from tests.engine.test_embeddings import hf_embedding, write_embedding_checkpoint
-from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, REPO
+from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, REPO, engine_processes
 
 # As launched_server starts the session's server, so that the two engines are alike.
 ENGINE_OPTIONS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "16",
@@ -28,10 +31,11 @@ def run_batch(model: str, input_file: str, output_file: str, *options: str, chec
 
 
 def write_lines(path, lines: list) -> str:
-    with open(path, "w") as f:
+    """Each line a JSON value, or its text, or its raw bytes."""
+    with open(path, "wb") as f:
         for line in lines:
-            f.write(line if isinstance(line, str) else json.dumps(line))
-            f.write("\n")
+            f.write(line if isinstance(line, bytes) else (line if isinstance(line, str) else json.dumps(line)).encode())
+            f.write(b"\n")
     return str(path)
 
 
@@ -62,37 +66,43 @@ RUNNABLE = [
     request("chat", "/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}],
                                              **GREEDY}),
     request("text", "/v1/completions", {"prompt": "The quick brown", "logprobs": 2, **GREEDY}),
-    request("two prompts", "/v1/completions", {"prompt": ["Größe", "café, naïve"], "echo": True, **GREEDY}),
+    request("two prompts", "/v1/completions", {"prompt": ["Größe", "café, naïve\u2028x"], "echo": True, **GREEDY}),
     request("long", "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0,
                                         "ignore_eos": True}),
+    request("odd \ud800 id", "/v1/completions", {"prompt": [5, 6], "stream": "false", **GREEDY}),
     request("bad temperature", "/v1/completions", {"prompt": "x", "temperature": -1}),
+    request("nan temperature", "/v1/completions", {"prompt": "x", "temperature": float("nan")}),
     request("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}),
     request("unknown field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "colour": 1}),
 ]
+NUM_ANSWERED = 5        # the first five run; the others the server refuses
 REFUSED = [      # each with what its error says
-    ("not json", "line 9: not JSON"),
-    ([1, 2], "line 10: not a JSON object"),
+    ("not json", "not JSON"),
+    ([1, 2], "not a JSON object"),
+    (b'{"custom_id": "latin-1", "body": "caf\xe9"}', "not UTF-8"),
     (request("text", "/v1/completions", {"prompt": "x"}), "custom_id 'text' is an earlier line's"),
     ({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}, "no custom_id string"),
     (request("get", "/v1/completions", {"prompt": "x"}, method="GET"), "method 'GET': a batch request is a POST"),
     (request("models", "/v1/models", {}), "url '/v1/models' is not one a batch runs"),
-    (request("stream", "/v1/completions", {"prompt": "x", "stream": True}), "stream must be false"),
+    (request("stream", "/v1/completions", {"prompt": "x", "stream": True}), "a batch request is not streamed"),
     (request("no body", "/v1/completions", "prompt"), "body is not a JSON object"),
 ]
 
 
 def test_a_batch_answers_as_the_server_does_in_the_inputs_order(tiny_model, served, tmp_path):
-    """Two requests in flight at most, so that reading waits for room; blank lines skipped."""
-    lines = [RUNNABLE[0], ""] + RUNNABLE[1:] + [refused for refused, _ in REFUSED]
+    """Two requests in flight at most, so that reading waits for room; blank lines skipped; the
+    file starts with a UTF-8 BOM."""
+    lines = ["\ufeff" + json.dumps(RUNNABLE[0]), ""] + RUNNABLE[1:] + [refused for refused, _ in REFUSED]
     input_file = write_lines(tmp_path / "requests.jsonl", lines)
     output_file = str(tmp_path / "results.jsonl")
     ran = run_batch(tiny_model, input_file, output_file, "--max-in-flight", "2")
     results = [json.loads(line) for line in open(output_file)]
-    assert [r["custom_id"] for r in results] == \
-        [r["custom_id"] for r in RUNNABLE] + [None, None, "text", None, "get", "models", "stream", "no body"]
+    assert [r["custom_id"] for r in results] == [r["custom_id"] for r in RUNNABLE] + \
+        [None, None, None, "text", None, "get", "models", "stream", "no body"]
     assert len({r["id"] for r in results}) == len({r["response"]["request_id"] for r in results}) == len(results)
     for line, result in zip(RUNNABLE, results):
-        answer = httpx.post(served.base_url + line["url"], json=line["body"], timeout=60)
+        answer = httpx.post(served.base_url + line["url"], content=json.dumps(line["body"]), timeout=60,
+                            headers={"content-type": "application/json"})
         status = result["response"]["status_code"]
         assert status == answer.status_code, (line["custom_id"], result)
         if status == 200:
@@ -100,14 +110,15 @@ def test_a_batch_answers_as_the_server_does_in_the_inputs_order(tiny_model, serv
             assert_same_answer(result["response"]["body"], answer.json())
         else:
             assert result["response"]["body"] is None and result["error"] == answer.json()
-    assert [r["response"]["status_code"] for r in results[:len(RUNNABLE)]] == [200] * 4 + [400, 404, 400]
+    assert [r["response"]["status_code"] for r in results[:len(RUNNABLE)]] == [200] * NUM_ANSWERED + [400, 400, 404, 400]
     assert results[3]["response"]["body"]["usage"]["completion_tokens"] == 40
-    for (_, why), result in zip(REFUSED, results[len(RUNNABLE):]):
+    first_refused_line = len(RUNNABLE) + 2      # after the blank line
+    for i, ((_, why), result) in enumerate(zip(REFUSED, results[len(RUNNABLE):])):
         assert result["response"] == {"status_code": 400, "request_id": result["response"]["request_id"],
                                       "body": None}
-        assert why in result["error"]["error"]["message"], result
-    completion_tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results[:4])
-    assert f"{len(lines) - 1} requests ({len(lines) - 5} failed)" in ran.stdout
+        assert result["error"]["error"]["message"].startswith(f"line {first_refused_line + i}: {why}"), result
+    completion_tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results[:NUM_ANSWERED])
+    assert f"{len(lines) - 1} requests ({len(lines) - 1 - NUM_ANSWERED} failed)" in ran.stdout
     assert f"and {completion_tokens} completion tokens" in ran.stdout
 
 
@@ -175,11 +186,44 @@ def test_a_batch_whose_input_cannot_be_read_leaves_no_results_file(tiny_model, f
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the engine process through /proc")
+def test_sigterm_stops_the_engine_and_leaves_no_results(tiny_model, tmp_path):
+    """A job scheduler's stop mid-batch: the command ends, its engine process with it, and neither
+    a results file nor its temporary file is left."""
+    lines = [request(f"r{i}", "/v1/completions", {"prompt": [5, 6, i], "max_tokens": 400, "ignore_eos": True})
+             for i in range(64)]
+    input_file = write_lines(tmp_path / "requests.jsonl", lines)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    process = subprocess.Popen([sys.executable, "-m", "mini_engine.run_batch", "-i", input_file, "-o",
+                                str(out_dir / "results.jsonl"), "--model", tiny_model, *ENGINE_OPTIONS,
+                                "--max-in-flight", "4"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        for _ in range(600):
+            engines = engine_processes(process.pid)
+            if engines and os.listdir(out_dir):      # the engine is up and the results file begun
+                break
+            time.sleep(0.1)
+        assert engines, "the engine process did not start"
+        time.sleep(1.0)         # requests running
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and "stopped: no results written" in err, err
+    assert os.listdir(out_dir) == []
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in engines), "the engine process outlived the batch"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["-i", "/no/such/file.jsonl", "-o", "out.jsonl"], "no such file"),
     (["-i", __file__, "-o", "/no/such/folder/out.jsonl"], "its folder does not exist"),
     (["-i", __file__, "-o", "out.jsonl", "--max-in-flight", "0"], "--max-in-flight must be at least 1"),
     (["-i", __file__, "-o", "out.jsonl", "--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["-i", __file__, "-o", os.path.dirname(__file__)], "is a folder"),
+    (["-i", os.path.dirname(__file__), "-o", "out.jsonl"], "no such file"),
+    (["-i", __file__, "-o", "http://x/out", "--output-tmp-dir", "/no/such/dir"], "--output-tmp-dir /no/such/dir: no such"),
 ])
 def test_bad_command_lines_stop_before_the_model_loads(argv, message, capsys):
     from mini_engine import run_batch as module
@@ -199,10 +243,70 @@ def test_each_url_a_batch_runs_is_a_post_route_of_the_server():
     assert BATCH_URLS <= posted and "/v1/completions" in BATCH_URLS, BATCH_URLS - posted
 
 
+def line_bytes(value) -> bytes:
+    return json.dumps(value).encode()
+
+
 def test_parse_line_keeps_the_custom_id_of_a_line_it_refuses():
     seen = {"a"}
-    assert parse_line(0, 1, json.dumps(request("a", "/v1/completions", {})), seen).error.startswith("line 1: custom_id")
-    refused = parse_line(1, 7, json.dumps(request("b", "/v1/models", {})), seen)
+    assert parse_line(0, 1, line_bytes(request("a", "/v1/completions", {})), seen).error.startswith("line 1: custom_id")
+    refused = parse_line(1, 7, line_bytes(request("b", "/v1/models", {})), seen)
     assert (refused.custom_id, refused.line_number, refused.url) == ("b", 7, None)
-    ok = parse_line(2, 8, json.dumps(request("c", "/v1/completions", {"prompt": "x"})), seen)
+    ok = parse_line(2, 8, line_bytes(request("c", "/v1/completions", {"prompt": "x"})), seen)
     assert ok.error is None and (ok.url, ok.body) == ("/v1/completions", {"prompt": "x"}) and seen == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b'{"custom_id": "x\xff"}', "not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "not JSON"),         # deeper than the parser recurses
+    (b'{"custom_id": "big", "n": ' + b"9" * 5000 + b"}", "not JSON"),     # past int's digit limit
+    (b"NaN", "not a JSON object"),
+])
+def test_a_line_no_json_reader_takes_is_its_own_error(raw, why):
+    refused = parse_line(0, 3, raw, set())
+    assert refused.error.startswith(f"line 3: {why}") and refused.url is None
+
+
+@pytest.mark.parametrize("stream,refused", [(True, True), ("true", True), (1, True), (False, False),
+                                            ("false", False), (0, False), (None, False), ("maybe", False)])
+def test_stream_is_read_as_the_server_reads_it(stream, refused):
+    """A value the server would refuse ("maybe") is left to the server's own 400."""
+    got = parse_line(0, 1, line_bytes(request("s", "/v1/completions", {"prompt": "x", "stream": stream})), set())
+    assert (got.error is not None) == refused
+
+
+def test_lines_split_at_newlines_alone():
+    """U+2028, U+0085 and \r may sit inside a JSON string; a line may arrive in pieces."""
+    tail = bytearray()
+    text = '{"a": "x\u2028y\u0085z\r"}\n{"b": 1}\n{"c"'.encode()
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    assert list(split_lines(pieces, tail)) == ['{"a": "x\u2028y\u0085z\r"}'.encode(), b'{"b": 1}']
+    assert bytes(tail) == b'{"c"'
+
+
+def test_an_upload_that_fails_every_try_keeps_the_results(tmp_path, monkeypatch, caplog):
+    def refuse(request):
+        return httpx.Response(503)
+
+    tries = []
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(run_batch_module, "UPLOAD_RETRY_S", 0.0)
+    monkeypatch.setattr(run_batch_module.httpx, "AsyncClient",
+                        lambda **kwargs: real_client(transport=httpx.MockTransport(
+                            lambda request: tries.append(request) or refuse(request))))
+    with pytest.raises(httpx.HTTPStatusError):
+        with results_file("http://example.invalid/out.jsonl", str(tmp_path)) as f:
+            f.write("result\n")
+    assert len(tries) == run_batch_module.UPLOAD_TRIES
+    kept, = os.listdir(tmp_path)
+    assert open(tmp_path / kept).read() == "result\n" and str(tmp_path / kept) in caplog.text
+
+
+def test_a_local_results_file_is_made_with_the_umasks_mode(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        with results_file(str(tmp_path / "out.jsonl"), None) as f:
+            f.write("x\n")
+    finally:
+        os.umask(previous)
+    assert os.stat(tmp_path / "out.jsonl").st_mode & 0o777 == 0o644 and os.listdir(tmp_path) == ["out.jsonl"]
