@@ -3,19 +3,27 @@ one server. Greedy outputs are the offline engine's whichever engine runs them; 
 evenly; /metrics has a series per engine; calls reach every engine; an engine that dies makes the
 server unhealthy rather than half-served. The GPU mapping and the routing, on their own."""
 import asyncio
+import contextlib
 import os
 import signal
+import time
 import types
 
 import httpx
 import pytest
 
-from mini_engine import SamplingParams, serve
+from mini_engine import LLM, SamplingParams, serve
 from mini_engine.server.data_parallel import DataParallelEngines, engine_devices
 from mini_engine.server.engine_process import spawn_environment
-from tests.server.conftest import MODEL_NAME, engine_processes, launched_server
+from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, engine_processes, launched_server
 
 PROMPTS = [[5, 6, 7, i] for i in range(3, 11)]
+
+
+@pytest.fixture(scope="module")
+def cpu_llm(tiny_model):
+    """The offline engine where the data-parallel server's engines run (the CPU, on any machine)."""
+    return LLM(tiny_model, device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +51,9 @@ def complete(server, prompt: list[int], max_tokens: int = 12) -> list[int]:
     return [int(t.split(":")[1]) for t in answer.json()["choices"][0]["logprobs"]["tokens"]]
 
 
-def test_greedy_outputs_are_the_offline_engines_and_requests_alternate(dp_server, llm):
+def test_greedy_outputs_are_the_offline_engines_and_requests_alternate(dp_server, cpu_llm):
     expected = [out.outputs[0].token_ids for out in
-                llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+                cpu_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
     before = per_engine(dp_server, "request_success_total")
     got = [complete(dp_server, prompt) for prompt in PROMPTS]       # one at a time: each engine idle
     assert got == expected
@@ -55,9 +63,9 @@ def test_greedy_outputs_are_the_offline_engines_and_requests_alternate(dp_server
     dp_server.check_idle_and_alive()
 
 
-def test_concurrent_requests_spread_over_both_engines_and_match(dp_server, llm):
+def test_concurrent_requests_spread_over_both_engines_and_match(dp_server, cpu_llm):
     expected = [out.outputs[0].token_ids for out in
-                llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+                cpu_llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
     before = per_engine(dp_server, "generation_tokens_total")
 
     async def all_at_once():
@@ -74,16 +82,23 @@ def test_concurrent_requests_spread_over_both_engines_and_match(dp_server, llm):
     dp_server.check_idle_and_alive()
 
 
-def test_a_stream_left_early_frees_its_engines_blocks(dp_server):
-    with dp_server.openai_client() as client:
-        streams = [client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=400, stream=True,
-                                             extra_body={"ignore_eos": True}) for _ in range(2)]
-        for stream in streams:
-            next(iter(stream))
-        assert set(per_engine(dp_server, "num_requests_running").values()) == {1.0}     # one on each
-        for stream in streams:
-            stream.close()
+def test_streams_left_early_free_their_engines_blocks(dp_server):
+    with httpx.Client(base_url=dp_server.base_url, timeout=60) as client, contextlib.ExitStack() as streams:
+        for i in range(8):
+            stream = streams.enter_context(client.stream("POST", "/v1/completions", json={
+                "prompt": [5, 6, i], "max_tokens": 480, "ignore_eos": True, "stream": True}))
+            assert next(stream.iter_lines()).startswith("data: ")
     dp_server.check_idle_and_alive()
+
+
+def test_an_abort_goes_to_the_engine_that_runs_the_request():
+    engines = DataParallelEngines.__new__(DataParallelEngines)
+    aborted = []
+    engines.engines = [types.SimpleNamespace(streams={f"r{i}": None}, abort=lambda rid, i=i: aborted.append((i, rid)))
+                       for i in range(3)]
+    engines.abort("r1")
+    engines.abort("gone")       # finished already: nothing to abort
+    assert aborted == [(1, "r1")]
 
 
 def test_calls_between_steps_reach_every_engine(dp_server):
@@ -100,7 +115,7 @@ def test_an_engine_that_dies_makes_the_server_unhealthy(tiny_model, tmp_path):
         for _ in range(100):
             if httpx.get(server.base_url + "/health", timeout=10).status_code == 503:
                 break
-            asyncio.run(asyncio.sleep(0.1))
+            time.sleep(0.1)
         assert httpx.get(server.base_url + "/health", timeout=10).status_code == 503
         answer = httpx.post(server.base_url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=30)
         assert answer.status_code >= 500 and "not running" in answer.json()["error"]["message"]
