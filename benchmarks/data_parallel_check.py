@@ -26,13 +26,14 @@ def gpu_memory_used_mib() -> list[int]:
     return [int(line) for line in out.split()]
 
 
-def requests_per_engine(base_url: str) -> dict[str, float]:
-    done: dict[str, float] = {}
+def per_engine(base_url: str, name: str) -> dict[str, float]:
+    """A metric's value for each engine (its `engine` label), summed over its other labels."""
+    values: dict[str, float] = {}
     for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("mini_engine:request_success_total{"):
+        if line.startswith(f"mini_engine:{name}{{"):
             engine = line.split('engine="')[1].split('"')[0]
-            done[engine] = done.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
-    return done
+            values[engine] = values.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
 
 
 def served_tokens(model: str, data_parallel_size: int, prompts, max_tokens: int, port: int):
@@ -51,7 +52,7 @@ def served_tokens(model: str, data_parallel_size: int, prompts, max_tokens: int,
                 "return_tokens_as_token_ids": True})
             answer.raise_for_status()
             tokens.append([int(t.split(":")[1]) for t in answer.json()["choices"][0]["logprobs"]["tokens"]])
-        return tokens, grown, requests_per_engine(base_url)
+        return tokens, grown, per_engine(base_url, "request_success_total")
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -327,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the results wait before they are uploaded to an http(s) --output-file "
                         "(default: $TMPDIR or /tmp); a local output waits beside itself")
     parser.add_argument("--max-in-flight", type=int, default=None,
-                        help="requests running at once (default: 2 x max_num_seqs, as vLLM's)")
+                        help="requests running at once (default: 2 x max_num_seqs for each engine, as vLLM's)")
     add_model_options(parser)
     args = parser.parse_args(argv)
     check_model_options(parser, args)
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with results_file(args.output_file, args.output_tmp_dir) as output:
             app, _ = build_served_app(args)
-            max_in_flight = args.max_in_flight or 2 * app.state.server.config.max_num_seqs
+            max_in_flight = args.max_in_flight or 2 * app.state.server.config.max_num_seqs * args.data_parallel_size
             summary = asyncio.run(run_batch(app, args.input_file, output, max_in_flight))
     except KeyboardInterrupt:
         print("stopped: no results written", file=sys.stderr)

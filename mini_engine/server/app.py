@@ -335,8 +335,9 @@ class OpenAIServer:
                                                [(f"{k}_{prompt_id}", params.completion(k)) for k in range(params.n)])]
         try:
             # One engine for all of them (one of several under data parallelism), so that a prompt's
-            # n completions share its prefix-cache blocks.
-            engine = self.async_engine.next_engine()
+            # n completions share its prefix-cache blocks; chosen by the first prompt's tokens (a
+            # prompt given as embeddings has placeholders, which say nothing of its blocks).
+            engine = self.async_engine.next_engine(prompts[0] if prompt_embeds is None else [])
             return [engine.add_request(child_id, prompt, child, validated=True, priority=priority,
                                        lora_request=lora_request, cache_salt=cache_salt, prompt_embeds=embedded)
                     for prompt, embedded, child_id, child in completions]

@@ -117,7 +117,7 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.process.is_alive() and self.reader is not None and self.reader.is_alive()
 
-    def next_engine(self) -> "AsyncEngine":
+    def next_engine(self, prompt_token_ids: list[int] = ()) -> "AsyncEngine":
         """The engine a request goes to: this one (data_parallel.DataParallelEngines picks one of several)."""
         return self
 

@@ -65,10 +65,6 @@ class ServerMetrics:
     def engine(self, index: int) -> "EngineMetrics":
         return self.engines[index]
 
-    def update_engine_state(self, stats: EngineStats) -> None:
-        """A server of one engine: engine 0's."""
-        self.engines[0].update_engine_state(stats)
-
     def update_lora_info(self) -> None:
         reported = [e.last_stats for e in self.engines if e.last_stats is not None]
         running, waiting = ({name: None for stats in reported for name in getattr(stats, kind)}

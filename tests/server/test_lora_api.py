@@ -193,13 +193,13 @@ def test_lora_requests_info_names_running_and_waiting_adapters(tiny_model, adapt
     stats = EngineStats.of(engine)
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (("first", "second"), ("third",))
     metrics = ServerMetrics("m", max_loras=2)
-    metrics.update_engine_state(stats)
+    metrics.engine(0).update_engine_state(stats)
     (labels, value), = lora_info(metrics.render().decode())
     assert labels == {"max_lora": "2", "waiting_lora_adapters": "third", "running_lora_adapters": "first,second"}
     assert abs(value - time.time()) < 60
     while engine.has_unfinished_requests():
         engine.step()
-    metrics.update_engine_state(EngineStats.of(engine))
+    metrics.engine(0).update_engine_state(EngineStats.of(engine))
     (labels, _), = lora_info(metrics.render().decode())
     assert labels == {"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": ""}
 

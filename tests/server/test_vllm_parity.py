@@ -53,7 +53,7 @@ def test_preemptions_are_a_counter_named_like_vllms():
     vllm:num_preemptions_total, so that rate() and dashboards written for vLLM work on it."""
     metrics = ServerMetrics(MODEL_NAME)
     for running_total in (0, 2, 2, 5):      # what the engine reports after each step
-        metrics.update_engine_state(stats(running_total))
+        metrics.engine(0).update_engine_state(stats(running_total))
     family = next(f for f in text_string_to_metric_families(metrics.render().decode())
                   if f.name == "mini_engine:num_preemptions")
     assert family.type == "counter"
