@@ -257,8 +257,15 @@ class EngineConfig:
     max_logprobs: int = 20
     # Where a request's unset sampling parameters come from, as vLLM's --generation-config: "auto",
     # the checkpoint's generation_config.json (Qwen3's asks for temperature 0.6, top_p 0.95, top_k
-    # 20); "none", SamplingParams' own defaults; or a folder with a generation_config.json.
+    # 20); "none" (vLLM's "vllm"), SamplingParams' own defaults; or a folder with a generation_config.json.
     generation_config: str = "auto"
+    # As vLLM's --tokenizer: a folder whose tokenizer.json (and tokenizer_config.json's chat template
+    # and special tokens, or its chat_template.jinja) the engine and server read in place of the
+    # model folder's; None, the model's own (tokenizer_path).
+    tokenizer: str | None = None
+    # As vLLM's --override-generation-config: sampling defaults that replace generation_config's
+    # (or, with "none", the only ones), e.g. {"temperature": 0.7}; GENERATION_SAMPLING_FIELDS only.
+    override_generation_config: dict | None = None
     # As vLLM's reasoning_parser (`--reasoning-parser qwen3`): None, or "qwen3", with which
     # structured outputs hold only what follows the output's thought (mini_engine/reasoning.py).
     reasoning_parser: str | None = None
@@ -330,6 +337,9 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         if self.cpu_kv_blocks < 1:
             raise ValueError(f"cpu_kv_blocks must be >= 1, got {self.cpu_kv_blocks}")
+        if self.tokenizer is not None and not os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json")):
+            raise ValueError(f"tokenizer {self.tokenizer!r}: no tokenizer.json there (a folder holding one, as a "
+                             "Hugging Face checkpoint's)")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config.json's fields, got {self.hf_overrides!r}")
         if self.model_config is None:
@@ -372,7 +382,8 @@ class EngineConfig:
         self.resolve_runner()
         if self.runner == "pooling":
             activation = classifier_activation(mc.num_labels, mc.problem_type) if mc.num_labels else None
-            self.pooler = PoolerConfig.resolve(self.model, self.pooler_config, mc.classifier_from_token, activation)
+            self.pooler = PoolerConfig.resolve(self.model, self.pooler_config, mc.classifier_from_token, activation,
+                                               self.tokenizer_path)
             if self.reasoning_parser is not None:
                 raise ValueError("reasoning_parser is for generation: a pooling runner samples nothing")
             ids = self.pooler.classifier_token_ids
@@ -467,26 +478,42 @@ class EngineConfig:
             raise ValueError("enable_lora is for generation here: a pooling runner takes no adapters")
 
     def read_sampling_defaults(self) -> dict:
-        if self.generation_config == "none":
-            return {}
+        overrides = self.override_generation_config or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {type(overrides).__name__}")
+        if unknown := sorted(set(overrides) - set(GENERATION_SAMPLING_FIELDS)):
+            raise ValueError(f"override_generation_config sets {unknown}; it takes the sampling defaults "
+                             f"{list(GENERATION_SAMPLING_FIELDS)}")
+        try:
+            SamplingParams(**overrides)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"override_generation_config: {e}") from None
+        if self.generation_config in ("none", "vllm"):        # "vllm": vLLM's name for its own defaults
+            return dict(overrides)
         if self.generation_config == "auto":
             folder = self.model
         elif os.path.isdir(self.generation_config):
             folder = self.generation_config
         else:
-            raise ValueError(f"generation_config must be 'auto', 'none' or a folder, got {self.generation_config!r}")
+            raise ValueError(f"generation_config must be 'auto', 'none' (or vLLM's 'vllm') or a folder, got "
+                             f"{self.generation_config!r}")
         raw = read_generation_config(folder)
         defaults = {name: raw[name] for name in GENERATION_SAMPLING_FIELDS if raw.get(name) is not None}
         try:
             SamplingParams(**defaults)
         except ValueError as e:
             raise ValueError(f"{folder}/generation_config.json: {e}") from None
-        return defaults
+        return defaults | overrides
 
     def default_sampling_params(self, **given) -> SamplingParams:
         """SamplingParams with what `given` sets, and the rest from generation_config where it
         sets it (vLLM's LLM.get_default_sampling_params, and what its server does for each request)."""
         return SamplingParams(**(self.sampling_defaults | given))
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The folder the tokenizer and chat template come from: tokenizer, or the model's."""
+        return self.tokenizer or self.model
 
     def resolved_device(self) -> torch.device:
         """The device named, or CUDA when one is available, else the CPU."""

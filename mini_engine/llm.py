@@ -102,7 +102,7 @@ class LLM:
                                   f"({e}); LLM.tokenizer is the engine's own (the tokenizers library's)") from None
             if self.engine.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: it takes prompts as token ids")
-            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.engine.config.model)
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer_path)
         return self._hf_tokenizer
 
     def start_profile(self, profile_dir: str | None = None) -> None:
@@ -476,7 +476,7 @@ class LLM:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True: the first "
                              "continues the final message, the second starts a new one (pass "
                              "add_generation_prompt=False)")
-        model = self.engine.config.model
+        model = self.engine.config.tokenizer_path
         if chat_template is not None:
             template = ChatTemplate.from_pretrained(model, load_chat_template(chat_template))
         else:

@@ -178,15 +178,16 @@ class PoolerConfig:
     @classmethod
     def resolve(cls, folder: str, given: "PoolerConfig | dict | None",
                 classifier_from_token: tuple[str, ...] | None = None,
-                activation: str | None = None) -> "PoolerConfig":
+                activation: str | None = None, tokenizer_folder: str | None = None) -> "PoolerConfig":
         """The engine's pooler: the fields `given` sets (EngineConfig.pooler_config, vLLM's
         --pooler-config), then the checkpoint's Sentence Transformers modules, then embed's
         defaults, LAST and normalised (vLLM's for a causal LM run as an embedding model); a
         cross-encoder's classifier tokens as the checkpoint's tokenizer numbers them; a sequence
-        classifier's activation (classifier_activation), LAST by default as transformers pools it."""
+        classifier's activation (classifier_activation), LAST by default as transformers pools it.
+        tokenizer_folder: where that tokenizer is (EngineConfig.tokenizer_path; default folder)."""
         if classifier_from_token:
             given = (dataclasses.asdict(given) if isinstance(given, PoolerConfig) else dict(given or {})) | {
-                "classifier_token_ids": classifier_token_ids(folder, classifier_from_token)}
+                "classifier_token_ids": classifier_token_ids(tokenizer_folder or folder, classifier_from_token)}
         if isinstance(given, PoolerConfig):
             return dataclasses.replace(given, activation=activation)     # whether it classifies is the checkpoint's
         if given is not None and not isinstance(given, dict):

@@ -36,12 +36,13 @@ from pydantic import TypeAdapter, ValidationError
 from tqdm import tqdm
 
 from mini_engine.serve import add_model_options, build_served_app, check_model_options
+from mini_engine.server.middleware import ENGINE_ROUTES
 from mini_engine.server.protocol import error_body, random_id
 
-# The routes a batch line may name, as the server serves them (vLLM's runner takes chat
-# completions, embeddings, score and rerank; completions, classify and pooling run here too).
-BATCH_URLS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/score", "/v1/score",
-                        "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/classify", "/pooling"})
+# The routes a batch line may name: those that run requests on the engine (vLLM's runner takes chat
+# completions, embeddings, score and rerank; OpenAI's Batch API completions and responses too), less
+# SageMaker's /invocations, whose body names no route.
+BATCH_URLS = ENGINE_ROUTES - {"/invocations"}
 UPLOAD_TRIES, UPLOAD_RETRY_S = 5, 5.0       # as vLLM's
 log = logging.getLogger("mini_engine.run_batch")
 
@@ -166,8 +167,9 @@ class BatchSummary:
         self.failed += status != 200
         self.server_failed += status >= 500
         usage = (result["response"]["body"] or {}).get("usage") or {}
-        self.prompt_tokens += usage.get("prompt_tokens") or 0
-        self.completion_tokens += usage.get("completion_tokens") or 0
+        # The Responses API names them input and output tokens.
+        self.prompt_tokens += usage.get("prompt_tokens") or usage.get("input_tokens") or 0
+        self.completion_tokens += usage.get("completion_tokens") or usage.get("output_tokens") or 0
 
     def __str__(self) -> str:
         rate = self.completion_tokens / self.wall_s if self.wall_s else 0.0

@@ -88,12 +88,14 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
             allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
             allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-            ssl_cert_reqs=args.ssl_cert_reqs)
+            ssl_cert_reqs=args.ssl_cert_reqs, enable_request_id_headers=args.enable_request_id_headers,
+            enable_server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
+            disable_fastapi_docs=args.disable_fastapi_docs, disable_uvicorn_access_log=args.disable_uvicorn_access_log)
     return ServingOptions(
         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids, data_parallel_size=args.data_parallel_size,
-        **deployed)
+        response_role=args.response_role, **deployed)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -134,6 +136,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help='logprobs name each token "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
+    parser.add_argument("--response-role", default="assistant",
+                        help="the role of a chat answer that opens a new turn (add_generation_prompt)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine processes, each with the whole model on its own GPUs (tensor-parallel-size "
                         "each), requests shared among them")
@@ -156,6 +160,13 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates file")
     parser.add_argument("--ssl-cert-reqs", type=int, default=0,
                         help="whether a client certificate is required (the ssl module's: 0 none, 2 required)")
+    parser.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under (uvicorn's)")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="each response carries X-Request-Id: the request's own, or a new one")
+    parser.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="GET /load counts the generating and pooling requests in progress (else 0)")
+    parser.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line a request")
 
 
 def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     if serving.api_keys:
         logging.getLogger("mini_engine.server").info("requests need one of %d API keys", len(serving.api_keys))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                **serving.uvicorn_ssl())
+                **serving.uvicorn_options())
 
 
 if __name__ == "__main__":

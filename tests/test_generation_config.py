@@ -49,8 +49,8 @@ def test_none_and_a_folder(tiny_checkpoint, tmp_path):
 
 
 def test_bad_generation_config_is_a_clear_error(tiny_checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="generation_config must be 'auto', 'none' or a folder"):
-        EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, generation_config="vllm")
+    with pytest.raises(ValueError, match=r"generation_config must be 'auto', 'none' \(or vLLM's 'vllm'\) or a folder"):
+        EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, generation_config="nonsense")
     path = with_generation_config(tiny_checkpoint, tmp_path, {"top_p": 1.5})
     with pytest.raises(ValueError, match=r"generation_config.json: top_p must be in \(0, 1\]"):
         EngineConfig(path, device="cpu", num_kv_blocks=8)
@@ -85,3 +85,35 @@ def test_repetition_penalty_and_min_p_are_read_as_vllm_reads_them(tiny_checkpoin
     bad = with_generation_config(tiny_checkpoint, tmp_path / "bad", {"repetition_penalty": 0})
     with pytest.raises(ValueError, match="generation_config.json: repetition_penalty must be"):
         EngineConfig(bad, device="cpu", num_kv_blocks=8)
+
+
+def test_overrides_replace_the_checkpoints_defaults_or_stand_alone(tiny_checkpoint, tmp_path):
+    """vLLM's --override-generation-config: merged over generation_config's fields, or with "none"
+    (vLLM's "vllm") the only defaults."""
+    path = with_generation_config(tiny_checkpoint, tmp_path, QWEN3_GENERATION_CONFIG)
+    config = EngineConfig(path, device="cpu", num_kv_blocks=8, override_generation_config={"temperature": 0.7,
+                                                                                          "min_p": 0.05})
+    assert config.sampling_defaults == {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "min_p": 0.05}
+    params = config.default_sampling_params(top_p=0.5)
+    assert (params.temperature, params.top_k, params.top_p, params.min_p) == (0.7, 20, 0.5, 0.05)
+    for none in ("none", "vllm"):
+        config = EngineConfig(path, device="cpu", num_kv_blocks=8, generation_config=none,
+                              override_generation_config={"top_k": 5})
+        assert config.sampling_defaults == {"top_k": 5}
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"max_new_tokens": 8}, r"sets \['max_new_tokens'\]; it takes the sampling defaults"),
+    ({"temperature": -1}, "override_generation_config: temperature must be"),
+    ({"top_k": "many"}, "override_generation_config: "),
+    ([("temperature", 1.0)], "override_generation_config must be a dict"),
+])
+def test_bad_overrides_are_clear_errors(tiny_checkpoint, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, override_generation_config=overrides)
+
+
+def test_the_server_takes_the_flag_as_json():
+    from mini_engine.serve import parse_args
+    args = parse_args(["--override-generation-config", '{"temperature": 0.2}', "--generation-config", "vllm"])
+    assert (args.override_generation_config, args.generation_config) == ({"temperature": 0.2}, "vllm")

@@ -38,7 +38,7 @@ from mini_engine.server.embeddings import PoolingEndpoints
 from mini_engine.server.logprobs_json import LogprobsJSON
 from mini_engine.server.lora_modules import LoRAModulePath, LoRAModules, runtime_updating_allowed
 from mini_engine.server.metrics import ServerMetrics
-from mini_engine.server.middleware import add_middleware
+from mini_engine.server.middleware import ServerLoad, add_middleware
 from mini_engine.server.output_parsers import ChatOutputParser, ParsedText, ParserOptions
 from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ClassificationRequest,
                                          CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -208,12 +208,12 @@ class OpenAIServer:
         self.loras = LoRAModules(model_name, lora_modules)
         self.async_engine = start_engines(config, self.metrics, tuple(self.loras.requests.values()),
                                           options.data_parallel_size)
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
         # By the tokens' text: prompt_logprobs' decoded_token stay text with return_tokens_as_token_ids, as vLLM's.
         self.logprobs_json = LogprobsJSON(self.tokenizer)
         self.options = options
-        self.chat_template = ChatTemplate.from_pretrained(config.model, options.chat_template)
-        self.chat_special_tokens = checkpoint_special_tokens(config.model)      # for a request's own template
+        self.chat_template = ChatTemplate.from_pretrained(config.tokenizer_path, options.chat_template)
+        self.chat_special_tokens = checkpoint_special_tokens(config.tokenizer_path)    # for a request's own template
         self.beam_search = BeamSearchEndpoint(self)
 
     # ---- from an OpenAI request to the engine's ----
@@ -410,13 +410,12 @@ class OpenAIServer:
                 raise ProtocolError(str(e), param="messages") from None
         return text, self.tokenize(text)
 
-    @staticmethod
-    def chat_request_role(req: ChatCompletionRequest) -> str:
+    def chat_request_role(self, req: ChatCompletionRequest) -> str:
         """The role of a chat response's messages, as vLLM's get_chat_request_role: a generation
-        prompt opens the assistant's turn; without one the choices continue the final message, in
-        its role."""
+        prompt opens a turn in the response role (--response-role, "assistant"); without one the
+        choices continue the final message, in its role."""
         if req.add_generation_prompt or not req.messages:
-            return RESPONSE_ROLE
+            return self.options.response_role
         return req.messages[-1].role
 
     @staticmethod
@@ -844,9 +843,11 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
         finally:        # the engine process stopped however the app ends (run_batch's may end by an error)
             server.async_engine.shutdown()
 
-    app = FastAPI(title="mini_engine", version=__version__, lifespan=lifespan)
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if options.disable_fastapi_docs else {}
+    app = FastAPI(title="mini_engine", version=__version__, lifespan=lifespan, **docs)
     app.state.server = server
-    add_middleware(app, options)
+    app.state.server_load = ServerLoad()
+    add_middleware(app, options, app.state.server_load)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, e: ProtocolError):
@@ -950,6 +951,10 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @app.get("/version")
     async def version():
         return {"version": __version__}
+
+    @app.get("/load")
+    async def load():
+        return {"server_load": app.state.server_load.in_progress}
 
     add_invocations_route(app, server, pooling)
 

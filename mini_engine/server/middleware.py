@@ -1,7 +1,11 @@
 """What a deployment puts around the routes, as vLLM's server does: CORS (Starlette's middleware,
---allowed-origins ...) and API keys (--api-key, or VLLM_API_KEY)."""
+--allowed-origins ...), API keys (--api-key, or VLLM_API_KEY), X-Request-Id headers
+(--enable-request-id-headers) and the count of requests in progress that GET /load gives
+(--enable-server-load-tracking)."""
 import hashlib
 import hmac
+import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -15,7 +19,19 @@ from mini_engine.server.serving_options import ServingOptions
 # (/health, SageMaker's /ping), the version, metrics scraping and the API docs. Every other path
 # needs one: older vLLM guarded /v1 alone, which left /invocations, /tokenize and the pooling
 # routes open.
-PUBLIC_PATHS = ("/health", "/ping", "/version", "/metrics", "/docs", "/redoc", "/openapi.json")
+# /load too: load balancers poll it, as they do /health.
+PUBLIC_PATHS = ("/health", "/ping", "/version", "/metrics", "/load", "/docs", "/redoc", "/openapi.json")
+# The routes whose requests run on the engine: what /load counts, and what a batch line may name
+# (run_batch.py, less SageMaker's /invocations).
+ENGINE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/pooling",
+                           "/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+                           "/invocations"})
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: less the --root-path prefix, where the server put it in front."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def is_public(path: str) -> bool:
@@ -42,7 +58,7 @@ class APIKeyMiddleware:
         return any([hmac.compare_digest(digest, known) for known in self.digests])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["method"] != "OPTIONS" and not is_public(scope["path"])
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS" and not is_public(route_path(scope))
                 and not self.verify(Headers(scope=scope))):
             response = error_response("Unauthorized: this server needs an API key, as `Authorization: Bearer <key>`",
                                       401, code="invalid_api_key")
@@ -52,9 +68,57 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def add_middleware(app: FastAPI, options: ServingOptions) -> None:
+class RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the one the request
+    sent, or a new one."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+@dataclass
+class ServerLoad:
+    """GET /load's number (vLLM's server_load_metrics): the requests in progress on ENGINE_ROUTES,
+    streamed ones until their stream ends."""
+    in_progress: int = 0
+
+
+class ServerLoadMiddleware:
+    def __init__(self, app: ASGIApp, load: ServerLoad):
+        self.app, self.load = app, load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in ENGINE_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_progress += 1
+        try:
+            await self.app(scope, receive, send)        # returns once the whole response (a stream too) is sent
+        finally:
+            self.load.in_progress -= 1
+
+
+def add_middleware(app: FastAPI, options: ServingOptions, load: ServerLoad) -> None:
+    """Each added is outside those before it."""
+    if options.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=load)
     if options.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    if options.enable_request_id_headers:       # outside the key check: a 401 carries one too
+        app.add_middleware(RequestIdMiddleware)
     # Added last, so outermost (vLLM's is inside its key check): a preflight is answered before any
     # key is asked for, and a 401 carries the CORS headers a browser needs to read it.
     app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=options.allowed_methods,

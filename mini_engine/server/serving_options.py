@@ -32,10 +32,24 @@ class ServingOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # --response-role: the role of a chat answer that opens a new turn (add_generation_prompt).
+    response_role: str = "assistant"
+    # --enable-request-id-headers: each response carries X-Request-Id, the request's own or a new one.
+    enable_request_id_headers: bool = False
+    # --enable-server-load-tracking: GET /load counts the requests in progress on the generating and
+    # pooling routes (load balancers poll it); without, it answers 0, as vLLM's.
+    enable_server_load_tracking: bool = False
+    # --root-path (uvicorn's): the path prefix a proxy serves the API under.
+    root_path: str = ""
+    # --disable-fastapi-docs: no /docs, /redoc or /openapi.json.
+    disable_fastapi_docs: bool = False
+    # --disable-uvicorn-access-log: no log line a request.
+    disable_uvicorn_access_log: bool = False
     # --data-parallel-size (vLLM's -dp): engine processes, each with the whole model on GPUs of its
     # own, requests shared among them (server/data_parallel.py).
     data_parallel_size: int = 1
 
-    def uvicorn_ssl(self) -> dict:
+    def uvicorn_options(self) -> dict:
         return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
-                "ssl_cert_reqs": self.ssl_cert_reqs}
+                "ssl_cert_reqs": self.ssl_cert_reqs, "root_path": self.root_path,
+                "access_log": not self.disable_uvicorn_access_log}

@@ -324,6 +324,6 @@ def test_the_tls_options_make_uvicorns_ssl_context(tmp_path):
     async def app(scope, receive, send):
         pass
 
-    config = uvicorn.Config(app, **serve.serving_options(args).uvicorn_ssl())
+    config = uvicorn.Config(app, **serve.serving_options(args).uvicorn_options())
     config.load()
     assert isinstance(config.ssl, ssl.SSLContext) and config.ssl.verify_mode == ssl.CERT_REQUIRED
