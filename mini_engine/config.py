@@ -337,6 +337,8 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         if self.cpu_kv_blocks < 1:
             raise ValueError(f"cpu_kv_blocks must be >= 1, got {self.cpu_kv_blocks}")
+        if self.tokenizer == "":        # as vLLM reads an empty --tokenizer: the model's own
+            self.tokenizer = None
         if self.tokenizer is not None and not os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json")):
             raise ValueError(f"tokenizer {self.tokenizer!r}: no tokenizer.json there (a folder holding one, as a "
                              "Hugging Face checkpoint's)")
@@ -433,7 +435,8 @@ class EngineConfig:
             self, model=spec.model, model_config=model_config, hf_overrides=None, num_kv_blocks=1,
             speculative_config=None,
             quantization=spec.quantization, enable_lora=False, reasoning_parser=None, runner="generate",
-            pooler_config=None, generation_config="none", enforce_eager=True, tensor_parallel_size=1)
+            pooler_config=None, generation_config="none", override_generation_config=None, enforce_eager=True,
+            tensor_parallel_size=1)
 
     def check_fp8_experts(self) -> None:
         """fp8 Qwen3-MoE experts need each rank's share of an expert's gate and up rows in whole
@@ -499,9 +502,9 @@ class EngineConfig:
                              f"{self.generation_config!r}")
         raw = read_generation_config(folder)
         defaults = {name: raw[name] for name in GENERATION_SAMPLING_FIELDS if raw.get(name) is not None}
-        try:
-            SamplingParams(**defaults)
-        except ValueError as e:
+        try:        # merged first: an override may replace a value of the file's that would not do
+            SamplingParams(**(defaults | overrides))
+        except (ValueError, TypeError) as e:
             raise ValueError(f"{folder}/generation_config.json: {e}") from None
         return defaults | overrides
 

@@ -14,7 +14,7 @@ from mini_engine.chat_template import compiled, load_chat_template
 from mini_engine.config import EngineConfig
 from mini_engine.server.lora_modules import LoRAModulePath, parse_lora_module
 from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
-from mini_engine.server.serving_options import ServingOptions
+from mini_engine.server.serving_options import RESPONSE_ROLE, ServingOptions
 
 # --reasoning-parser is the server's own flag below, and sets the engine's field too.
 SKIPPED_FIELDS = {"model", "model_config", "reasoning_parser"}
@@ -136,7 +136,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help='logprobs name each token "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
-    parser.add_argument("--response-role", default="assistant",
+    parser.add_argument("--response-role", default=RESPONSE_ROLE,
                         help="the role of a chat answer that opens a new turn (add_generation_prompt)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine processes, each with the whole model on its own GPUs (tensor-parallel-size "
@@ -150,7 +150,7 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
                         help="requests need `Authorization: Bearer KEY`, one of these (default: VLLM_API_KEY's "
-                        "value, if set), except /health, /ping, /version, /metrics and the docs")
+                        "value, if set), except /health, /ping, /version, /metrics, /load and the docs")
     for what in ("origins", "methods", "headers"):
         parser.add_argument(f"--allowed-{what}", type=json_list, default=["*"], metavar="JSON_LIST",
                             help=f'CORS: the allowed {what}, as a JSON list (default: ["*"])')
@@ -217,9 +217,12 @@ def build_served_app(args: argparse.Namespace):
     for module in args.lora_modules:
         log.info("serving LoRA adapter %s as %r", module.path, module.name)
     if config.sampling_defaults:
-        log.info("requests that leave them unset sample with %s, from %s's generation_config.json "
-                 "(--generation-config none: temperature 1, top_p 1, no top_k)", config.sampling_defaults,
-                 model if config.generation_config == "auto" else config.generation_config)
+        overridden = config.override_generation_config or {}
+        source = ("none" if config.generation_config in ("none", "vllm") else
+                  f"{model if config.generation_config == 'auto' else config.generation_config}'s generation_config.json")
+        log.info("requests that leave them unset sample with %s (%s%s)", config.sampling_defaults,
+                 f"{sorted(overridden)} from --override-generation-config, the rest from " if overridden else "from ",
+                 source if source != "none" else "nothing else")
     return app, serving
 
 

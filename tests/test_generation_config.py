@@ -117,3 +117,27 @@ def test_the_server_takes_the_flag_as_json():
     from mini_engine.serve import parse_args
     args = parse_args(["--override-generation-config", '{"temperature": 0.2}', "--generation-config", "vllm"])
     assert (args.override_generation_config, args.generation_config) == ({"temperature": 0.2}, "vllm")
+
+
+def test_an_override_may_replace_a_value_the_file_gets_wrong(tiny_checkpoint, tmp_path):
+    path = with_generation_config(tiny_checkpoint, tmp_path, {"temperature": "hot", "top_k": 20})
+    with pytest.raises(ValueError, match="generation_config.json: "):
+        EngineConfig(path, device="cpu", num_kv_blocks=8)
+    config = EngineConfig(path, device="cpu", num_kv_blocks=8, override_generation_config={"temperature": 0.3})
+    assert config.sampling_defaults == {"temperature": 0.3, "top_k": 20}
+
+
+@pytest.mark.parametrize("field", ["top_k", "top_p"])
+def test_a_bool_is_no_number_of_tokens_or_mass(tiny_checkpoint, field):
+    """JSON's true would pass Python's int check (top_k=True sampled as top-1)."""
+    with pytest.raises(ValueError, match=f"override_generation_config: {field} must be"):
+        EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, override_generation_config={field: True})
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        SamplingParams(**{field: True})
+
+
+def test_the_draft_model_keeps_no_override(tiny_checkpoint):
+    config = EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, override_generation_config={"top_k": 3},
+                          speculative_config={"method": "draft_model", "model": tiny_checkpoint,
+                                              "num_speculative_tokens": 2})
+    assert config.sampling_defaults == {"top_k": 3} and config.draft_model_config().sampling_defaults == {}

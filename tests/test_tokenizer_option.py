@@ -57,9 +57,13 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(folders, tmp_path):
     vocab_size = json.load(open(os.path.join(weights, "config.json")))["vocab_size"]
     tokenizer.add_tokens([f"extra-{i}" for i in range(vocab_size - tokenizer.get_vocab_size() + 1)])
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(ValueError, match=rf"holds {vocab_size + 1} tokens, more than the model's vocab_size of "
-                                         rf"{vocab_size}"):
+    with pytest.raises(ValueError, match=rf"has token id {vocab_size}, past the model's vocab_size of {vocab_size}"):
         LLM(weights, device="cpu", num_kv_blocks=8, tokenizer=str(tmp_path))
+
+
+def test_an_empty_tokenizer_is_the_models_own(folders):
+    whole, _ = folders
+    assert EngineConfig(whole, device="cpu", num_kv_blocks=8, tokenizer="").tokenizer_path == whole
 
 
 def test_the_server_takes_the_flag():

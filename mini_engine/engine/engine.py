@@ -91,9 +91,12 @@ class LLMEngine:
         """`runner` lets tests drive the scheduling logic with a stand-in for the model."""
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        if self.tokenizer is not None and self.tokenizer.get_vocab_size() > config.model_config.vocab_size:
-            raise ValueError(f"the tokenizer at {config.tokenizer_path} holds {self.tokenizer.get_vocab_size()} "
-                             f"tokens, more than the model's vocab_size of {config.model_config.vocab_size}")
+        if self.tokenizer is not None:
+            # The largest id, not the count: a vocabulary may have gaps.
+            largest = max(self.tokenizer.get_vocab(with_added_tokens=True).values())
+            if largest >= config.model_config.vocab_size:
+                raise ValueError(f"the tokenizer at {config.tokenizer_path} has token id {largest}, past the model's "
+                                 f"vocab_size of {config.model_config.vocab_size}")
         # With a reasoning parser, a grammar holds only what follows the output's thought. (Before
         # the runner starts: a tensor-parallel one's processes and group would outlive this error.)
         self.think_tokens = ThinkTokens.from_tokenizer(self.tokenizer) if config.reasoning_parser else None

@@ -49,7 +49,7 @@ from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Cl
 from mini_engine.server.responses import ResponsesEndpoint
 from mini_engine.server.responses_protocol import ResponsesRequest
 from mini_engine.server.sagemaker import add_invocations_route
-from mini_engine.server.serving_options import ServingOptions
+from mini_engine.server.serving_options import RESPONSE_ROLE, ServingOptions
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -63,8 +63,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "min_p")
 
-# vLLM's --response-role default, the role of a chat answer that opens a new turn (the flag is not offered here).
-RESPONSE_ROLE = "assistant"
 
 
 @dataclasses.dataclass

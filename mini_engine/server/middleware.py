@@ -117,9 +117,12 @@ def add_middleware(app: FastAPI, options: ServingOptions, load: ServerLoad) -> N
         app.add_middleware(ServerLoadMiddleware, load=load)
     if options.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
-    if options.enable_request_id_headers:       # outside the key check: a 401 carries one too
-        app.add_middleware(RequestIdMiddleware)
-    # Added last, so outermost (vLLM's is inside its key check): a preflight is answered before any
-    # key is asked for, and a 401 carries the CORS headers a browser needs to read it.
+    # Outside the key check (vLLM's is inside its key check): a preflight is answered before any key
+    # is asked for, and a 401 carries the CORS headers a browser needs to read it.
     app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=options.allowed_methods,
-                       allow_headers=options.allowed_headers, allow_credentials=options.allow_credentials)
+                       allow_headers=options.allowed_headers, allow_credentials=options.allow_credentials,
+                       expose_headers=["X-Request-Id"] if options.enable_request_id_headers else [])
+    # Outermost of ours, as vLLM's: a 401 and a CORS preflight carry one too. (An unhandled
+    # exception's 500 does not: Starlette's own error middleware, outside every one added, writes it.)
+    if options.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)

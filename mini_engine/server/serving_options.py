@@ -2,6 +2,9 @@
 output parsers' (output_parsers.ParserOptions)."""
 from dataclasses import dataclass
 
+# vLLM's --response-role default: the role of a chat answer that opens a new turn.
+RESPONSE_ROLE = "assistant"
+
 
 @dataclass(frozen=True, slots=True)
 class ServingOptions:
@@ -33,7 +36,7 @@ class ServingOptions:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     # --response-role: the role of a chat answer that opens a new turn (add_generation_prompt).
-    response_role: str = "assistant"
+    response_role: str = RESPONSE_ROLE
     # --enable-request-id-headers: each response carries X-Request-Id, the request's own or a new one.
     enable_request_id_headers: bool = False
     # --enable-server-load-tracking: GET /load counts the requests in progress on the generating and

@@ -31,6 +31,11 @@ def test_each_response_carries_the_requests_id_or_a_new_one(flagged):
     assert all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in new) and new[0] != new[1]
     refused = httpx.get(url + "/v1/models", timeout=10)                 # no key: a 401, with its id
     assert refused.status_code == 401 and re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])
+    preflight = httpx.options(url + "/v1/completions", timeout=10, headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", preflight.headers["x-request-id"])
+    cross_origin = httpx.get(url + "/v1/models", headers=AUTH | {"Origin": "https://app.example"}, timeout=10)
+    assert "x-request-id" in cross_origin.headers["access-control-expose-headers"].lower()     # a browser may read it
 
 
 def test_load_is_open_and_counts_nothing_once_requests_end(flagged):
@@ -102,4 +107,14 @@ def test_the_load_middleware_counts_engine_routes_until_their_responses_end():
         assert load.in_progress == 0
 
     asyncio.run(scenario())
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/embeddings"} <= ENGINE_ROUTES
+
+
+def test_each_engine_route_is_a_post_route_of_the_server():
+    """ENGINE_ROUTES is kept by hand: a typo would leave a route uncounted by /load and out of batches
+    (a built app would start an engine, so the routes are read from the sources)."""
+    import inspect
+
+    from mini_engine.server import app, sagemaker
+    posted = set(re.findall(r'@app\.post\("([^"]+)"\)', inspect.getsource(app) + inspect.getsource(sagemaker)))
+    assert ENGINE_ROUTES <= posted, ENGINE_ROUTES - posted
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"} <= ENGINE_ROUTES
