@@ -45,7 +45,7 @@ from mini_engine.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, Cl
                                          LoadLoRAAdapterRequest, PoolingRequest, ProtocolError,
                                          RerankRequest, SamplingRequest, ScoreRequest, TokenizeRequest,
                                          UnloadLoRAAdapterRequest, completion_body, error_body, error_response,
-                                         model_card, random_id, usage)
+                                         model_card, random_id, response_id, usage)
 from mini_engine.server.responses import ResponsesEndpoint
 from mini_engine.server.responses_protocol import ResponsesRequest
 from mini_engine.server.sagemaker import add_invocations_route
@@ -705,7 +705,7 @@ class OpenAIServer:
         params = self.sampling_params(req, max_tokens, req.logprobs, req.logprobs if echoes else None)
         request_id = random_id("cmpl")
         streams = self.add(request_id, prompts, params, req.priority, lora_request, req.cache_salt)
-        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
+        return await self.respond(raw, response_id(raw, req, request_id), streams, False, req.stream, req.include_usage,
                                   Prompts(prompts, params.n, echoes, logprobs_json=logprobs_json),
                                   model=self.response_model_name(lora_request), continuous_usage=req.continuous_usage)
 
@@ -738,7 +738,7 @@ class OpenAIServer:
         prompts = [[PLACEHOLDER_TOKEN] * len(e) for e in embeds]
         request_id = random_id("cmpl")
         streams = self.add(request_id, prompts, params, req.priority, lora_request, req.cache_salt, embeds)
-        return await self.respond(raw, request_id, streams, False, req.stream, req.include_usage,
+        return await self.respond(raw, response_id(raw, req, request_id), streams, False, req.stream, req.include_usage,
                                   Prompts(prompts, params.n, logprobs_json=self.request_logprobs_json(req)),
                                   model=self.response_model_name(lora_request), continuous_usage=req.continuous_usage)
 
@@ -820,7 +820,7 @@ class OpenAIServer:
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = random_id("chatcmpl")
         streams = self.add(request_id, [prompt_token_ids], params, req.priority, lora_request, req.cache_salt)
-        return await self.respond(raw, request_id, streams, True, req.stream, req.include_usage,
+        return await self.respond(raw, response_id(raw, req, request_id), streams, True, req.stream, req.include_usage,
                                   Prompts([prompt_token_ids], params.n, chat_echo=echo, role=role,
                                           logprobs_json=self.request_logprobs_json(req)),
                                   self.output_parsers(req, prompt, params), self.response_model_name(lora_request),

@@ -31,7 +31,7 @@ from mini_engine.layers.sampler import SampleLogprobs
 from mini_engine.lora import LoRARequest
 from mini_engine.sampling_params import SamplingParams
 from mini_engine.server.async_engine import RequestDelta, RequestStream, merge
-from mini_engine.server.protocol import ChatCompletionRequest, ProtocolError, SamplingRequest, random_id
+from mini_engine.server.protocol import ChatCompletionRequest, ProtocolError, SamplingRequest, random_id, response_id
 
 
 async def final_delta(stream: RequestStream) -> RequestDelta:
@@ -70,10 +70,11 @@ class BeamSearchEndpoint:
             # its output parsed, as any completion's.
             streams = [self.finished_stream(f"{request_id}-{k}", len(ids), beam, params, num_logprobs)
                        for ids, beams in zip(prompts.token_ids, best) for k, beam in enumerate(beams)]
+            answer_id = response_id(raw, req, request_id)
             if req.stream:
-                return server.streamed(server.stream_events(streams, request_id, created, chat, req.include_usage,
+                return server.streamed(server.stream_events(streams, answer_id, created, chat, req.include_usage,
                                                             prompts, parsers, model, req.continuous_usage), [])
-            return await server.collect(streams, request_id, created, chat, prompts, parsers, model)
+            return await server.collect(streams, answer_id, created, chat, prompts, parsers, model)
 
         # The search aborts its own step's requests when the client leaves (search's finally).
         return await server.unless_disconnected(raw, search_then_respond(), [])

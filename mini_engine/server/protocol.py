@@ -51,6 +51,13 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def response_id(raw, req: "SamplingRequest", engine_id: str) -> str:
+    """A completion's id, as vLLM's: the engine's id's prefix on the client's X-Request-Id header or
+    its request_id field, where it sent one, else the engine's own id (raw: the HTTP request)."""
+    base = raw.headers.get("x-request-id") or req.request_id
+    return f"{engine_id.split('-', 1)[0]}-{base}" if base else engine_id
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # As OpenAI: a stream ends with a usage chunk (its choices empty) only when asked, since
@@ -76,6 +83,9 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None            # as vLLM's: none (or "") is the served model
+    # extension (vLLM's): the base of the response's id ("cmpl-{request_id}"); an X-Request-Id header
+    # wins over it. The engine's own ids stay unique whatever a client sends.
+    request_id: str | None = Field(default=None, max_length=256)
     max_tokens: int | None = None
     # Absent or null (OpenAI allows both): the checkpoint's generation_config.json default, else
     # SamplingParams' (EngineConfig.default_sampling_params), which the server leaves to them.

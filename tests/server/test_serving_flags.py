@@ -118,3 +118,27 @@ def test_each_engine_route_is_a_post_route_of_the_server():
     posted = set(re.findall(r'@app\.post\("([^"]+)"\)', inspect.getsource(app) + inspect.getsource(sagemaker)))
     assert ENGINE_ROUTES <= posted, ENGINE_ROUTES - posted
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"} <= ENGINE_ROUTES
+
+
+def test_a_completions_id_is_built_on_the_clients_request_id(served):
+    """vLLM's: X-Request-Id (with or without --enable-request-id-headers), else the body's request_id;
+    two requests that send the same id both run (the engine's own ids stay unique)."""
+    url = served.base_url
+
+    async def same_id_twice():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(url + "/v1/completions", json=COMPLETION | {"prompt": [5, i]},
+                                                      headers={"X-Request-Id": "trace-7"}) for i in range(2)))
+
+    assert [r.json()["id"] for r in asyncio.run(same_id_twice())] == ["cmpl-trace-7"] * 2
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "request_id": "from-body"}
+    assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["id"] == "chatcmpl-from-body"
+    header_wins = httpx.post(url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "hdr"}, timeout=60)
+    assert header_wins.json()["id"] == "chatcmpl-hdr"
+    with httpx.stream("POST", url + "/v1/completions", json=COMPLETION | {"stream": True, "request_id": "s1"},
+                      timeout=60) as stream:
+        chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    assert chunks and all('"id": "cmpl-s1"' in chunk or '"id":"cmpl-s1"' in chunk for chunk in chunks)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", httpx.post(url + "/v1/completions", json=COMPLETION,
+                                                         timeout=60).json()["id"])
+    served.check_idle_and_alive()
