@@ -13,6 +13,7 @@ from mini_engine.quantization import (QUANTIZATION_METHODS, AwqConfig, Quantizat
                                       parse_quantization_config)
 from mini_engine.reasoning import REASONING_PARSERS
 from mini_engine.sampling_params import SamplingParams
+from mini_engine.tokenizer import tokenizer_eos_id
 from mini_engine.speculative import SpeculativeConfig
 
 
@@ -346,6 +347,10 @@ class EngineConfig:
             raise ValueError(f"hf_overrides must be a dict of config.json's fields, got {self.hf_overrides!r}")
         if self.model_config is None:
             self.model_config = ModelConfig.from_pretrained(self.model, self.hf_overrides)
+            if not self.model_config.eos_token_ids and (eos := tokenizer_eos_id(self.tokenizer_path)) is not None:
+                # Neither config.json nor generation_config.json names one: the tokenizer's, as vLLM
+                # stops at the tokenizer's eos_token.
+                self.model_config.eos_token_ids = (eos,)
         elif self.hf_overrides:
             raise ValueError("hf_overrides change config.json as it is read: give them or a model_config, not both")
         if self.quantization not in (None, *QUANTIZATION_METHODS):

@@ -18,6 +18,15 @@ def load_tokenizer_config(path: str) -> dict:
         return json.load(f)
 
 
+def tokenizer_eos_id(path: str) -> int | None:
+    """tokenizer_config.json's eos_token (a string, or {"content": ...}) as the tokenizer numbers it;
+    None where either file or the token is missing."""
+    token = load_tokenizer_config(path).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    tokenizer = load_tokenizer(path) if isinstance(token, str) else None
+    return None if tokenizer is None else tokenizer.token_to_id(token)
+
+
 def encode_pair(tokenizer: Tokenizer | None, first: str | list[int], second: str | list[int]) -> list[int]:
     """A cross-encoder's prompt of two texts: as the tokenizer encodes a pair (its post-processor's
     pair template, where it has one; Qwen3-Reranker's has none), token ids one after the other."""

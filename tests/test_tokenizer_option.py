@@ -69,3 +69,22 @@ def test_an_empty_tokenizer_is_the_models_own(folders):
 def test_the_server_takes_the_flag():
     from mini_engine.serve import parse_args
     assert parse_args(["--tokenizer", "/some/folder"]).tokenizer == "/some/folder"
+
+
+def test_without_an_eos_in_config_json_the_tokenizers_is_the_stop(folders, tmp_path):
+    """vLLM stops at the tokenizer's eos_token; here config.json's and generation_config.json's come
+    first, and the tokenizer's (tokenizer_config.json's eos_token) where neither names one."""
+    whole, weights = folders
+    config = json.load(open(os.path.join(weights, "config.json")))
+    del config["eos_token_id"]
+    no_eos = tmp_path / "no-eos"
+    shutil.copytree(weights, no_eos)
+    (no_eos / "config.json").write_text(json.dumps(config))
+    im_end = Tokenizer.from_file(os.path.join(whole, "tokenizer.json")).token_to_id("<|im_end|>")
+    assert EngineConfig(str(no_eos), device="cpu", num_kv_blocks=8).model_config.eos_token_ids == ()
+    borrowed = EngineConfig(str(no_eos), device="cpu", num_kv_blocks=8, tokenizer=whole)
+    assert borrowed.model_config.eos_token_ids == (im_end,)
+    llm = LLM(str(no_eos), device="cpu", num_kv_blocks=64, tokenizer=whole)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8, logit_bias={im_end: 100.0}),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([im_end], "stop")
