@@ -78,4 +78,8 @@ def add_profile_routes(app: FastAPI, async_engine) -> None:
     @app.post("/stop_profile")
     async def stop_profile():
         path, error = await engine_call(async_engine.call, "stop_profile")
-        return error or JSONResponse({"profiling": False, "trace": path})
+        if error is not None:
+            return error
+        if isinstance(path, list):      # data parallelism: a trace an engine; `trace` keeps one engine's shape
+            return JSONResponse({"profiling": False, "trace": path[0], "traces": path})
+        return JSONResponse({"profiling": False, "trace": path})

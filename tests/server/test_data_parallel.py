@@ -29,8 +29,10 @@ def cpu_llm(tiny_model):
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model, tmp_path_factory):
+    traces = tmp_path_factory.mktemp("dp-traces")
     with launched_server(tiny_model, tmp_path_factory.mktemp("dp-server-log"), options=("--data-parallel-size", "2", "--device", "cpu"),
-                         env={"VLLM_SERVER_DEV_MODE": "1"}) as handle:
+                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_TORCH_PROFILER_DIR": str(traces)}) as handle:
+        handle.traces = traces
         yield handle
 
 
@@ -101,6 +103,11 @@ def test_an_abort_goes_to_the_engine_that_runs_the_request():
 def test_calls_between_steps_reach_every_engine(dp_server):
     assert httpx.post(dp_server.base_url + "/reset_prefix_cache", timeout=30).json() == {"reset": True}
     assert httpx.get(dp_server.base_url + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+    assert httpx.post(dp_server.base_url + "/start_profile", timeout=30).json() == {"profiling": True}
+    complete(dp_server, [5, 6, 7], max_tokens=2)
+    stopped = httpx.post(dp_server.base_url + "/stop_profile", timeout=120).json()
+    assert stopped["trace"] == stopped["traces"][0] and len(set(stopped["traces"])) == 2     # one an engine
+    assert all(os.path.isfile(path) and os.path.dirname(path) == str(dp_server.traces) for path in stopped["traces"])
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the engine processes through /proc")
