@@ -145,7 +145,7 @@ class DataParallelEngines:
         loads = [len(engine.streams) for engine in self.engines]
         chain = self.affinity.chain(prompt_token_ids)
         near_least = [i for i in in_turn if loads[i] <= min(loads) + AFFINITY_SLACK]
-        chosen = max(near_least, key=lambda i: (self.affinity.matched_blocks(i, chain) if chain else 0, -loads[i]))
+        chosen = max(near_least, key=lambda i: (self.affinity.matched_blocks(i, chain), -loads[i]))
         self.affinity.record(chosen, chain)
         return self.engines[chosen]
 
