@@ -70,6 +70,8 @@ RUNNABLE = [
     request("long", "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0,
                                         "ignore_eos": True}),
     request("odd \ud800 id", "/v1/completions", {"prompt": [5, 6], "stream": "false", **GREEDY}),
+    request("seeded n=2", "/v1/completions", {"prompt": "The quick", "n": 2, "seed": 3, "temperature": 1.0,
+                                              "max_tokens": 8}),
     request("response", "/v1/responses", {"input": "Hello", "max_output_tokens": 8, "temperature": 0,
                                           "store": False}),
     request("bad temperature", "/v1/completions", {"prompt": "x", "temperature": -1}),
@@ -77,7 +79,7 @@ RUNNABLE = [
     request("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}),
     request("unknown field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "colour": 1}),
 ]
-NUM_ANSWERED = 6        # the first six run; the others the server refuses
+NUM_ANSWERED = 7        # the first seven run; the others the server refuses
 REFUSED = [      # each with what its error says
     ("not json", "not JSON"),
     ([1, 2], "not a JSON object"),
