@@ -17,7 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mini_engine.tokenizer import load_tokenizer_config
+from mini_engine.tokenizer import load_tokenizer_config, token_text
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -71,11 +71,6 @@ def continue_final_message(text: str, messages: list[dict]) -> str:
         if end >= 0:
             return text[:end + len(written)]
     raise ValueError("continue_final_message: the chat template did not write the final message's content")
-
-
-def token_text(token) -> str | None:
-    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
-    return token.get("content") if isinstance(token, dict) else token
 
 
 # Jinja's characters: a --chat-template value with one of them is a template, not a file's path.

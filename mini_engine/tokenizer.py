@@ -18,11 +18,15 @@ def load_tokenizer_config(path: str) -> dict:
         return json.load(f)
 
 
+def token_text(token) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 def tokenizer_eos_id(path: str) -> int | None:
-    """tokenizer_config.json's eos_token (a string, or {"content": ...}) as the tokenizer numbers it;
-    None where either file or the token is missing."""
-    token = load_tokenizer_config(path).get("eos_token")
-    token = token.get("content") if isinstance(token, dict) else token
+    """tokenizer_config.json's eos_token as the tokenizer numbers it; None where either file or the
+    token is missing."""
+    token = token_text(load_tokenizer_config(path).get("eos_token"))
     tokenizer = load_tokenizer(path) if isinstance(token, str) else None
     return None if tokenizer is None else tokenizer.token_to_id(token)
 
