@@ -208,6 +208,8 @@ def moe_fields(raw: dict) -> dict:
 # The fields of a generation_config.json that set a request's defaults, as vLLM reads them (it also
 # reads max_new_tokens, which this engine leaves alone: a request's max_tokens defaults to 16).
 GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "min_p")
+# generation_config's values for SamplingParams' own defaults: ours, and vLLM's name for them.
+OWN_SAMPLING_DEFAULTS = ("none", "vllm")
 
 
 def read_generation_config(folder: str) -> dict:
@@ -496,7 +498,7 @@ class EngineConfig:
             SamplingParams(**overrides)
         except (ValueError, TypeError) as e:
             raise ValueError(f"override_generation_config: {e}") from None
-        if self.generation_config in ("none", "vllm"):        # "vllm": vLLM's name for its own defaults
+        if self.generation_config in OWN_SAMPLING_DEFAULTS:
             return dict(overrides)
         if self.generation_config == "auto":
             folder = self.model

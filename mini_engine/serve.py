@@ -11,7 +11,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from mini_engine.chat_template import compiled, load_chat_template
-from mini_engine.config import EngineConfig
+from mini_engine.config import OWN_SAMPLING_DEFAULTS, EngineConfig
 from mini_engine.server.lora_modules import LoRAModulePath, parse_lora_module
 from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
 from mini_engine.server.serving_options import RESPONSE_ROLE, ServingOptions
@@ -217,12 +217,11 @@ def build_served_app(args: argparse.Namespace):
     for module in args.lora_modules:
         log.info("serving LoRA adapter %s as %r", module.path, module.name)
     if config.sampling_defaults:
-        overridden = config.override_generation_config or {}
-        source = ("none" if config.generation_config in ("none", "vllm") else
+        overridden = sorted(config.override_generation_config or {})
+        source = ("nothing else" if config.generation_config in OWN_SAMPLING_DEFAULTS else
                   f"{model if config.generation_config == 'auto' else config.generation_config}'s generation_config.json")
         log.info("requests that leave them unset sample with %s (%s%s)", config.sampling_defaults,
-                 f"{sorted(overridden)} from --override-generation-config, the rest from " if overridden else "from ",
-                 source if source != "none" else "nothing else")
+                 f"{overridden} from --override-generation-config, the rest from " if overridden else "from ", source)
     return app, serving
 
 
