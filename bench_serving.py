@@ -146,11 +146,21 @@ def wait_healthy(base_url: str, process: subprocess.Popen | None, log_path: str 
         time.sleep(0.5)
 
 
+def metric_per_engine(base_url: str, name: str) -> dict[str, float]:
+    """A metric's value for each of the server's engines (its `engine` label; several with
+    --data-parallel-size), summed over its other labels."""
+    values: dict[str, float] = {}
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"mini_engine:{name}{{"):
+            engine = line.split('engine="')[1].split('"')[0]
+            values[engine] = values.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
 def server_metric(base_url: str, name: str) -> float | None:
-    """A metric's value summed over the server's engines (one series each with --data-parallel-size)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines()
-              if line.startswith(f"mini_engine:{name}{{")]
-    return sum(values) if values else None
+    """A metric's value summed over the server's engines."""
+    values = metric_per_engine(base_url, name)
+    return sum(values.values()) if values else None
 
 
 def kv_blocks_used_when_idle(base_url: str, timeout: float = 10) -> float | None:

@@ -17,23 +17,13 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import make_workload  # noqa: E402
-from bench_serving import launch_server, wait_healthy  # noqa: E402
+from bench_serving import launch_server, metric_per_engine, wait_healthy  # noqa: E402
 
 
 def gpu_memory_used_mib() -> list[int]:
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
     return [int(line) for line in out.split()]
-
-
-def per_engine(base_url: str, name: str) -> dict[str, float]:
-    """A metric's value for each engine (its `engine` label), summed over its other labels."""
-    values: dict[str, float] = {}
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"mini_engine:{name}{{"):
-            engine = line.split('engine="')[1].split('"')[0]
-            values[engine] = values.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
 
 
 def served_tokens(model: str, data_parallel_size: int, prompts, max_tokens: int, port: int):
@@ -52,7 +42,7 @@ def served_tokens(model: str, data_parallel_size: int, prompts, max_tokens: int,
                 "return_tokens_as_token_ids": True})
             answer.raise_for_status()
             tokens.append([int(t.split(":")[1]) for t in answer.json()["choices"][0]["logprobs"]["tokens"]])
-        return tokens, grown, per_engine(base_url, "request_success_total")
+        return tokens, grown, metric_per_engine(base_url, "request_success_total")
     finally:
         process.terminate()
         process.wait(timeout=60)

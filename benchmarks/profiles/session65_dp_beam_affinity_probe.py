@@ -1,7 +1,7 @@
 import sys, httpx, json
 sys.path.insert(0, "/work/main")
 from tests.server.conftest import launched_server
-from benchmarks.data_parallel_check import per_engine
+from bench_serving import metric_per_engine as per_engine
 import pathlib
 model = "/tmp/rb/model"
 prompt = [(7 * i) % 400 + 20 for i in range(320)]

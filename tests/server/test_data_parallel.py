@@ -12,7 +12,7 @@ import types
 import httpx
 import pytest
 
-from benchmarks.data_parallel_check import per_engine as metric_per_engine
+from bench_serving import metric_per_engine
 from mini_engine import LLM, SamplingParams, serve
 from mini_engine.server.data_parallel import AFFINITY_SLACK, DataParallelEngines, PrefixAffinity, engine_devices
 from mini_engine.server.engine_process import spawn_environment
