@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -70,6 +71,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- the client ----
 
+async def sse_lines(response: httpx.Response):
+    """The stream's lines as server-sent events split them: at CR LF, LF or CR alone. (httpx's
+    aiter_lines also splits at U+0085, U+2028 and the other line breaks of str.splitlines, which a
+    JSON string may hold unescaped, as this server's and vLLM's chunks do: it cut a chunk of
+    generated text in two.)"""
+    rest = b""
+    async for data in response.aiter_bytes():
+        *lines, rest = re.split(rb"\r\n|\r|\n", rest + data)
+        for line in lines:
+            yield line.decode()
+    if rest:
+        yield rest.decode()
+
+
 async def send(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
                temperature: float) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
@@ -81,7 +96,7 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                 return result
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]

@@ -2,10 +2,12 @@
 server and LLM.generate end a request when a stop string appears.
 
 Decoding a token alone is wrong for byte-level BPE: one character of UTF-8 may span several
-tokens, and a lone piece decodes to U+FFFD. So we decode a short window of tokens and emit only
-what the window adds once it ends on a whole character (the prefix/read offsets of vLLM's
-detokenizer). When the request ends, the full decode of every output token is the reference:
-whatever the window held back is emitted then, so the streamed text equals the offline text.
+tokens, and a lone piece decodes to U+FFFD. The `tokenizers` library's DecodeStream keeps a short
+window of tokens and gives only what the window adds once it ends on a whole character (the
+prefix/read offsets of vLLM's detokenizer, which uses it too): one call a token, where decoding
+the window from Python took two (benchmarks/NOTES.md, entry 66). When the request ends, the full
+decode of every output token is the reference: whatever the window held back is emitted then, so
+the streamed text equals the offline text.
 
 Stop strings are matched on the text; the matched string and everything after it are dropped,
 and while a request runs the last len(longest stop) - 1 characters are held back, since they may
@@ -16,7 +18,7 @@ token's text, and nothing is held back.
 
 skip_special_tokens (vLLM's, on by default) leaves the tokenizer's special tokens out of the text.
 The `tokenizers` library drops them before it decodes, so the bytes of one character on either side
-of one still join (kept, it splits them into two U+FFFD); either way the windowed text is the one
+of one still join (kept, it splits them into two U+FFFD); either way the streamed text is the one
 decode of every token with the same flag. vLLM's
 spaces_between_special_tokens has no counterpart: `tokenizers`' decode has no such option and writes
 each added token as its own content with nothing around it; transformers' fast tokenizers ignore
@@ -28,12 +30,10 @@ tokenizer.json alone. So the text is the same either way, as vLLM's is for Qwen3
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
     from mini_engine.sampling_params import SamplingParams
-
-REPLACEMENT_CHAR = "\ufffd"
-
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, min_tokens: int = 0,
@@ -44,9 +44,8 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self.include_stop = include_stop
         self.holdback = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
+        self.stream = None if tokenizer is None else DecodeStream(skip_special_tokens=skip_special_tokens)
         self.token_ids: list[int] = []
-        self.prefix_offset = 0      # the window's first token: context for the tokens after it
-        self.read_offset = 0        # tokens before this are in self.text
         self.text = ""              # decoded so far (stop strings cut off)
         self.num_sent = 0           # characters of self.text already returned
         self.stopped = False        # a stop string matched
@@ -71,20 +70,19 @@ class IncrementalDetokenizer:
         if stop_token and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
         self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return ""
         if finished:
             full = self.decode(self.token_ids)
-            # The full decode only ever extends the windowed text; if a tokenizer breaks that,
+            # The full decode only ever extends the streamed text; if a tokenizer breaks that,
             # keep what was already sent rather than contradict it.
             new_text = full[len(self.text):] if full.startswith(self.text) else ""
-            self.read_offset = len(self.token_ids)
+        elif len(new_token_ids) == 1:
+            # None: the token ends inside a character, or is a skipped special token.
+            new_text = self.stream.step(self.tokenizer, new_token_ids[0]) or ""
         else:
-            prefix_text = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
-            window_text = self.decode(self.token_ids[self.prefix_offset:])
-            if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
-                new_text = ""       # an incomplete character: wait for the next token
-            else:
-                new_text = window_text[len(prefix_text):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            tokenizer, step = self.tokenizer, self.stream.step
+            new_text = "".join([piece for token in new_token_ids if (piece := step(tokenizer, token))])
         self.append(new_text)
         end = len(self.text) if finished or self.stopped else len(self.text) - self.holdback
         if end <= self.num_sent:
@@ -98,6 +96,8 @@ class IncrementalDetokenizer:
         of the tokens it took, up to the one that completed a stop string (all of them if none
         did). A step of speculative decoding brings several tokens, and those after a stop string
         are dropped (the caller cuts them), since plain decoding never makes them."""
+        if len(new_token_ids) == 1:         # a decode step's one token: the server's every step
+            return self.update(new_token_ids, finished, stop_token), 1
         text = ""
         for i, token in enumerate(new_token_ids):
             last = i == len(new_token_ids) - 1
@@ -113,7 +113,7 @@ class IncrementalDetokenizer:
             return
         end_before = len(self.text)
         self.text += new_text
-        if len(self.token_ids) <= self.min_tokens:
+        if not self.stop or len(self.token_ids) <= self.min_tokens:
             return
         # Only a match that the new text completes: one that may begin in the held-back tail. (A
         # short stop string written while min_tokens held matching back is not found later.)

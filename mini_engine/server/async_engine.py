@@ -204,10 +204,10 @@ class AsyncEngine:
 
     # ---- the event loop thread ----
 
-    def deliver(self, deltas: list[EngineDelta], stats: EngineStats) -> None:
+    def deliver(self, deltas: list[tuple], stats: EngineStats) -> None:
         now = time.perf_counter()
         m = self.metrics
-        for d in deltas:
+        for d in map(EngineDelta._make, deltas):
             stream = self.streams.get(d.request_id)
             if stream is None:
                 continue

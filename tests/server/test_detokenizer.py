@@ -80,19 +80,14 @@ def test_without_tokenizer_text_is_empty():
     assert detok.update([1, 2], False) == "" and detok.update([3], True) == ""
 
 
-class OneCharTokenizer:
-    """Token i is the character chr(i)."""
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(map(chr, ids))
-
-
-def test_a_stop_string_written_while_min_tokens_held_matching_back_is_not_found_later():
+def test_a_stop_string_written_while_min_tokens_held_matching_back_is_not_found_later(tokenizer):
     """As vLLM's check_stop_strings: past min_tokens only a match that the new text completes.
     A longer stop string widens the held-back tail, and must not widen a short one's search."""
     def run(stop):
-        detok = IncrementalDetokenizer(OneCharTokenizer(), stop, min_tokens=2)
-        for i, c in enumerate("xabcdefg"):
-            detok.update([ord(c)], finished=i == 7)
+        detok = IncrementalDetokenizer(tokenizer, stop, min_tokens=2)
+        ids = byte_tokens(tokenizer, "xabcdefg")        # one token a character
+        for i, token in enumerate(ids):
+            detok.update([token], finished=i == len(ids) - 1)
             if detok.stopped:
                 break
         return detok.text, detok.stopped
