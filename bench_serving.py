@@ -16,7 +16,9 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
+import queue
 import random
 import re
 import shlex
@@ -63,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto: full on a GPU, cpu-smoke without one")
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's bench samples at 0.6")
     p.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
+    p.add_argument("--clients", type=int, default=1, help="load-generator processes, each sending every N-th "
+                   "request (at the rate / N): one may be the limit with a few hundred streams")
     p.add_argument("--label", default="", help="free-text note saved in the JSON line")
     p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results.jsonl"))
     p.add_argument("--cache-dir", help="where bench.py keeps its random checkpoints")
@@ -120,19 +124,65 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
 
 
 async def run_workload(base_url: str, model: str, prompts, max_tokens, rate: float, temperature: float,
-                       seed: int) -> tuple[list[RequestResult], float]:
+                       seed: int, warm_up: bool = True) -> tuple[list[RequestResult], float, float]:
+    """The requests' results in order, the wall seconds from the first send to the last reply, and
+    this process's CPU seconds in that time."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(None, connect=30)) as client:
-        await asyncio.gather(*(send(client, model, [1, 2, 3, 4] * 8, 8, temperature) for _ in range(4)))  # warm-up
+        if warm_up:
+            await asyncio.gather(*(send(client, model, [1, 2, 3, 4] * 8, 8, temperature) for _ in range(4)))
         tasks = []
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for prompt, n in zip(prompts, max_tokens):
             tasks.append(asyncio.create_task(send(client, model, prompt, n, temperature)))
             if rate != math.inf:
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, time.process_time() - cpu
+
+
+def client_main(index: int, clients: int, base_url: str, model: str, prompts, max_tokens, rate: float,
+                temperature: float, seed: int, barrier, out) -> None:
+    """One of --clients load generators: every clients-th request from index, at rate / clients (the
+    clients' Poisson streams add up to one at rate), sent once every client is ready."""
+    barrier.wait(timeout=300)
+    start = time.time()
+    results, wall, cpu = asyncio.run(run_workload(base_url, model, prompts[index::clients], max_tokens[index::clients],
+                                                  rate / clients, temperature, seed + index, warm_up=False))
+    out.put((index, results, start, start + wall, cpu))
+
+
+def run_clients(base_url: str, model: str, prompts, max_tokens, rate: float, temperature: float, seed: int,
+                clients: int) -> tuple[list[RequestResult], float, float]:
+    """run_workload's results, wall and CPU seconds (summed over the clients), the requests sent by
+    `clients` processes: one Python process parsing every stream's events can be the run's limit
+    (benchmarks/NOTES.md, entry 66)."""
+    if clients == 1:
+        return asyncio.run(run_workload(base_url, model, prompts, max_tokens, rate, temperature, seed))
+    asyncio.run(run_workload(base_url, model, [], [], rate, temperature, seed))        # the warm-up alone
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(clients), ctx.Queue()
+    processes = [ctx.Process(target=client_main, args=(i, clients, base_url, model, prompts, max_tokens, rate,
+                                                       temperature, seed, barrier, out), daemon=True)
+                 for i in range(clients)]
+    for process in processes:
+        process.start()
+    parts = []
+    while len(parts) < clients:
+        try:
+            parts.append(out.get(timeout=1.0))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in processes):
+                raise RuntimeError("a load-generator process failed (its traceback is above)")
+    for process in processes:
+        process.join()
+    parts.sort(key=lambda part: part[0])
+    results: list[RequestResult] = [None] * len(prompts)
+    for index, part, _, _, _ in parts:
+        results[index::clients] = part
+    wall = max(end for *_, end, _ in parts) - min(start for _, _, start, _, _ in parts)
+    return results, wall, sum(cpu for *_, cpu in parts)
 
 
 # ---- the server ----
@@ -233,8 +283,8 @@ def main(argv=None) -> int:
         rate = "inf" if opts.request_rate == math.inf else f"{opts.request_rate:g}/s"
         print(f"{workload} workload: {len(prompts)} requests, {input_tokens:,} input and {output_tokens:,} "
               f"output tokens, request rate {rate}, to {base_url} ({name})", flush=True)
-        results, wall = asyncio.run(run_workload(base_url, name, prompts, max_tokens, opts.request_rate,
-                                                 opts.temperature, opts.seed))
+        results, wall, client_cpu = run_clients(base_url, name, prompts, max_tokens, opts.request_rate,
+                                                opts.temperature, opts.seed, opts.clients)
         kv_blocks_used = kv_blocks_used_when_idle(base_url)
     finally:
         if process is not None:
@@ -258,6 +308,7 @@ def main(argv=None) -> int:
         if opts.request_rate != math.inf else "inf", "input_tokens": input_tokens, "output_tokens": generated,
         "wall_s": wall, "output_tok_s": generated / wall, "total_tok_s": (input_tokens + generated) / wall,
         "request_s": len(ok) / wall, "ttft_ms": ttft, "tpot_ms": tpot, "e2e_s": e2e,
+        "client_cpu_s": client_cpu,
         "checks": {"exact_max_tokens": exact, "failed_requests": len(results) - len(ok),
                    "kv_blocks_free": kv_blocks_used == 0 if kv_blocks_used is not None else None},
         "config": {k: v for k, v in vars(opts).items() if k not in ("results", "cache_dir")}
@@ -274,6 +325,9 @@ def main(argv=None) -> int:
     print(f"{'requests':<22}{len(ok):>10} ok, {len(results) - len(ok)} failed, {record['request_s']:.2f} req/s")
     print(f"{'throughput':<22}{record['output_tok_s']:>10,.0f} output tok/s, {record['total_tok_s']:,.0f} total tok/s,"
           f" wall {wall:.2f} s")
+    busy = client_cpu / (wall * opts.clients)
+    print(f"{'load generator':<22}{client_cpu:>10.2f} CPU s in the run, {busy:.0%} of its {opts.clients} "
+          f"process{'es' if opts.clients > 1 else ''}" + (": it may be the limit, try more --clients" if busy > 0.8 else ""))
     print(f"logged to {opts.results}" + (" (CPU smoke workload: not the benchmark)" if record["cpu_smoke"] else ""))
     failures = [r.error for r in results if not r.ok]
     if failures:
