@@ -11,6 +11,11 @@ and appends one JSON line to benchmarks/results.jsonl.
 --launch starts the server itself on this machine (same engine options as bench.py's defaults,
 plus --server-args), waits for /health, runs, and stops it. Without a GPU the default workload is
 bench.py's CPU smoke workload on its tiny random model.
+
+--clients N sends the requests from N processes (4 by default for the full workload): one Python
+process reading 256 streams' events used 93% of a core and held the saturated run at 5.08 s where
+four took 4.79-4.82 s (benchmarks/NOTES.md, entry 66). The report gives the load generator's CPU
+time, so that a run it limits says so.
 """
 import argparse
 import asyncio
@@ -65,8 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto: full on a GPU, cpu-smoke without one")
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's bench samples at 0.6")
     p.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
-    p.add_argument("--clients", type=int, default=1, help="load-generator processes, each sending every N-th "
-                   "request (at the rate / N): one may be the limit with a few hundred streams")
+    p.add_argument("--clients", type=int, help="load-generator processes, each sending every N-th request (at "
+                   "the rate / N); default 4 for the full workload, where one process parsing 256 streams was "
+                   "the limit (benchmarks/NOTES.md, entry 66), 1 for the CPU smoke workload")
     p.add_argument("--label", default="", help="free-text note saved in the JSON line")
     p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results.jsonl"))
     p.add_argument("--cache-dir", help="where bench.py keeps its random checkpoints")
@@ -264,6 +270,11 @@ def main(argv=None) -> int:
     device, torch_version = device_info()
     workload = opts.workload if opts.workload != "auto" else ("cpu-smoke" if device == "cpu" else "full")
     prompts, max_tokens = make_workload(opts.num_seqs, **WORKLOADS[workload])
+    if opts.clients is None:
+        opts.clients = 4 if workload == "full" else 1
+    if opts.clients < 1:
+        sys.exit(f"--clients must be at least 1, got {opts.clients}")
+    opts.clients = min(opts.clients, max(1, len(prompts)))      # none idle
     input_tokens, output_tokens = sum(map(len, prompts)), sum(max_tokens)
 
     process = log_path = None
