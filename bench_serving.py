@@ -48,6 +48,7 @@ class RequestResult:
     ttft: float = 0.0               # seconds from sending to the first token
     latency: float = 0.0            # seconds from sending to the last token
     error: str = ""
+    client: int = 0                 # the load-generator process that sent it (--clients)
 
     @property
     def tpot(self) -> float | None:
@@ -130,14 +131,18 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
 
 
 async def run_workload(base_url: str, model: str, prompts, max_tokens, rate: float, temperature: float,
-                       seed: int, warm_up: bool = True) -> tuple[list[RequestResult], float, float]:
-    """The requests' results in order, the wall seconds from the first send to the last reply, and
-    this process's CPU seconds in that time."""
+                       seed: int, warm_up: bool = True, wait_first: bool = False
+                       ) -> tuple[list[RequestResult], float, float, float]:
+    """The requests' results in order; the time (perf_counter: on Linux one clock for every process) of
+    the first send and of the last reply; and this process's CPU seconds in between. wait_first:
+    a Poisson gap before the first request too (every load generator but the first)."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(None, connect=30)) as client:
         if warm_up:
             await asyncio.gather(*(send(client, model, [1, 2, 3, 4] * 8, 8, temperature) for _ in range(4)))
+        if wait_first and rate != math.inf:
+            await asyncio.sleep(rng.expovariate(rate))
         tasks = []
         start, cpu = time.perf_counter(), time.process_time()
         for prompt, n in zip(prompts, max_tokens):
@@ -145,7 +150,7 @@ async def run_workload(base_url: str, model: str, prompts, max_tokens, rate: flo
             if rate != math.inf:
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start, time.process_time() - cpu
+        return results, start, time.perf_counter(), time.process_time() - cpu
 
 
 def client_main(index: int, clients: int, base_url: str, model: str, prompts, max_tokens, rate: float,
@@ -153,19 +158,23 @@ def client_main(index: int, clients: int, base_url: str, model: str, prompts, ma
     """One of --clients load generators: every clients-th request from index, at rate / clients (the
     clients' Poisson streams add up to one at rate), sent once every client is ready."""
     barrier.wait(timeout=300)
-    start = time.time()
-    results, wall, cpu = asyncio.run(run_workload(base_url, model, prompts[index::clients], max_tokens[index::clients],
-                                                  rate / clients, temperature, seed + index, warm_up=False))
-    out.put((index, results, start, start + wall, cpu))
+    results, start, end, cpu = asyncio.run(run_workload(
+        base_url, model, prompts[index::clients], max_tokens[index::clients], rate / clients, temperature,
+        seed + index, warm_up=False, wait_first=index > 0))
+    for result in results:
+        result.client = index
+    out.put((index, results, start, end, cpu))
 
 
 def run_clients(base_url: str, model: str, prompts, max_tokens, rate: float, temperature: float, seed: int,
                 clients: int) -> tuple[list[RequestResult], float, float]:
-    """run_workload's results, wall and CPU seconds (summed over the clients), the requests sent by
-    `clients` processes: one Python process parsing every stream's events can be the run's limit
-    (benchmarks/NOTES.md, entry 66)."""
+    """The requests' results in order, the wall seconds from the first send to the last reply, and
+    the load generators' CPU seconds, the requests sent by `clients` processes: one Python process
+    parsing every stream's events can be the run's limit (benchmarks/NOTES.md, entry 66)."""
     if clients == 1:
-        return asyncio.run(run_workload(base_url, model, prompts, max_tokens, rate, temperature, seed))
+        results, start, end, cpu = asyncio.run(run_workload(base_url, model, prompts, max_tokens, rate, temperature,
+                                                            seed))
+        return results, end - start, cpu
     asyncio.run(run_workload(base_url, model, [], [], rate, temperature, seed))        # the warm-up alone
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(clients), ctx.Queue()
@@ -175,15 +184,18 @@ def run_clients(base_url: str, model: str, prompts, max_tokens, rate: float, tem
     for process in processes:
         process.start()
     parts = []
-    while len(parts) < clients:
-        try:
-            parts.append(out.get(timeout=1.0))
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in processes):
-                raise RuntimeError("a load-generator process failed (its traceback is above)")
-    for process in processes:
-        process.join()
-    parts.sort(key=lambda part: part[0])
+    try:
+        while len(parts) < clients:
+            try:
+                parts.append(out.get(timeout=1.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in processes):
+                    raise RuntimeError("a load-generator process failed (its traceback is above)") from None
+    finally:
+        for process in processes:
+            if len(parts) < clients:
+                process.kill()
+            process.join()
     results: list[RequestResult] = [None] * len(prompts)
     for index, part, _, _, _ in parts:
         results[index::clients] = part

@@ -27,6 +27,7 @@ detokenizer, with it off, swaps in an added token's own content, which DecodeStr
 Only transformers' slow (Python) tokenizers put spaces around added tokens, and this engine reads
 tokenizer.json alone. So the text is the same either way, as vLLM's is for Qwen3.
 """
+import logging
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
@@ -34,6 +35,8 @@ from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
     from mini_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, min_tokens: int = 0,
@@ -49,6 +52,7 @@ class IncrementalDetokenizer:
         self.text = ""              # decoded so far (stop strings cut off)
         self.num_sent = 0           # characters of self.text already returned
         self.stopped = False        # a stop string matched
+        self.finished = False       # the request's last tokens came: later updates give nothing
 
     @classmethod
     def for_request(cls, tokenizer: Tokenizer | None, params: "SamplingParams") -> "IncrementalDetokenizer":
@@ -65,24 +69,24 @@ class IncrementalDetokenizer:
         """Adds tokens; returns the text that may now be sent. After a stop string matched,
         self.stopped is set and later calls return nothing. stop_token: the request ended on a
         stop token (stop_token_ids or EOS), whose text, as in vLLM, is not part of the output."""
-        if self.stopped:
+        if self.stopped or self.finished:
             return ""
+        self.finished = finished
         if stop_token and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
         self.token_ids.extend(new_token_ids)
         if self.tokenizer is None:
             return ""
-        if finished:
-            full = self.decode(self.token_ids)
-            # The full decode only ever extends the streamed text; if a tokenizer breaks that,
-            # keep what was already sent rather than contradict it.
-            new_text = full[len(self.text):] if full.startswith(self.text) else ""
+        full = self.decode(self.token_ids) if finished else None
+        if full is not None and full.startswith(self.text):
+            new_text = full[len(self.text):]
+        # A byte-level decoder's full decode only ever extends the streamed text; a byte-fallback one
+        # may take back a character it gave (its bytes turn invalid beside the next ones): then what
+        # was sent stands, and the stream goes on with the new tokens.
         elif len(new_token_ids) == 1:
-            # None: the token ends inside a character, or is a skipped special token.
-            new_text = self.stream.step(self.tokenizer, new_token_ids[0]) or ""
+            new_text = self.step(new_token_ids[0])
         else:
-            tokenizer, step = self.tokenizer, self.stream.step
-            new_text = "".join([piece for token in new_token_ids if (piece := step(tokenizer, token))])
+            new_text = "".join([self.step(token) for token in new_token_ids])
         self.append(new_text)
         end = len(self.text) if finished or self.stopped else len(self.text) - self.holdback
         if end <= self.num_sent:
@@ -90,6 +94,22 @@ class IncrementalDetokenizer:
         out = self.text[self.num_sent:end]
         self.num_sent = end
         return out
+
+    def step(self, token: int) -> str:
+        """What one more token adds to the streamed text: "" while it ends inside a character (or
+        is a skipped special token)."""
+        try:
+            return self.stream.step(self.tokenizer, token) or ""
+        except Exception as e:
+            # A byte-fallback decoder (Llama's, Gemma's, read through `tokenizer`) may decode a
+            # window of invalid bytes to a text that does not extend the one before; DecodeStream
+            # then raises rather than take back what it gave. A fresh stream goes on from this token
+            # (vLLM's detokenizer does the same); the full decode at the end is still the reference.
+            if "Invalid prefix" not in str(e):
+                raise
+            logger.debug("detokenizer: %s; decoding on from token %d", e, token)
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            return self.stream.step(self.tokenizer, token) or ""
 
     def update_until_stop(self, new_token_ids: list[int], finished: bool, stop_token: bool = False) -> tuple[str, int]:
         """update() a token at a time, as steps of one token each would: the text, and how many

@@ -195,36 +195,50 @@ class EngineLoop:
     def process(self, outputs: list[StepOutput]) -> list[EngineDelta]:
         deltas = []
         for out in outputs:
-            request_id = out.seq.request_id
-            state = self.states.get(request_id)
+            state = self.states.get(out.seq.request_id)
             if state is None:
                 continue
-            if state.detokenizer is None:           # an embedding request: done, with its vector
-                del self.states[request_id]
-                deltas.append(EngineDelta(request_id, "", [], None, out.seq.finish_reason, 0,
-                                          embedding=out.seq.embedding, num_cached_tokens=out.seq.num_cached_tokens))
-                continue
-            if state.num_cached_tokens is None:
-                state.num_cached_tokens = out.seq.num_cached_tokens
-            token_ids, logprobs = out.new_token_ids, out.logprobs
-            text, used = state.detokenizer.update_until_stop(token_ids, out.finished, out.ended_on_stop_token)
-            reason = out.seq.finish_reason if out.finished else None
-            if state.detokenizer.stopped:
-                if not out.finished:
-                    self.engine.abort_request(request_id)    # blocks free before the next step
-                reason = "stop"
-                # A step of speculative decoding may bring tokens past the stop string: dropped.
-                token_ids, logprobs = token_ids[:used], None if logprobs is None else logprobs[:used]
-            state.num_output_tokens += len(token_ids)
-            if reason is not None:
-                del self.states[request_id]
-            # The prompt's log-probabilities, where asked, are all known by its first token.
-            prompt_logprobs = None
-            if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
-                prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
-            deltas.append(EngineDelta(request_id, text, token_ids, logprobs, reason, state.num_output_tokens,
-                                      prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens))
+            try:
+                deltas.append(self.delta(out, state))
+            except Exception:
+                # One request's text that cannot be made (a tokenizer that fails on what the model
+                # sampled) ends that request alone, not the engine process and everyone's requests.
+                request_id = out.seq.request_id
+                logger.exception("request %s: its output could not be processed; ending it", request_id)
+                self.states.pop(request_id, None)
+                self.engine.abort_request(request_id)
+                deltas.append(ended(request_id, "error", state.num_output_tokens,
+                                    "the server could not detokenize this request's output",
+                                    state.num_cached_tokens or 0))
         return deltas
+
+    def delta(self, out: StepOutput, state: RequestState) -> EngineDelta:
+        """What a step's output adds to its request, through its detokenizer and stop strings."""
+        request_id = out.seq.request_id
+        if state.detokenizer is None:           # an embedding request: done, with its vector
+            del self.states[request_id]
+            return EngineDelta(request_id, "", [], None, out.seq.finish_reason, 0,
+                               embedding=out.seq.embedding, num_cached_tokens=out.seq.num_cached_tokens)
+        if state.num_cached_tokens is None:
+            state.num_cached_tokens = out.seq.num_cached_tokens
+        token_ids, logprobs = out.new_token_ids, out.logprobs
+        text, used = state.detokenizer.update_until_stop(token_ids, out.finished, out.ended_on_stop_token)
+        reason = out.seq.finish_reason if out.finished else None
+        if state.detokenizer.stopped:
+            if not out.finished:
+                self.engine.abort_request(request_id)    # blocks free before the next step
+            reason = "stop"
+            # A step of speculative decoding may bring tokens past the stop string: dropped.
+            token_ids, logprobs = token_ids[:used], None if logprobs is None else logprobs[:used]
+        state.num_output_tokens += len(token_ids)
+        if reason is not None:
+            del self.states[request_id]
+        # The prompt's log-probabilities, where asked, are all known by its first token.
+        prompt_logprobs = None
+        if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
+        return EngineDelta(request_id, text, token_ids, logprobs, reason, state.num_output_tokens,
+                           prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens)
 
     def fail_all(self, message: str) -> list[EngineDelta]:
         deltas = []

@@ -10,6 +10,7 @@ server runs Qwen3's output parsers, and its chat template opens a thought when a
 (think_in_prompt), so that the reasoning parser has each beam's text to split."""
 import collections
 import json
+import socket
 import threading
 import time
 
@@ -272,29 +273,39 @@ def test_neutral_values_of_the_fields_beam_search_ignores_are_accepted():
 def test_a_client_that_leaves_mid_search_stops_it_and_frees_its_blocks(served, llm):
     """The step's requests are aborted and no more steps run, while another search beside it goes
     on to its own answer."""
-    long_search = beam_body(prompt="Nobody waits for this", n=3, max_tokens=400, ignore_eos=True)
-
-    def leave_early():
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(served.base_url + "/v1/completions", json=long_search, timeout=httpx.Timeout(5, read=0.5))
+    long_search = json.dumps(beam_body(prompt="Nobody waits for this", n=3, max_tokens=400, ignore_eos=True)).encode()
+    host, port = served.base_url.removeprefix("http://").split(":")
 
     def counts(metrics):
         finished = {k.rsplit(":", 1)[1]: v for k, v in metrics.items()
                     if k.startswith("mini_engine:request_success_total:")}
         return finished, metrics["mini_engine:generation_tokens_total"]
 
-    # A client that leaves just as a step ends has no request to abort (the next step never starts):
-    # a few tries see one that leaves mid-step.
+    # The client leaves once its search is running (a fixed timeout could fire before a loaded
+    # server had started it, leaving nothing to abort). One that leaves just as a step ends has no
+    # request to abort (the next step never starts): a few tries see one that leaves mid-step.
     for attempt in range(3):
-        (finished_before, generated_before) = counts(served.metrics())
-        leaver = threading.Thread(target=leave_early)
-        leaver.start()
+        finished_before, generated_before = counts(served.metrics())
+        with socket.create_connection((host, int(port))) as leaver:
+            leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(long_search), long_search))
+            deadline = time.monotonic() + 60
+            while counts(served.metrics())[1] - generated_before < 3:        # a few of its steps done
+                assert time.monotonic() < deadline, "the search never started"
+                time.sleep(0.01)
+            if attempt == 0:
+                other = threading.Thread(target=lambda: results.append(
+                    post(served, "/v1/completions", beam_body(prompt=PROMPTS[0], n=2, max_tokens=MAX_TOKENS))))
+                results = []
+                other.start()
+                time.sleep(0.2)     # both searches run side by side
+        # (the socket is closed: the client has left)
         if attempt == 0:
-            r = post(served, "/v1/completions", beam_body(prompt=PROMPTS[0], n=2, max_tokens=MAX_TOKENS))
+            other.join(timeout=60)
+            r = results[0]
             assert r.status_code == 200, r.text
             want = expected_choices(llm, PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS))
             assert [c["text"] for c in r.json()["choices"]] == [c["text"] for c in want]
-        leaver.join(timeout=30)
         finished, generated = counts(served.wait_idle())
         time.sleep(0.3)
         assert counts(served.metrics())[0] == finished, "the search went on after its client left"

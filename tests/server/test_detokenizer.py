@@ -3,6 +3,7 @@ multi-byte character, and cut stop strings out without ever having sent them."""
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
 
 from mini_engine.detokenizer import IncrementalDetokenizer
 from tests.server.conftest import train_tokenizer
@@ -121,3 +122,57 @@ def test_stop_strings_completed_together_end_the_text_at_the_first(tokenizer):
     for include, want in ((False, ""), (True, "Gr")):
         detok = IncrementalDetokenizer(tokenizer, ["vu", "Größe", "Gr"], include_stop=include)
         assert detok.update(ids, finished=False) == want and detok.stopped
+
+
+def test_ids_past_the_tokenizers_vocabulary_add_nothing(tokenizer):
+    """The model's vocabulary is larger than its tokenizer's (Qwen3: 151,936 rows, 151,669 tokens):
+    a sampled id with no token decodes to nothing, streamed or whole."""
+    rng = random.Random(1)
+    size = tokenizer.get_vocab_size()
+    for _ in range(30):
+        ids = [rng.randrange(size + 40) for _ in range(rng.randint(1, 40))]
+        assert "".join(stream(IncrementalDetokenizer(tokenizer), ids)) == tokenizer.decode(ids)
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """Llama's and Gemma's kind of tokenizer: a token for each byte (<0xNN>), whose decoder turns
+    the bytes back into text, invalid ones into U+FFFD."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "x": 258, "▁a": 259}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def test_a_byte_fallback_tokenizer_streams_invalid_bytes_without_failing():
+    """Its decode of a window of invalid bytes need not extend the text before it (bytes that made
+    a character turn to U+FFFD beside a lone lead byte), which stops tokenizers' DecodeStream with an
+    error: the detokenizer starts a fresh stream and goes on; what it sent stands, and where the
+    whole decode does extend it (a byte-level decoder's always does) the text is that decode."""
+    tok = byte_fallback_tokenizer()
+    ids = [259, 1 + 0xE4, 1 + 0xBD, 1 + 0xA0, 1 + 0xE5, 258]     # " a", 你 as three bytes, a lone lead byte, "x"
+    assert tok.decode(ids) == "a\ufffd\ufffd\ufffd\ufffdx"            # the whole decode takes 你 back
+    detok = IncrementalDetokenizer(tok)
+    pieces = stream(detok, ids)
+    assert "".join(pieces) == detok.text and detok.text.startswith("a你") and detok.text.endswith("x")
+    rng = random.Random(2)
+    extended = 0
+    for _ in range(200):
+        ids = [rng.randrange(260) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(tok)
+        before = "".join(detok.update([token], False) for token in ids[:-1])
+        last = detok.update(ids[-1:], True)
+        assert before + last == detok.text
+        whole = tok.decode(ids)
+        if whole.startswith(before):        # the whole decode extends what was sent: it is the text
+            extended += 1
+            assert detok.text == whole
+    assert extended > 50
+
+
+def test_nothing_comes_after_the_last_update(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = byte_tokens(tokenizer, "é!")
+    detok.update(ids[:1], False)
+    assert detok.update(ids[1:], True) == "é!"
+    assert detok.update(byte_tokens(tokenizer, "x"), False) == "" and detok.text == "é!"
