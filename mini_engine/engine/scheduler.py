@@ -4,6 +4,7 @@ prefill), under one token budget; then waiting sequences are admitted in FCFS or
 the "priority" policy (vLLM's), by (priority, arrival): a lower value first. When the pool runs
 short the last of the running is preempted: the newest under FCFS, the least urgent by priority."""
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -95,6 +96,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             if seq.sampling_params.penalized:
                 seq.penalty_row, seq.penalty_row_filled = self.free_penalty_rows.pop(), False
             self.place(self.running, seq, self.running.append)

@@ -39,6 +39,9 @@ class Sequence:
     # just sampled is computed in the next step. Preemption resets it to 0.
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # of those, found in the prefix cache at the last admission
+    # time.perf_counter() at its first admission (the server's queue and prefill times; on Linux
+    # the API process reads the same clock).
+    first_scheduled_time: float | None = None
     block_table: list[int] = field(default_factory=list)
     # The same table as a fixed-width array padded with -1, kept in step by the block manager, so
     # that a step copies each row's table as one array slice, not block by block from the list.

@@ -48,6 +48,7 @@ class RequestStream:
         self.num_output_tokens = 0
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None       # the engine's first admission of it
 
     def __aiter__(self):
         return self
@@ -140,6 +141,8 @@ class AsyncEngine:
         stream = RequestStream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        if isinstance(params, SamplingParams):
+            self.metrics.request_max_tokens.observe(params.max_tokens)
         self.commands.put(("add", request_id, list(prompt_token_ids), params, priority, lora_request, cache_salt,
                            None if prompt_embeds is None else as_message(prompt_embeds)))
         return stream
@@ -212,6 +215,8 @@ class AsyncEngine:
             if stream is None:
                 continue
             stream.num_output_tokens = d.num_output_tokens
+            if d.scheduled_time is not None:
+                stream.scheduled_time = d.scheduled_time
             if d.token_ids:
                 m.generation_tokens.inc(len(d.token_ids))
                 if stream.first_token_time is None:
@@ -223,6 +228,7 @@ class AsyncEngine:
                 m.e2e.observe(now - stream.arrival_time)
                 if stream.first_token_time is not None and d.num_output_tokens > 1:
                     m.tpot.observe((now - stream.first_token_time) / (d.num_output_tokens - 1))
+                m.finished_request(stream, now)
             stream.queue.put_nowait(RequestDelta(d.text, d.token_ids, d.logprobs, d.finish_reason,
                                                  stream.num_prompt_tokens, d.num_output_tokens, d.error,
                                                  d.prompt_logprobs, d.embedding, d.num_cached_tokens or 0))

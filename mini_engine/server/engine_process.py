@@ -73,9 +73,12 @@ class EngineStats:
     # once, in queue order (vLLM's lora_requests_info labels); empty without LoRA.
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # The prompt and output tokens the step just run computed (vLLM's iteration_tokens_total); 0 for
+    # a report of commands alone.
+    step_tokens: int = 0
 
     @classmethod
-    def of(cls, engine: LLMEngine) -> "EngineStats":
+    def of(cls, engine: LLMEngine, step_tokens: int = 0) -> "EngineStats":
         bm, spec, scheduler = engine.block_manager, engine.spec_decode_stats, engine.scheduler
         running = waiting = ()
         if engine.config.enable_lora:
@@ -84,13 +87,14 @@ class EngineStats:
         return cls(len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
                    bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions,
                    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                   tuple(spec.accepted_per_position), running, waiting)
+                   tuple(spec.accepted_per_position), running, waiting, step_tokens)
 
 
 class EngineDelta(NamedTuple):
     """What a step (or a command) added to a request. prompt_logprobs only on a request's first
     delta, where it asked for them; embedding on an embedding request's one delta;
-    num_cached_tokens, the prompt tokens the prefix cache served when it was first scheduled."""
+    num_cached_tokens, the prompt tokens the prefix cache served when it was first scheduled;
+    scheduled_time, when that was (Sequence.first_scheduled_time), on its first delta with tokens."""
     request_id: str
     text: str
     token_ids: list[int]
@@ -101,6 +105,7 @@ class EngineDelta(NamedTuple):
     prompt_logprobs: list | None = None
     embedding: list[float] | None = None
     num_cached_tokens: int = 0
+    scheduled_time: float | None = None
 
 
 def ended(request_id: str, reason: str, num_output_tokens: int = 0, error: str | None = None,
@@ -154,12 +159,12 @@ class EngineLoop:
                 logger.exception("engine step failed; failing every request in flight")
                 self.send(self.fail_all("the engine failed while running this request"))
                 continue
-            self.send(self.process(outputs))
+            self.send(self.process(outputs), self.engine.last_step_prefill_tokens + self.engine.last_step_decode_tokens)
 
-    def send(self, deltas: list[EngineDelta]) -> None:
+    def send(self, deltas: list[EngineDelta], step_tokens: int = 0) -> None:
         # As plain tuples: a named tuple pickles through a Python-level __reduce__, ~7x slower, and the
         # queue's feeder thread pickles while this thread prepares the next step (entry 66).
-        self.outputs.put(("step", [tuple(delta) for delta in deltas], EngineStats.of(self.engine)))
+        self.outputs.put(("step", [tuple(delta) for delta in deltas], EngineStats.of(self.engine, step_tokens)))
 
     def apply(self, command: tuple) -> list[EngineDelta]:
         if command[0] == "add":
@@ -219,7 +224,8 @@ class EngineLoop:
             del self.states[request_id]
             return EngineDelta(request_id, "", [], None, out.seq.finish_reason, 0,
                                embedding=out.seq.embedding, num_cached_tokens=out.seq.num_cached_tokens)
-        if state.num_cached_tokens is None:
+        first = state.num_cached_tokens is None
+        if first:
             state.num_cached_tokens = out.seq.num_cached_tokens
         token_ids, logprobs = out.new_token_ids, out.logprobs
         text, used = state.detokenizer.update_until_stop(token_ids, out.finished, out.ended_on_stop_token)
@@ -238,7 +244,8 @@ class EngineLoop:
         if out.seq.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             prompt_logprobs, state.prompt_logprobs_sent = out.seq.prompt_logprobs, True
         return EngineDelta(request_id, text, token_ids, logprobs, reason, state.num_output_tokens,
-                           prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens)
+                           prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
+                           scheduled_time=out.seq.first_scheduled_time if first else None)
 
     def fail_all(self, message: str) -> list[EngineDelta]:
         deltas = []

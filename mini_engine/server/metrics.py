@@ -9,12 +9,25 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+def token_buckets(most: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... while at most `most` (vLLM's build_1_2_5_buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for bucket in (scale, 2 * scale, 5 * scale):
+            if bucket > most:
+                return tuple(buckets)
+            buckets.append(bucket)
+        scale *= 10
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, max_loras: int | None = None, num_engines: int = 1):
+    def __init__(self, model_name: str, max_loras: int | None = None, num_engines: int = 1,
+                 max_model_len: int = 40960, max_step_tokens: int = 16384):
         """max_loras: with enable_lora, the engine's (the lora_requests_info gauge's max_lora).
         num_engines: the engine processes behind the server (--data-parallel-size); each series
         carries its engine's index as vLLM's do, `engine="0"`, and engine(i) is what engine i's
-        AsyncEngine writes."""
+        AsyncEngine writes. max_model_len and max_step_tokens (max_num_batched_tokens) bound the
+        token-count histograms' buckets."""
         self.registry = r = CollectorRegistry()
         names = ["model_name", "engine"]
         self.families: dict[str, Gauge | Counter | Histogram] = {}
@@ -25,8 +38,8 @@ class ServerMetrics:
         def counter(name, doc):
             self.families[name] = Counter(f"mini_engine:{name}", doc, names, registry=r)
 
-        def histogram(name, doc):
-            self.families[name] = Histogram(f"mini_engine:{name}", doc, names, buckets=LATENCY_BUCKETS, registry=r)
+        def histogram(name, doc, buckets=LATENCY_BUCKETS):
+            self.families[name] = Histogram(f"mini_engine:{name}", doc, names, buckets=buckets, registry=r)
 
         gauge("num_requests_running", "Requests scheduled on the engine.")
         gauge("num_requests_waiting", "Requests waiting for admission.")
@@ -47,9 +60,23 @@ class ServerMetrics:
         self.families["request_success"] = Counter(
             "mini_engine:request_success", "Finished requests, by finish reason.", [*names, "finished_reason"],
             registry=r)
+        counter("prefix_cache_queries", "Prefix cache: prompt tokens looked up, at each admission.")
+        counter("prefix_cache_hits", "Prefix cache: prompt tokens found, at each admission.")
         histogram("time_to_first_token_seconds", "Arrival to first generated token.")
         histogram("time_per_output_token_seconds", "Per request: (last token - first token) / (output tokens - 1).")
         histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        # vLLM's request-phase histograms, from its first admission to the engine (queue: arrival to
+        # it; prefill: it to the first token; decode: first token to last; inference: it to the last).
+        histogram("request_queue_time_seconds", "Arrival to first admission by the scheduler.")
+        histogram("request_prefill_time_seconds", "First admission to first generated token.")
+        histogram("request_decode_time_seconds", "First generated token to last.")
+        histogram("request_inference_time_seconds", "First admission to last generated token.")
+        lengths = token_buckets(max_model_len)
+        histogram("request_prompt_tokens", "Prompt tokens of each finished request.", lengths)
+        histogram("request_generation_tokens", "Generated tokens of each finished request.", lengths)
+        histogram("request_params_max_tokens", "The max_tokens each request asked for.", lengths)
+        histogram("iteration_tokens_total", "Prompt and output tokens each engine step computed.",
+                  token_buckets(max_step_tokens))
         # vLLM's lora_requests_info, with its labels and no others (routers such as the Gateway API
         # Inference Extension read them): the adapters running and waiting, by name, comma-separated,
         # and max_lora; the value, when an engine last reported them. One series, the current one:
@@ -95,13 +122,31 @@ class EngineMetrics:
                 ("spec_draft_tokens", "spec_decode_num_draft_tokens"),
                 ("spec_accepted_tokens", "spec_decode_num_accepted_tokens"),
                 ("ttft", "time_to_first_token_seconds"), ("tpot", "time_per_output_token_seconds"),
-                ("e2e", "e2e_request_latency_seconds")):
+                ("e2e", "e2e_request_latency_seconds"), ("prefix_queries", "prefix_cache_queries"),
+                ("prefix_hits", "prefix_cache_hits"), ("queue_time", "request_queue_time_seconds"),
+                ("prefill_time", "request_prefill_time_seconds"), ("decode_time", "request_decode_time_seconds"),
+                ("inference_time", "request_inference_time_seconds"), ("request_prompt_tokens", "request_prompt_tokens"),
+                ("request_generation_tokens", "request_generation_tokens"),
+                ("request_max_tokens", "request_params_max_tokens"), ("step_tokens", "iteration_tokens_total")):
             setattr(self, attribute, families[name].labels(**labels))
         self.spec_accepted_at = lambda position: families["spec_accepted_per_pos"].labels(
             **labels, position=str(position))
         self.finished = lambda reason: families["request_success"].labels(**labels, finished_reason=reason).inc()
         self.counted: dict[str, int] = {}       # what each counter has counted of the engine's totals
         self.last_stats: EngineStats | None = None     # for lora_requests_info, which spans the engines
+
+    def finished_request(self, stream, now: float) -> None:
+        """A finished request's lengths and phases (stream: its RequestStream; times from
+        time.perf_counter, which the engine process's admission time shares on Linux)."""
+        self.request_prompt_tokens.observe(stream.num_prompt_tokens)
+        self.request_generation_tokens.observe(stream.num_output_tokens)
+        scheduled, first = stream.scheduled_time, stream.first_token_time
+        if scheduled is None or first is None:         # never admitted, or ended before its first token
+            return
+        self.queue_time.observe(max(0.0, scheduled - stream.arrival_time))
+        self.prefill_time.observe(max(0.0, first - scheduled))
+        self.decode_time.observe(now - first)
+        self.inference_time.observe(max(0.0, now - scheduled))
 
     def update_engine_state(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -111,7 +156,11 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
         queried = stats.prefix_cache_queried_tokens
         self.prefix_hit_rate.set(stats.prefix_cache_hit_tokens / queried if queried else 0.0)
+        if stats.step_tokens:
+            self.step_tokens.observe(stats.step_tokens)
         for name, counter in (("num_preemptions", self.num_preemptions), ("spec_num_drafts", self.spec_drafts),
+                              ("prefix_cache_queried_tokens", self.prefix_queries),
+                              ("prefix_cache_hit_tokens", self.prefix_hits),
                               ("spec_num_draft_tokens", self.spec_draft_tokens),
                               ("spec_num_accepted_tokens", self.spec_accepted_tokens)):
             # The engine reports totals since start. Counters, as vLLM's, for rate() and increase():
