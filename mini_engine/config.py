@@ -205,11 +205,17 @@ def moe_fields(raw: dict) -> dict:
     return fields
 
 
-# The fields of a generation_config.json that set a request's defaults, as vLLM reads them (it also
-# reads max_new_tokens, which this engine leaves alone: a request's max_tokens defaults to 16).
-GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "min_p")
+# The fields of a generation_config.json that set a request's defaults, as vLLM reads them.
+# max_new_tokens is SamplingParams' max_tokens offline, and on the server a cap on every request's
+# (vLLM's: a request that asks for more quietly gets that many).
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "min_p", "max_new_tokens")
 # generation_config's values for SamplingParams' own defaults: ours, and vLLM's name for them.
 OWN_SAMPLING_DEFAULTS = ("none", "vllm")
+
+
+def as_sampling_fields(fields: dict) -> dict:
+    """generation_config's fields under SamplingParams' names: max_new_tokens is max_tokens."""
+    return {("max_tokens" if name == "max_new_tokens" else name): value for name, value in fields.items()}
 
 
 def read_generation_config(folder: str) -> dict:
@@ -315,8 +321,10 @@ class EngineConfig:
     enable_prompt_embeds: bool = False
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
-    # The sampling parameters generation_config sets (a subset of GENERATION_SAMPLING_FIELDS).
+    # The sampling parameters generation_config sets (GENERATION_SAMPLING_FIELDS, max_new_tokens as
+    # max_tokens), and that max_new_tokens alone: the server's cap on a request's max_tokens, or None.
     sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
+    max_new_tokens: int | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         if self.block_size is None:
@@ -388,6 +396,7 @@ class EngineConfig:
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
         self.sampling_defaults = self.read_sampling_defaults()
+        self.max_new_tokens = self.sampling_defaults.get("max_tokens")
         self.resolve_runner()
         if self.runner == "pooling":
             activation = classifier_activation(mc.num_labels, mc.problem_type) if mc.num_labels else None
@@ -494,12 +503,13 @@ class EngineConfig:
         if unknown := sorted(set(overrides) - set(GENERATION_SAMPLING_FIELDS)):
             raise ValueError(f"override_generation_config sets {unknown}; it takes the sampling defaults "
                              f"{list(GENERATION_SAMPLING_FIELDS)}")
+        overrides = as_sampling_fields(overrides)
         try:
             SamplingParams(**overrides)
         except (ValueError, TypeError) as e:
             raise ValueError(f"override_generation_config: {e}") from None
         if self.generation_config in OWN_SAMPLING_DEFAULTS:
-            return dict(overrides)
+            return overrides
         if self.generation_config == "auto":
             folder = self.model
         elif os.path.isdir(self.generation_config):
@@ -508,7 +518,7 @@ class EngineConfig:
             raise ValueError(f"generation_config must be 'auto', 'none' (or vLLM's 'vllm') or a folder, got "
                              f"{self.generation_config!r}")
         raw = read_generation_config(folder)
-        defaults = {name: raw[name] for name in GENERATION_SAMPLING_FIELDS if raw.get(name) is not None}
+        defaults = as_sampling_fields({name: raw[name] for name in GENERATION_SAMPLING_FIELDS if raw.get(name) is not None})
         try:        # merged first: an override may replace a value of the file's that would not do
             SamplingParams(**(defaults | overrides))
         except (ValueError, TypeError) as e:

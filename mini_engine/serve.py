@@ -222,6 +222,8 @@ def build_served_app(args: argparse.Namespace):
                   f"{model if config.generation_config == 'auto' else config.generation_config}'s generation_config.json")
         log.info("requests that leave them unset sample with %s (%s%s)", config.sampling_defaults,
                  f"{overridden} from --override-generation-config, the rest from " if overridden else "from ", source)
+    if config.max_new_tokens is not None:
+        log.info("no request generates more than max_new_tokens=%d tokens (generation_config's)", config.max_new_tokens)
     return app, serving
 
 

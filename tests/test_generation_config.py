@@ -103,7 +103,8 @@ def test_overrides_replace_the_checkpoints_defaults_or_stand_alone(tiny_checkpoi
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"max_new_tokens": 8}, r"sets \['max_new_tokens'\]; it takes the sampling defaults"),
+    ({"max_tokens": 8}, r"sets \['max_tokens'\]; it takes the sampling defaults"),
+    ({"max_new_tokens": 0}, "override_generation_config: max_tokens must be"),
     ({"temperature": -1}, "override_generation_config: temperature must be"),
     ({"top_k": "many"}, "override_generation_config: "),
     ([("temperature", 1.0)], "override_generation_config must be a dict"),
@@ -141,3 +142,23 @@ def test_the_draft_model_keeps_no_override(tiny_checkpoint):
                           speculative_config={"method": "draft_model", "model": tiny_checkpoint,
                                               "num_speculative_tokens": 2})
     assert config.sampling_defaults == {"top_k": 3} and config.draft_model_config().sampling_defaults == {}
+
+
+def test_max_new_tokens_is_the_offline_default_and_the_servers_cap(tiny_checkpoint, tmp_path):
+    """vLLM reads generation_config's max_new_tokens (a file's, or --override-generation-config's) as
+    LLM's default max_tokens, and its server caps every request's max_tokens with it."""
+    from types import SimpleNamespace
+
+    from mini_engine.server.app import DEFAULT_COMPLETION_MAX_TOKENS, OpenAIServer
+    path = with_generation_config(tiny_checkpoint, tmp_path, {"temperature": 0.6, "max_new_tokens": 12})
+    config = EngineConfig(path, device="cpu", num_kv_blocks=8)
+    assert config.sampling_defaults == {"temperature": 0.6, "max_tokens": 12} and config.max_new_tokens == 12
+    assert config.default_sampling_params().max_tokens == 12
+    assert config.default_sampling_params(max_tokens=40).max_tokens == 40     # offline, what a caller sets stands
+    server = SimpleNamespace(config=config)
+    cap = OpenAIServer.max_tokens
+    assert [cap(server, asked, lambda: 30) for asked in (None, 5, 12, 100)] == [12, 5, 12, 12]
+    overridden = EngineConfig(path, device="cpu", num_kv_blocks=8, override_generation_config={"max_new_tokens": 40})
+    assert cap(SimpleNamespace(config=overridden), None, lambda: DEFAULT_COMPLETION_MAX_TOKENS) == 16
+    plain = SimpleNamespace(config=EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8))
+    assert plain.config.max_new_tokens is None and cap(plain, 100, lambda: 16) == 100

@@ -345,6 +345,14 @@ class OpenAIServer:
         except RuntimeError as e:        # the engine process is gone
             raise ProtocolError(str(e), 503) from None
 
+    def max_tokens(self, asked: int | None, default: Callable[[], int]) -> int:
+        """A request's max_tokens: what it asked for, else default() (a completion's 16, a chat's
+        rest of the context), and at most generation_config's max_new_tokens where it sets one
+        (vLLM's cap on every request, applied without an error)."""
+        value = asked if asked is not None else default()
+        cap = self.config.max_new_tokens
+        return value if cap is None else min(value, cap)
+
     def remaining_tokens(self, prompt_token_ids: list[int]) -> int:
         """A chat request's default max_tokens: as many as max_model_len and the KV pool leave after
         the prompt (a pool smaller than one max_model_len sequence would otherwise refuse every
@@ -689,7 +697,7 @@ class OpenAIServer:
         several = len(inputs) > 1
         whole = [self.tokenize(prompt, f"prompt {i}" if several else "prompt") for i, prompt in enumerate(inputs)]
         prompts = self.truncated(whole, req)
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        max_tokens = self.max_tokens(req.max_tokens, lambda: DEFAULT_COMPLETION_MAX_TOKENS)
         logprobs_json = self.request_logprobs_json(req)
         if req.use_beam_search:         # n is the beam width, its n best beams the choices
             return await self.beam_search.respond(raw, req, Prompts(prompts, 1 if req.n is None else req.n,
@@ -723,7 +731,7 @@ class OpenAIServer:
         values = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else req.prompt_embeds
         if not values:
             raise ProtocolError("prompt_embeds is empty", param="prompt_embeds")
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        max_tokens = self.max_tokens(req.max_tokens, lambda: DEFAULT_COMPLETION_MAX_TOKENS)
         params = self.sampling_params(req, max_tokens, req.logprobs, None)
         if (name := conflicting_field(params)) is not None:
             raise ProtocolError(conflict_message(name), param=name)
@@ -802,9 +810,8 @@ class OpenAIServer:
         self.check_tools(req)
         prompt, prompt_token_ids = self.render_chat(req)
         [prompt_token_ids] = self.truncated([prompt_token_ids], req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = self.remaining_tokens(prompt_token_ids)
+        max_tokens = self.max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None
+                                     else req.max_tokens, lambda: self.remaining_tokens(prompt_token_ids))
         # As OpenAI's and vLLM's: top_logprobs asks for the best of each token's row, and needs logprobs.
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", param="top_logprobs")

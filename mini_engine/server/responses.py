@@ -112,7 +112,7 @@ class ResponsesEndpoint:
             lora_request = server.check(chat)
             server.check_tools(chat)
             prompt, prompt_token_ids = server.render_chat(chat)
-            max_tokens = chat.max_tokens if chat.max_tokens is not None else server.remaining_tokens(prompt_token_ids)
+            max_tokens = server.max_tokens(chat.max_tokens, lambda: server.remaining_tokens(prompt_token_ids))
             params = server.sampling_params(chat, max_tokens, None)
             parsers = server.output_parsers(chat, prompt, params)
             streams = server.add(response_id, [prompt_token_ids], params, req.priority, lora_request, chat.cache_salt)

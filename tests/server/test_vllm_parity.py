@@ -116,3 +116,20 @@ def test_chat_answers_in_the_role_it_continues(served, client):
                                                      extra_body={"ignore_eos": True} | fields))
         assert [c.delta.role for c in chunks[0].choices] == [role, role], fields
         assert all(c.delta.role is None for chunk in chunks[1:] for c in chunk.choices)
+
+
+def test_generation_configs_max_new_tokens_caps_every_request(tiny_model, tmp_path):
+    """vLLM #12242 (vllm/entrypoints/utils.py get_max_tokens): max_new_tokens from
+    --override-generation-config (or generation_config.json) caps the max_tokens of every request,
+    a chat's default (the rest of the context) and a completion's 16 included, without an error."""
+    from tests.server.conftest import launched_server
+    with launched_server(tiny_model, tmp_path, options=("--override-generation-config", '{"max_new_tokens": 5}')) as server:
+        messages = [{"role": "user", "content": "Hi"}]
+        for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 50}),
+                           ("/v1/completions", {"prompt": "Hello"}),
+                           ("/v1/chat/completions", {"messages": messages}),
+                           ("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 3})):
+            out = post(server, path, body | {"ignore_eos": True, "temperature": 0})
+            assert out["usage"]["completion_tokens"] == (3 if "max_completion_tokens" in body else 5), body
+            assert out["choices"][0]["finish_reason"] == "length"
+        server.check_idle_and_alive()
