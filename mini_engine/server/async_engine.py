@@ -77,14 +77,14 @@ def merge(first: RequestDelta, second: RequestDelta) -> RequestDelta:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, metrics: EngineMetrics, lora_requests: tuple[LoRARequest, ...] = (),
-                 visible_devices: str | None = None):
+                 visible_devices: str | None = None, cancelled: threading.Event | None = None):
         """Starts the engine process and waits for its engine (model, KV pool, CUDA graphs) and
         for it to read lora_requests' adapters (RuntimeError, naming the adapter, if one is bad).
         visible_devices: the process's CUDA_VISIBLE_DEVICES (data parallelism gives each engine
-        its own GPUs); None, this process's."""
+        its own GPUs); None, this process's. cancelled: stops the wait (start_engine_process's)."""
         self.metrics = metrics
         self.process, self.commands, self.outputs, self.limits = start_engine_process(
-            config, lora_requests, visible_devices=visible_devices)
+            config, lora_requests, visible_devices=visible_devices, cancelled=cancelled)
         self.streams: dict[str, RequestStream] = {}         # event loop thread only
         self.calls: dict[int, asyncio.Future] = {}      # event loop thread only
         self.call_ids = itertools.count()

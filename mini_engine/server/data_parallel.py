@@ -15,8 +15,9 @@ prefix cache's reset, adapters checked, profiles) go to every engine.
 import asyncio
 import itertools
 import os
+import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -98,17 +99,24 @@ class DataParallelEngines:
     def __init__(self, config: EngineConfig, metrics: ServerMetrics, lora_requests: tuple[LoRARequest, ...],
                  data_parallel_size: int):
         """Starts the engines side by side (each builds its model and captures its graphs at once)
-        and waits for all; if one fails, stops the others and raises its error."""
+        and waits for all; the first to fail cancels the others' starts (rather than waiting out
+        their models and graphs), stops those that started, and raises its error."""
         devices = engine_devices(config, data_parallel_size)
+        cancelled = threading.Event()
+        failure = None
         with ThreadPoolExecutor(data_parallel_size) as pool:
-            starting = [pool.submit(AsyncEngine, config, metrics.engine(i), lora_requests, devices[i])
+            starting = [pool.submit(AsyncEngine, config, metrics.engine(i), lora_requests, devices[i], cancelled)
                         for i in range(data_parallel_size)]
-        failures = [(i, f.exception()) for i, f in enumerate(starting) if f.exception() is not None]
-        if failures:
+            for done in as_completed(starting):
+                if done.exception() is not None:
+                    failure = starting.index(done), done.exception()
+                    cancelled.set()
+                    break
+        if failure is not None:
             for f in starting:
                 if f.exception() is None:
                     f.result().shutdown()
-            index, error = failures[0]
+            index, error = failure
             raise RuntimeError(f"data-parallel engine {index} failed to start: {error}") from error
         self.engines: list[AsyncEngine] = [f.result() for f in starting]
         # Requests are checked once, against the smallest pool (GPUs of less free memory hold fewer blocks).

@@ -307,11 +307,12 @@ def spawn_environment(variables: dict[str, str]):
 
 
 def start_engine_process(config: EngineConfig, lora_requests: tuple[LoRARequest, ...] = (), timeout: float = 900.0,
-                         visible_devices: str | None = None):
+                         visible_devices: str | None = None, cancelled: threading.Event | None = None):
     """Starts the engine process and waits until its engine is built and has read the LoRA
     adapters. Returns the process, its command and output queues, and the engine's RequestLimits;
     raises RuntimeError if it failed. visible_devices: the process's CUDA_VISIBLE_DEVICES (None:
-    this process's)."""
+    this process's). cancelled: set by another thread (another data-parallel engine failed), the
+    start stops within a second, its process killed, with a RuntimeError."""
     # spawn, not fork: the child initialises CUDA, and a forked copy of a parent that touched
     # torch's state is not safe to.
     ctx = multiprocessing.get_context("spawn")
@@ -334,6 +335,10 @@ def start_engine_process(config: EngineConfig, lora_requests: tuple[LoRARequest,
             break
         except queue.Empty:
             waited += 1.0
+            if cancelled is not None and cancelled.is_set():
+                process.kill()
+                process.join()
+                raise RuntimeError("start-up cancelled") from None
             if not process.is_alive():
                 raise RuntimeError(f"the engine process exited (code {process.exitcode}) before it was ready")
             if waited > timeout:

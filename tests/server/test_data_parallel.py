@@ -11,6 +11,7 @@ import types
 
 import httpx
 import pytest
+import torch
 
 from bench_serving import metric_per_engine
 from mini_engine import LLM, SamplingParams, serve
@@ -263,3 +264,30 @@ def test_a_conversations_next_turn_goes_where_its_start_is_cached(dp_server):
     assert {e: counts[e] - counts_before[e] for e in counts} == {first: 1.0, str(1 - int(first)): 0.0}
     assert per_engine(dp_server, "prefix_cache_hit_rate")[first] > hits_before[first]
     dp_server.check_idle_and_alive()
+
+
+def test_an_engine_that_fails_to_start_cancels_the_others_starts(monkeypatch):
+    """Engine 1 fails at once: engine 2, still building, is told to stop instead of being waited
+    for, engine 0 (up already) is stopped, and engine 1's error is raised."""
+    import threading
+    from mini_engine.server import data_parallel
+    stopped = []
+
+    class StandInEngine:
+        def __init__(self, config, index, lora_requests, visible_devices, cancelled: threading.Event):
+            self.index = index
+            if index == 1:
+                raise RuntimeError("out of GPU memory")
+            if index == 2:
+                assert cancelled.wait(timeout=60), "the failure did not cancel this start"
+                raise RuntimeError("start-up cancelled")
+
+        def shutdown(self):
+            stopped.append(self.index)
+    monkeypatch.setattr(data_parallel, "AsyncEngine", StandInEngine)
+    config = types.SimpleNamespace(resolved_device=lambda: torch.device("cpu"))
+    metrics = types.SimpleNamespace(engine=lambda i: i)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="data-parallel engine 1 failed to start: out of GPU memory"):
+        DataParallelEngines(config, metrics, (), 3)
+    assert time.monotonic() - start < 30 and stopped == [0]

@@ -139,3 +139,25 @@ def test_a_tensor_parallel_server_answers_and_its_ranks_end_with_it(tiny_model, 
             break
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in (engine, *ranks)), "a rank outlived the server"
+
+
+def test_a_cancelled_start_stops_its_engine_process(tiny_model):
+    """Data parallelism cancels the other engines' starts when one fails: the wait ends within
+    about a second and the half-built engine's process is gone."""
+    import threading
+    import time
+
+    import pytest
+
+    from mini_engine.config import EngineConfig
+    from mini_engine.server.engine_process import start_engine_process
+    def engine_children() -> set[int]:
+        return {pid for pid in child_pids(os.getpid()) if "spawn_main" in open(f"/proc/{pid}/cmdline").read()}
+    before = engine_children()
+    cancelled = threading.Event()
+    threading.Timer(0.5, cancelled.set).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="start-up cancelled"):
+        start_engine_process(EngineConfig(tiny_model, device="cpu", num_kv_blocks=64), cancelled=cancelled)
+    assert time.monotonic() - start < 5
+    assert engine_children() <= before
