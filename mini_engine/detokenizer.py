@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop
         self.holdback = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
         self.stream = None if tokenizer is None else DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.last_token: int | None = None      # the last one the stream took
         self.token_ids: list[int] = []
         self.text = ""              # decoded so far (stop strings cut off)
         self.num_sent = 0           # characters of self.text already returned
@@ -99,17 +100,23 @@ class IncrementalDetokenizer:
         """What one more token adds to the streamed text: "" while it ends inside a character (or
         is a skipped special token)."""
         try:
-            return self.stream.step(self.tokenizer, token) or ""
+            piece = self.stream.step(self.tokenizer, token)
         except Exception as e:
             # A byte-fallback decoder (Llama's, Gemma's, read through `tokenizer`) may decode a
             # window of invalid bytes to a text that does not extend the one before; DecodeStream
             # then raises rather than take back what it gave. A fresh stream goes on from this token
-            # (vLLM's detokenizer does the same); the full decode at the end is still the reference.
+            # (vLLM's detokenizer does the same), given the token before it first, whose text is
+            # already out, so that this one's leading space survives a decoder that strips the
+            # first; the full decode at the end is still the reference.
             if "Invalid prefix" not in str(e):
                 raise
             logger.debug("detokenizer: %s; decoding on from token %d", e, token)
             self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-            return self.stream.step(self.tokenizer, token) or ""
+            if self.last_token is not None:
+                self.stream.step(self.tokenizer, self.last_token)
+            piece = self.stream.step(self.tokenizer, token)
+        self.last_token = token
+        return piece or ""
 
     def update_until_stop(self, new_token_ids: list[int], finished: bool, stop_token: bool = False) -> tuple[str, int]:
         """update() a token at a time, as steps of one token each would: the text, and how many

@@ -202,8 +202,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.parsers = parsers or ParserOptions()
         self.metrics = ServerMetrics(model_name, config.max_loras if config.enable_lora else None,
-                                     options.data_parallel_size, config.max_model_len,
-                                     config.max_num_batched_tokens + config.max_num_seqs)
+                                     options.data_parallel_size, config.max_model_len)
         self.loras = LoRAModules(model_name, lora_modules)
         self.async_engine = start_engines(config, self.metrics, tuple(self.loras.requests.values()),
                                           options.data_parallel_size)

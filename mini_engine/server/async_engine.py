@@ -48,7 +48,11 @@ class RequestStream:
         self.num_output_tokens = 0
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
-        self.scheduled_time: float | None = None       # the engine's first admission of it
+        # The engine's times (perf_counter) of its first admission and of its first and last tokens.
+        self.scheduled_time: float | None = None
+        self.first_token_step_time: float | None = None
+        self.last_token_step_time: float | None = None
+        self.max_tokens: int | None = None              # a generation request's
 
     def __aiter__(self):
         return self
@@ -142,7 +146,7 @@ class AsyncEngine:
         self.streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         if isinstance(params, SamplingParams):
-            self.metrics.request_max_tokens.observe(params.max_tokens)
+            stream.max_tokens = params.max_tokens
         self.commands.put(("add", request_id, list(prompt_token_ids), params, priority, lora_request, cache_salt,
                            None if prompt_embeds is None else as_message(prompt_embeds)))
         return stream
@@ -218,6 +222,9 @@ class AsyncEngine:
             if d.scheduled_time is not None:
                 stream.scheduled_time = d.scheduled_time
             if d.token_ids:
+                stream.last_token_step_time = stats.time
+                if stream.first_token_step_time is None:
+                    stream.first_token_step_time = stats.time
                 m.generation_tokens.inc(len(d.token_ids))
                 if stream.first_token_time is None:
                     stream.first_token_time = now
@@ -228,7 +235,7 @@ class AsyncEngine:
                 m.e2e.observe(now - stream.arrival_time)
                 if stream.first_token_time is not None and d.num_output_tokens > 1:
                     m.tpot.observe((now - stream.first_token_time) / (d.num_output_tokens - 1))
-                m.finished_request(stream, now)
+                m.finished_request(stream)
             stream.queue.put_nowait(RequestDelta(d.text, d.token_ids, d.logprobs, d.finish_reason,
                                                  stream.num_prompt_tokens, d.num_output_tokens, d.error,
                                                  d.prompt_logprobs, d.embedding, d.num_cached_tokens or 0))

@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -73,9 +74,12 @@ class EngineStats:
     # once, in queue order (vLLM's lora_requests_info labels); empty without LoRA.
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
-    # The prompt and output tokens the step just run computed (vLLM's iteration_tokens_total); 0 for
-    # a report of commands alone.
+    # The step's tokens as vLLM's iteration_tokens_total counts them (EngineLoop.process); 0 for a
+    # report of commands alone.
     step_tokens: int = 0
+    # When the report was made (time.perf_counter(), the API process's clock too on Linux): the
+    # engine's time for the tokens it brings, as vLLM's engine-core timestamps.
+    time: float = 0.0
 
     @classmethod
     def of(cls, engine: LLMEngine, step_tokens: int = 0) -> "EngineStats":
@@ -87,7 +91,7 @@ class EngineStats:
         return cls(len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
                    bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions,
                    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                   tuple(spec.accepted_per_position), running, waiting, step_tokens)
+                   tuple(spec.accepted_per_position), running, waiting, step_tokens, time.perf_counter())
 
 
 class EngineDelta(NamedTuple):
@@ -159,7 +163,7 @@ class EngineLoop:
                 logger.exception("engine step failed; failing every request in flight")
                 self.send(self.fail_all("the engine failed while running this request"))
                 continue
-            self.send(self.process(outputs), self.engine.last_step_prefill_tokens + self.engine.last_step_decode_tokens)
+            self.send(*self.process(outputs))
 
     def send(self, deltas: list[EngineDelta], step_tokens: int = 0) -> None:
         # As plain tuples: a named tuple pickles through a Python-level __reduce__, ~7x slower, and the
@@ -197,25 +201,18 @@ class EngineLoop:
             self.outputs.put(("called", token, result, error))
         return []
 
-    def process(self, outputs: list[StepOutput]) -> list[EngineDelta]:
-        deltas = []
+    def process(self, outputs: list[StepOutput]) -> tuple[list[EngineDelta], int]:
+        """The step's deltas, and its tokens as vLLM's iteration_tokens_total counts them: each
+        token generated, and the prompt of each request that got its first."""
+        deltas, step_tokens = [], 0
         for out in outputs:
             state = self.states.get(out.seq.request_id)
             if state is None:
                 continue
-            try:
-                deltas.append(self.delta(out, state))
-            except Exception:
-                # One request's text that cannot be made (a tokenizer that fails on what the model
-                # sampled) ends that request alone, not the engine process and everyone's requests.
-                request_id = out.seq.request_id
-                logger.exception("request %s: its output could not be processed; ending it", request_id)
-                self.states.pop(request_id, None)
-                self.engine.abort_request(request_id)
-                deltas.append(ended(request_id, "error", state.num_output_tokens,
-                                    "the server could not detokenize this request's output",
-                                    state.num_cached_tokens or 0))
-        return deltas
+            delta = self.delta(out, state)
+            step_tokens += len(delta.token_ids) + (out.seq.num_prompt_tokens if delta.scheduled_time is not None else 0)
+            deltas.append(delta)
+        return deltas, step_tokens
 
     def delta(self, out: StepOutput, state: RequestState) -> EngineDelta:
         """What a step's output adds to its request, through its detokenizer and stop strings."""
@@ -228,7 +225,17 @@ class EngineLoop:
         if first:
             state.num_cached_tokens = out.seq.num_cached_tokens
         token_ids, logprobs = out.new_token_ids, out.logprobs
-        text, used = state.detokenizer.update_until_stop(token_ids, out.finished, out.ended_on_stop_token)
+        try:
+            text, used = state.detokenizer.update_until_stop(token_ids, out.finished, out.ended_on_stop_token)
+        except Exception as e:
+            # A tokenizer that fails on what the model sampled ends that request alone, not the
+            # engine process and everyone's requests.
+            logger.exception("request %s: its output could not be detokenized; ending it", request_id)
+            del self.states[request_id]
+            self.engine.abort_request(request_id)
+            return ended(request_id, "error", state.num_output_tokens,
+                         f"the server could not detokenize this request's output ({type(e).__name__}: {e})",
+                         state.num_cached_tokens)
         reason = out.seq.finish_reason if out.finished else None
         if state.detokenizer.stopped:
             if not out.finished:

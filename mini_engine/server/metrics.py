@@ -7,6 +7,10 @@ from mini_engine.server.engine_process import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's for a whole request and its phases (a request may decode for minutes), and for a step's tokens.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def token_buckets(most: int) -> tuple[int, ...]:
@@ -22,12 +26,11 @@ def token_buckets(most: int) -> tuple[int, ...]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_loras: int | None = None, num_engines: int = 1,
-                 max_model_len: int = 40960, max_step_tokens: int = 16384):
+                 max_model_len: int = 40960):
         """max_loras: with enable_lora, the engine's (the lora_requests_info gauge's max_lora).
         num_engines: the engine processes behind the server (--data-parallel-size); each series
         carries its engine's index as vLLM's do, `engine="0"`, and engine(i) is what engine i's
-        AsyncEngine writes. max_model_len and max_step_tokens (max_num_batched_tokens) bound the
-        token-count histograms' buckets."""
+        AsyncEngine writes. max_model_len bounds the request-length histograms' buckets."""
         self.registry = r = CollectorRegistry()
         names = ["model_name", "engine"]
         self.families: dict[str, Gauge | Counter | Histogram] = {}
@@ -64,19 +67,21 @@ class ServerMetrics:
         counter("prefix_cache_hits", "Prefix cache: prompt tokens found, at each admission.")
         histogram("time_to_first_token_seconds", "Arrival to first generated token.")
         histogram("time_per_output_token_seconds", "Per request: (last token - first token) / (output tokens - 1).")
-        histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        histogram("e2e_request_latency_seconds", "Arrival to last token.", REQUEST_LATENCY_BUCKETS)
         # vLLM's request-phase histograms, from its first admission to the engine (queue: arrival to
-        # it; prefill: it to the first token; decode: first token to last; inference: it to the last).
-        histogram("request_queue_time_seconds", "Arrival to first admission by the scheduler.")
-        histogram("request_prefill_time_seconds", "First admission to first generated token.")
-        histogram("request_decode_time_seconds", "First generated token to last.")
-        histogram("request_inference_time_seconds", "First admission to last generated token.")
+        # it; prefill: it to the first token; decode: first token to last; inference: it to the
+        # last), the token times the engine's (EngineStats.time), as vLLM's engine-core timestamps.
+        for name, doc in (("queue", "Arrival to first admission by the scheduler."),
+                          ("prefill", "First admission to first generated token."),
+                          ("decode", "First generated token to last."),
+                          ("inference", "First admission to last generated token.")):
+            histogram(f"request_{name}_time_seconds", doc, REQUEST_LATENCY_BUCKETS)
         lengths = token_buckets(max_model_len)
-        histogram("request_prompt_tokens", "Prompt tokens of each finished request.", lengths)
-        histogram("request_generation_tokens", "Generated tokens of each finished request.", lengths)
-        histogram("request_params_max_tokens", "The max_tokens each request asked for.", lengths)
-        histogram("iteration_tokens_total", "Prompt and output tokens each engine step computed.",
-                  token_buckets(max_step_tokens))
+        histogram("request_prompt_tokens", "Prompt tokens of each finished request the engine ran.", lengths)
+        histogram("request_generation_tokens", "Generated tokens of each finished request the engine ran.", lengths)
+        histogram("request_params_max_tokens", "The max_tokens of each finished request the engine ran.", lengths)
+        histogram("iteration_tokens_total", "Tokens each engine step generated, and the prompts of requests that got "
+                  "their first token in it.", ITERATION_TOKEN_BUCKETS)
         # vLLM's lora_requests_info, with its labels and no others (routers such as the Gateway API
         # Inference Extension read them): the adapters running and waiting, by name, comma-separated,
         # and max_lora; the value, when an engine last reported them. One series, the current one:
@@ -135,18 +140,22 @@ class EngineMetrics:
         self.counted: dict[str, int] = {}       # what each counter has counted of the engine's totals
         self.last_stats: EngineStats | None = None     # for lora_requests_info, which spans the engines
 
-    def finished_request(self, stream, now: float) -> None:
-        """A finished request's lengths and phases (stream: its RequestStream; times from
-        time.perf_counter, which the engine process's admission time shares on Linux)."""
+    def finished_request(self, stream) -> None:
+        """A finished request's lengths and phases (stream: its RequestStream), if the engine ran it."""
+        scheduled = stream.scheduled_time
+        if scheduled is None:               # refused, or aborted while it waited
+            return
         self.request_prompt_tokens.observe(stream.num_prompt_tokens)
         self.request_generation_tokens.observe(stream.num_output_tokens)
-        scheduled, first = stream.scheduled_time, stream.first_token_time
-        if scheduled is None or first is None:         # never admitted, or ended before its first token
-            return
+        if stream.max_tokens is not None:
+            self.request_max_tokens.observe(stream.max_tokens)
         self.queue_time.observe(max(0.0, scheduled - stream.arrival_time))
+        first, last = stream.first_token_step_time, stream.last_token_step_time
+        if first is None:                   # ended before its first token
+            return
         self.prefill_time.observe(max(0.0, first - scheduled))
-        self.decode_time.observe(now - first)
-        self.inference_time.observe(max(0.0, now - scheduled))
+        self.decode_time.observe(last - first)
+        self.inference_time.observe(max(0.0, last - scheduled))
 
     def update_engine_state(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)

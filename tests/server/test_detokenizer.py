@@ -155,6 +155,9 @@ def test_a_byte_fallback_tokenizer_streams_invalid_bytes_without_failing():
     detok = IncrementalDetokenizer(tok)
     pieces = stream(detok, ids)
     assert "".join(pieces) == detok.text and detok.text.startswith("a你") and detok.text.endswith("x")
+    # After the fresh stream a word keeps its leading space (the decoder strips the first token's).
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(stream(detok, ids[:-1] + [259, 259])).endswith(" a a")
     rng = random.Random(2)
     extended = 0
     for _ in range(200):

@@ -30,10 +30,13 @@ def test_a_request_whose_text_fails_ends_alone():
         raise RuntimeError("a tokenizer that cannot decode this")
     loop.states["1"].detokenizer.update_until_stop = fails
     token = tokenizer.token_to_id("a")
-    deltas = {d.request_id: d for d in loop.process([StepOutput(seq, [token], False) for seq in seqs])}
+    deltas, _ = loop.process([StepOutput(seq, [token], False) for seq in seqs])
+    deltas = {d.request_id: d for d in deltas}
     assert deltas["1"].finish_reason == "error" and "detokenize" in deltas["1"].error
+    assert "RuntimeError: a tokenizer that cannot decode this" in deltas["1"].error
     assert loop.engine.aborted == ["1"] and set(loop.states) == {"0", "2"}
     assert [deltas[i].finish_reason for i in ("0", "2")] == [None, None]
     assert [deltas[i].text for i in ("0", "2")] == ["a", "a"]
-    later = loop.process([StepOutput(seqs[i], [token], False) for i in (0, 2)])
+    later, step_tokens = loop.process([StepOutput(seqs[i], [token], False) for i in (0, 2)])
+    assert step_tokens == 2
     assert [(d.request_id, d.text, d.num_output_tokens) for d in later] == [("0", "a", 2), ("2", "a", 2)]
