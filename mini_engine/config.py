@@ -322,9 +322,8 @@ class EngineConfig:
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (GENERATION_SAMPLING_FIELDS, max_new_tokens as
-    # max_tokens), and that max_new_tokens alone: the server's cap on a request's max_tokens, or None.
+    # max_tokens).
     sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
-    max_new_tokens: int | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         if self.block_size is None:
@@ -396,7 +395,6 @@ class EngineConfig:
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
         self.sampling_defaults = self.read_sampling_defaults()
-        self.max_new_tokens = self.sampling_defaults.get("max_tokens")
         self.resolve_runner()
         if self.runner == "pooling":
             activation = classifier_activation(mc.num_labels, mc.problem_type) if mc.num_labels else None
@@ -529,6 +527,11 @@ class EngineConfig:
         """SamplingParams with what `given` sets, and the rest from generation_config where it
         sets it (vLLM's LLM.get_default_sampling_params, and what its server does for each request)."""
         return SamplingParams(**(self.sampling_defaults | given))
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """generation_config's max_new_tokens: the server's cap on a request's max_tokens, or None."""
+        return self.sampling_defaults.get("max_tokens")
 
     @property
     def tokenizer_path(self) -> str:

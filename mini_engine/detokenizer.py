@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, min_tokens: int = 0,
                  include_stop: bool = False, skip_special_tokens: bool = True):

@@ -122,7 +122,7 @@ class ServerHandle:
         text = httpx.get(self.base_url + "/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
-            m = re.match(r'^(mini_engine:[a-z_]+)\{([^}]*)\} ([0-9.e+-]+|NaN)$', line)
+            m = re.match(r'^(mini_engine:[a-z0-9_]+)\{([^}]*)\} ([0-9.e+-]+|NaN)$', line)
             if m:
                 reason = re.search(r'finished_reason="(\w+)"', m.group(2))
                 bucket = re.search(r'le="([^"]+)"', m.group(2))

@@ -17,28 +17,17 @@ def complete(served, prompt: list[int], max_tokens: int) -> None:
     assert r.json()["usage"]["completion_tokens"] == max_tokens
 
 
-def samples(served) -> dict[str, float]:
-    """Every sample's value summed over its labels (buckets left out), once no KV block is held."""
-    served.wait_idle()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(served.base_url + "/metrics").text):
-        for sample in family.samples:
-            if not sample.name.endswith("_bucket"):
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
 def grew(before: dict, after: dict, name: str) -> float:
     return after[f"mini_engine:{name}"] - before.get(f"mini_engine:{name}", 0.0)
 
 
 def test_request_lengths_phases_and_step_tokens(served):
-    before = samples(served)
+    before = served.wait_idle()
     # Prompts under one 16-token block: nothing for the prefix cache to serve, so every prompt token is computed.
     prompts, max_tokens = [[7 + i, 17, 300 + i, 42] * (i + 1) for i in range(3)], [3, 5, 7]
     for prompt, n in zip(prompts, max_tokens):
         complete(served, prompt, n)
-    after = samples(served)
+    after = served.wait_idle()
     for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "request_inference_time_seconds"):
@@ -72,11 +61,11 @@ def test_a_requests_queue_time_ends_at_its_first_admission(tiny_model):
 
 
 def test_prefix_cache_lookups_and_hits_are_counters(served):
-    before = samples(served)
+    before = served.wait_idle()
     prompt = [11 + i % 50 for i in range(40)]       # two whole 16-token blocks and a part
     complete(served, prompt, 2)
     complete(served, prompt, 2)
-    after = samples(served)
+    after = served.wait_idle()
     assert grew(before, after, "prefix_cache_queries_total") == 80
     assert grew(before, after, "prefix_cache_hits_total") == 32
     families = {f.name: f.type for f in text_string_to_metric_families(httpx.get(served.base_url + "/metrics").text)}
