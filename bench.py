@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--no-async-scheduling", action="store_true", help="mini only: each step waits for its tokens")
     engine.add_argument("--speculative-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    engine.add_argument("--logits-processors", nargs="+", metavar="NAME", help="mini only: custom logits "
+                        "processors by qualified name (package.module:Class), loaded for the whole run")
     engine.add_argument("--random-loras", type=int, metavar="K", help="mini only: K random LoRA adapters of rank "
                         "--max-lora-rank on every projection (enable_lora, max_loras K), request i runs adapter i %% K")
     engine.add_argument("--max-lora-rank", type=int, default=16, help="mini only: with --random-loras")
@@ -153,7 +155,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                   kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size,
                   async_scheduling=not opts.no_async_scheduling)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "speculative_config",
-                 "quantization"):
+                 "quantization", "logits_processors"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
     loras = None
@@ -180,6 +182,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
               if f.name != "model_config"}
     if engine.config.speculative_config is not None:
         config["speculative_config"] = dataclasses.asdict(engine.config.speculative_config)
+    config["logits_processors"] = [f"{c.__module__}:{c.__qualname__}" for c in engine.config.logits_processors]
     runner = engine.runner
     config |= {"kernels_resolved": sorted(runner.kernels), "num_kv_blocks": runner.num_kv_blocks,
                "dtype_resolved": str(runner.dtype).removeprefix("torch."),

@@ -8,6 +8,7 @@ from mini_engine.distributed import check_divisible
 from mini_engine.json_files import read_json_file
 from mini_engine.kernels.fp8_linear import BLOCK
 from mini_engine.layers.rope_scaling import YarnScaling, parse_rope_scaling, rope_parameters
+from mini_engine.logits_processors import load_logits_processors
 from mini_engine.pooling_params import PROBLEM_TYPES, PoolerConfig, classifier_activation
 from mini_engine.quantization import (QUANTIZATION_METHODS, AwqConfig, QuantizationConfig,
                                       parse_quantization_config)
@@ -319,6 +320,10 @@ class EngineConfig:
     # As vLLM's: a prompt may be given as its embeddings, {"prompt_embeds": [n, hidden] tensor}, in
     # place of token ids (engine.prompt_embeds).
     enable_prompt_embeds: bool = False
+    # As vLLM's: custom logits processors (mini_engine/logits_processors.py), classes or their
+    # qualified names ("pkg.module:Class"), loaded here into a tuple of classes. While any is
+    # loaded, every step samples outside the CUDA graphs and waits for the step before it.
+    logits_processors: list | tuple | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
     pooler: PoolerConfig | None = field(init=False, repr=False, default=None)    # resolved, for "pooling"
     # The sampling parameters generation_config sets (GENERATION_SAMPLING_FIELDS, max_new_tokens as
@@ -410,6 +415,14 @@ class EngineConfig:
         elif self.pooler_config is not None:
             raise ValueError("pooler_config needs runner='pooling'")
         self.check_lora()
+        self.logits_processors = load_logits_processors(self.logits_processors)
+        if self.logits_processors:
+            # vLLM refuses the first two alike; the other ranks would need the processors' state.
+            for refused, why in ((self.runner == "pooling", "a pooling runner samples nothing"),
+                                 (self.speculative_config is not None, "not with speculative decoding"),
+                                 (self.tensor_parallel_size > 1, "not with tensor parallelism")):
+                if refused:
+                    raise ValueError(f"logits_processors: {why}")
         if self.speculative_config is not None:
             if self.runner == "pooling":
                 raise ValueError("speculative_config is for generation: a pooling runner samples nothing")
@@ -450,6 +463,7 @@ class EngineConfig:
             speculative_config=None,
             quantization=spec.quantization, enable_lora=False, reasoning_parser=None, runner="generate",
             pooler_config=None, generation_config="none", override_generation_config=None, enforce_eager=True,
+            logits_processors=None,
             tensor_parallel_size=1)
 
     def check_fp8_experts(self) -> None:

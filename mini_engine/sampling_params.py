@@ -70,11 +70,14 @@ class SamplingParams:
     # vLLM's: only the prompt's last k tokens (-1: the last max_model_len) are generated from, and
     # are the output's prompt_token_ids; None keeps the prompt whole.
     truncate_prompt_tokens: int | None = None
-    # vLLM's: arguments for custom sampling code and plugins, which nothing in vLLM's tree reads,
-    # nor here: accepted and ignored.
+    # vLLM's: arguments for custom code, which the engine itself never reads: custom logits
+    # processors (mini_engine/logits_processors.py) decide from them whether and how to change
+    # the request's logits. The server's requests give them as vllm_xargs.
     extra_args: dict | None = None
     # vLLM's field, which its V1 engine refuses for a request, and so does this one: callables on
     # each step's logits, which would take every row off the device (and out of the CUDA graph).
+    # What takes their place is the engine's logits_processors (AdapterLogitsProcessor wraps such
+    # per-request callables).
     logits_processors: list | None = None
 
     def __post_init__(self):

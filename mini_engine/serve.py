@@ -44,6 +44,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         elif kind is dict:      # JSON, as vLLM's --hf-overrides takes it
             group.add_argument(*flags, dest=f.name, type=json.loads, default=default, help="JSON")
+        elif kind is list:      # names, as vLLM's --logits-processors takes them
+            group.add_argument(*flags, dest=f.name, nargs="+", default=default, metavar="NAME",
+                               help="qualified names (package.module:Class)")
         else:
             group.add_argument(*flags, dest=f.name, type=kind, default=default, help=f"default: {default}")
 

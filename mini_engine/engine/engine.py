@@ -21,6 +21,7 @@ from mini_engine.engine.scheduler import Scheduler, SchedulerOutput
 from mini_engine.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from mini_engine.layers.pooler import chunk_chain, finish_pooled
 from mini_engine.layers.sampler import SampleLogprobs
+from mini_engine.logits_processors import LogitsRequest, OutputTokens
 from mini_engine.lora import LoRARequest
 from mini_engine.pooling_params import PoolingParams, truncate_prompt
 from mini_engine.reasoning import ThinkTokens
@@ -108,6 +109,8 @@ class LLMEngine:
                                             bytes_beside=self.draft.reserved_bytes if self.draft else 0)
         if self.draft is not None:
             self.draft.share_pool(self.runner.num_kv_blocks)
+        if getattr(self.runner, "logits_processors", None) is not None:
+            self.runner.logits_processors.before_update = self.fill_in_flight_tokens
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
@@ -118,7 +121,8 @@ class LLMEngine:
                                     self.block_manager.num_blocks, self.tokenizer is not None, config.max_logprobs,
                                     tuple(mc.eos_token_ids), config.runner == "pooling", mc.hidden_size,
                                     mc.is_matryoshka, mc.matryoshka_dimensions,
-                                    self.runner.dtype if config.enable_prompt_embeds else None)
+                                    self.runner.dtype if config.enable_prompt_embeds else None,
+                                    config.logits_processors)
         if config.num_kv_blocks is None and self.limits.max_sequence_tokens() < config.max_model_len:
             # vLLM refuses to start here; requests that fit the pool still run, so this one warns,
             # and each request the pool can never hold is refused with its own error.
@@ -233,6 +237,9 @@ class LLMEngine:
             self.needs_last_token.add(request_id)
         if seq.bad_words_ids and any(len(ids) > 1 for ids in seq.bad_words_ids):
             self.needs_last_token.add(request_id)
+        if self.config.logits_processors:
+            seq.logits_request = LogitsRequest(params, None if prompt_embeds is not None else seq.prompt_token_ids,
+                                               OutputTokens(seq))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -460,6 +467,20 @@ class LLMEngine:
                                              for r in self.needs_last_token):
             return []
         return self.wait_in_flight()
+
+    def fill_in_flight_tokens(self) -> None:
+        """With custom logits processors, just before they run (the new step's forward already
+        queued behind the step in flight): that step's tokens, waited for and written over their
+        placeholders, so that a processor reads each request's output as it is, newest token
+        included. vLLM's runner waits there too. The step is resolved as before, after the launch;
+        the host only learns its tokens sooner, and scheduling still overlapped it."""
+        step = self.in_flight
+        if step is None:
+            return
+        tokens, _ = step.handle.result()
+        for seq, position, first in step.first_samples():
+            if position < len(seq.token_ids) and seq.token_ids[position] == PENDING_TOKEN:
+                seq.token_ids[position] = tokens[first]
 
     def start_compiled_grammars(self) -> list[StepOutput]:
         """Each request whose grammar has compiled gets its matcher, and may be scheduled from now
@@ -694,6 +715,8 @@ class LLMEngine:
                 assert row.token_ids[-1] != PENDING_TOKEN, "a grammar's row waits for its token (wait_for_last_tokens)"
                 row.grammar_bitmask = seq.grammar.next_token_bitmask(
                     self.think_tokens.start if seq.may_think else None)
+            if sample and seq.logits_request is not None:
+                row.logits_request = seq.logits_request
             if sample and seq.bad_words_ids:
                 row.banned_tokens = bad_word_bans(seq.bad_words_ids, seq.token_ids, seq.num_prompt_tokens)
             # Only a row inside the prompt predicts prompt tokens (and so a decode row never scans

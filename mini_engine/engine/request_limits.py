@@ -27,6 +27,8 @@ class RequestLimits:
     # With enable_prompt_embeds: the model's dtype, which prompt embeddings are cast to
     # (engine/prompt_embeds.py); None without.
     prompt_embeds_dtype: torch.dtype | None = None
+    # EngineConfig.logits_processors' classes, whose validate_params checks each request.
+    logits_processors: tuple[type, ...] = ()
 
     def max_sequence_tokens(self) -> int:
         """The longest sequence (prompt and output) that max_model_len and the KV pool allow. Its
@@ -51,6 +53,13 @@ class RequestLimits:
             if not self.has_tokenizer:
                 raise ValueError("structured outputs need the checkpoint's tokenizer.json, which it does not have")
             params.structured_outputs.check()
+        for processor in self.logits_processors:
+            try:
+                processor.validate_params(params)
+            except ValueError:
+                raise
+            except Exception as e:      # the user's code: still this request's error, not the server's
+                raise ValueError(f"logits processor {processor.__name__}: {type(e).__name__}: {e}") from e
         n = len(prompt_token_ids)
         self.check_token_ids(prompt_token_ids)
         self.check_truncation(params.truncate_prompt_tokens)

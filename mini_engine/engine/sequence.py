@@ -102,6 +102,8 @@ class Sequence:
     # tenant cannot learn from hit timings what another's prompts hold. None (or empty, as in
     # vLLM): the blocks every unsalted request shares.
     cache_salt: str | None = None
+    # With custom logits processors: what they are told of it (logits_processors.LogitsRequest).
+    logits_request: object | None = field(default=None, repr=False)
 
     @property
     def lora_int_id(self) -> int:

@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ class SamplingTensors:
     # where another row needs a restriction (ModelRunner.sampling_tensors).
     candidate_top_k: torch.Tensor | None = None   # [B] int32
     candidate_top_p: torch.Tensor | None = None   # [B] fp32
+    # Custom logits processors (mini_engine/logits_processors.py), their batch updated for this step.
+    processors: object | None = None
 
 
 def candidate_top_k(params) -> int:
@@ -111,6 +113,17 @@ def sample_logprobs(num_rows: int, rows: list[int], num_top: list[int], sampled:
     return out
 
 
+def apply_after_temperature(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, SamplingTensors]:
+    """The argmax-invariant custom processors, on the logits divided by each sampled row's
+    temperature (a greedy row's are left as they are, and so is its argmax), as vLLM runs them;
+    the rows are then drawn at temperature 1 (0 for greedy ones), the division done."""
+    t = params.temperatures
+    logits = logits / torch.where(t > 0, t, 1.0).unsqueeze(1)
+    for processor in params.processors.argmax_invariant:
+        logits = processor.apply(logits)
+    return logits, replace(params, temperatures=(t > 0).to(t.dtype))
+
+
 class Sampler(nn.Module):
     def __init__(self, use_triton: bool = False, generator: torch.Generator | None = None):
         super().__init__()
@@ -119,11 +132,12 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if any(x is not None for x in (params.grammar, params.allowed, params.logit_bias, params.banned,
-                                       params.penalties, params.min_p)):
+                                       params.penalties, params.min_p, params.processors)):
             # One fp32 copy, changed in place from here on (the raw logits stay, for logprobs), in
             # vLLM's order: a grammar's mask, allowed_token_ids, then logit_bias and the bans of
-            # min_tokens and bad words, then penalties (greedy rows too), then min_p at the row's temperature, then
-            # top-k and top-p.
+            # min_tokens and bad words, then custom processors that may change an argmax, then
+            # penalties (greedy rows too), then min_p at the row's temperature, then the other
+            # custom processors on the logits divided by temperature, then top-k and top-p.
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
             if params.grammar is not None:
                 apply_grammar_bitmask(logits, params.grammar)
@@ -133,6 +147,9 @@ class Sampler(nn.Module):
                 apply_logit_bias(logits, params.logit_bias)
             if params.banned is not None:
                 ban_tokens(logits, params.banned)
+            if params.processors is not None:
+                for processor in params.processors.others:
+                    logits = processor.apply(logits)
             if params.penalties is not None:
                 apply_penalties(logits, params.penalties, self.use_triton)
                 # A repetition penalty as small as vLLM allows (any above 0) can divide a logit past
@@ -140,6 +157,8 @@ class Sampler(nn.Module):
                 logits.clamp_(max=torch.finfo(torch.float32).max)
             if params.min_p is not None:
                 apply_min_p(logits, params.min_p, params.temperatures)
+            if params.processors is not None and params.processors.argmax_invariant:
+                logits, params = apply_after_temperature(logits, params)
         if self.use_triton and params.candidate_top_k is not None:
             # The other rows first, then the top-k rows redrawn from the same (modified) logits.
             tokens = self.draw(logits, params)

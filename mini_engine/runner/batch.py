@@ -46,6 +46,8 @@ class BatchRow:
     # For a row of a prompt given as embeddings (enable_prompt_embeds): the embeddings of its first
     # len(prompt_embeds) tokens, the prompt's, in place of their (placeholder) token ids.
     prompt_embeds: torch.Tensor | None = None
+    # With custom logits processors: its request as they know it (logits_processors.LogitsRequest).
+    logits_request: object | None = None
 
 
 @dataclass(slots=True)

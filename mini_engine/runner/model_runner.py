@@ -26,6 +26,7 @@ from mini_engine.layers.penalties import (PenaltyState, allowed_token_tensors, b
 from mini_engine.layers.sampler import (Sampler, SamplingTensors, candidate_top_k, logprob_tensors, needs_top_k_top_p,
                                        prompt_logprob_tensors, prompt_logprobs_by_row, sample_logprobs)
 from mini_engine.layers.moe import Qwen3SparseMoeBlock
+from mini_engine.logits_processors import LogitsProcessors
 from mini_engine.model.loader import hold_quantized_weights, load_model
 from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.quantization import AwqConfig
@@ -250,6 +251,9 @@ class ModelRunner:
         # every tensor-parallel rank then draws the same, whatever else rank 0's process draws.
         self.sampler = Sampler(use_triton="sampler" in self.kernels,
                                generator=torch.Generator(self.device).manual_seed(config.seed))
+        # Made before the KV pool is sized, so that what they hold on the device is counted.
+        self.logits_processors = (LogitsProcessors(config.logits_processors, config, self.device)
+                                  if config.logits_processors else None)
 
         # This rank's KV heads (all of them without tensor parallelism); one slot's K and V across
         # all layers, in bytes.
@@ -635,7 +639,7 @@ class ModelRunner:
         samples, tokens = self.sampled_tokens[turn], None
         if graph_size is not None:
             graph_samples = (len(sample_rows) == len(rows) and self.graph_runner.sample is not None
-                             and not self.samples_outside_graph(sample_rows))
+                             and self.logits_processors is None and not self.samples_outside_graph(sample_rows))
             top_k = graph_samples and any(candidate_top_k(r.params) for r in sample_rows)
             logits = self.graph_runner.replay(graph_size, turn, top_k)[:len(rows)]
             if len(sample_rows) < len(rows):
@@ -851,6 +855,11 @@ class ModelRunner:
                                         [rows[i].num_prompt_tokens for i in fill], newest)
             penalties = penalty_tensors(penalised, [rows[i].penalty_row for i in penalised],
                                         [params[i] for i in penalised], self.penalty_state)
+        processors = None
+        # Only the engine's rows carry their requests: a warm-up step's go past the processors.
+        if self.logits_processors is not None and all(r.logits_request is not None for r in rows):
+            self.logits_processors.update([r.logits_request for r in rows])
+            processors = self.logits_processors
         return SamplingTensors(
             temperatures=t.temperatures[:len(rows)],
             top_k=self.to_device(top_k, torch.int64) if any(top_k) else None,
@@ -870,6 +879,7 @@ class ModelRunner:
             min_p=self.to_device(min_p, torch.float32) if any(min_p) else None,
             candidate_top_k=t.top_k[:len(rows)] if any(drawn) else None,
             candidate_top_p=t.top_p[:len(rows)] if any(drawn) else None,
+            processors=processors,
         )
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -283,7 +283,7 @@ class OpenAIServer:
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                 prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
-                structured_outputs=constraint, **set_by_client)
+                structured_outputs=constraint, extra_args=req.vllm_xargs, **set_by_client)
         except ValueError as e:     # the message starts with the parameter's name
             raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
 

@@ -74,7 +74,7 @@ BEAM_SEARCH_NEUTRAL = {
     "top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "presence_penalty": (None, 0.0),
     "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "min_tokens": (0,), "seed": (None,),
     "stop": (None, []), "stop_token_ids": ([],), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "structured_outputs": (None,), "logit_bias": (None, {}),
+    "bad_words": (None, []), "structured_outputs": (None,), "logit_bias": (None, {}), "vllm_xargs": (None, {}),
 }
 
 
@@ -114,6 +114,9 @@ class SamplingRequest(BaseModel):
     # extension (vLLM's): {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} |
     # {"json_object": true}, and disable_any_whitespace
     structured_outputs: dict[str, Any] | None = None
+    # extension (vLLM's): the request's SamplingParams.extra_args, which custom logits processors
+    # (--logits-processors) read
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     n: int | None = 1
     priority: int = 0                   # extension (vLLM's): with --scheduling-policy priority, lower first
     cache_salt: CacheSalt = None
