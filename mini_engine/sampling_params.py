@@ -2,6 +2,7 @@
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
@@ -13,6 +14,15 @@ GREEDY_TEMPERATURE = 1e-5
 
 # The most completions one request may ask for: vLLM's default VLLM_MAX_N_SEQUENCES.
 MAX_N = 16384
+
+
+class RequestOutputKind(Enum):
+    """vLLM's: what each RequestOutput of a streamed request (AsyncLLM.generate) holds: all of the
+    output so far, only what is new since the last one, or (one output) the finished request.
+    LLM.generate, which returns finished requests, ignores it, as vLLM's does."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -79,6 +89,7 @@ class SamplingParams:
     # What takes their place is the engine's logits_processors (AdapterLogitsProcessor wraps such
     # per-request callables).
     logits_processors: list | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if not is_number(self.temperature) or not 0 <= _as_float32(self.temperature) < math.inf:
@@ -156,6 +167,8 @@ class SamplingParams:
         if self.logits_processors:
             raise ValueError("logits_processors are not supported per request (nor by vLLM's V1 engine): "
                              "allowed_token_ids, logit_bias, bad_words and structured_outputs change the logits")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.n > 1 and self.temperature == 0:

@@ -1,0 +1,208 @@
+"""AsyncLLM (vLLM's asyncio entry, mini_engine/async_llm.py): concurrent generate() calls share the
+engine process's batches and give the offline engine's outputs; CUMULATIVE, DELTA and FINAL_ONLY
+outputs; n completions; stop strings and logprobs; a caller that stops iterating, or abort(),
+ends its request and frees its blocks; bad requests refused before anything runs."""
+import asyncio
+import re
+import time
+
+import pytest
+
+from mini_engine import LLM, SamplingParams
+from mini_engine.async_llm import AsyncLLM
+from mini_engine.sampling_params import RequestOutputKind
+
+pytest.importorskip("prometheus_client")
+NUM_KV_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def served(tokenized_model):
+    """One AsyncLLM and the event loop it serves, for the module."""
+    loop = asyncio.new_event_loop()
+    llm = AsyncLLM(tokenized_model, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256)
+    yield llm, loop
+    llm.shutdown()
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def offline(tokenized_model):
+    return LLM(tokenized_model, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256)
+
+
+def run(served, coro):
+    return served[1].run_until_complete(coro)
+
+
+async def collect(llm, prompt, params, request_id=None, **kwargs) -> list:
+    return [output async for output in llm.generate(prompt, params, request_id, **kwargs)]
+
+
+def metric(llm, pattern: str) -> float:
+    found = re.search(rf"^mini_engine:{pattern}\{{[^}}]*\}} (\S+)$", llm.metrics_text(), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def blocks_used(llm) -> float:
+    return metric(llm, "kv_cache_blocks_used")
+
+
+def aborted(llm) -> float:
+    """Requests the engine ended as aborted."""
+    found = re.search(r'^mini_engine:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$',
+                      llm.metrics_text(), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def wait_blocks_free(llm, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while blocks_used(llm) != 0:
+        assert time.monotonic() < deadline, "KV blocks still in use"
+        await asyncio.sleep(0.05)
+
+
+PROMPTS = ["The quick brown fox", "Hello there", [5, 6, 7, 8, 9], {"prompt_token_ids": [11, 12, 13]}]
+
+
+def test_concurrent_requests_give_the_offline_outputs(served, offline):
+    llm = served[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def all_of_them():
+        return await asyncio.gather(*(collect(llm, p, params, f"c{i}") for i, p in enumerate(PROMPTS)))
+
+    streamed = run(served, all_of_them())
+    want = offline.generate(PROMPTS, params, use_tqdm=False)
+    for outputs, w in zip(streamed, want):
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        assert all(a == b[:len(a)] and len(a) < len(b) for a, b in zip(tokens, tokens[1:]))    # cumulative
+        last = outputs[-1].outputs[0]
+        assert last.token_ids == w.outputs[0].token_ids and last.text == w.outputs[0].text
+        assert last.finish_reason == "length" and outputs[-1].prompt_token_ids == w.prompt_token_ids
+    assert streamed[0][-1].prompt == "The quick brown fox" and streamed[2][-1].prompt is None
+
+
+def test_delta_and_final_only_outputs(served):
+    llm = served[0]
+
+    def params(kind):
+        return SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, logprobs=2, output_kind=kind)
+
+    async def three():
+        return await asyncio.gather(collect(llm, "Hello", params(RequestOutputKind.CUMULATIVE)),
+                                    collect(llm, "Hello", params(RequestOutputKind.DELTA)),
+                                    collect(llm, "Hello", params(RequestOutputKind.FINAL_ONLY)))
+
+    cumulative, delta, final = run(served, three())
+    whole = cumulative[-1].outputs[0]
+    assert "".join(o.outputs[0].text for o in delta) == whole.text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == whole.token_ids
+    pieces = sum((o.outputs[0].logprobs for o in delta), [])      # (the same draws; values within fp32 noise)
+    assert len(pieces) == len(whole.logprobs) == 16
+    assert [lp.logprob for lp in pieces] == pytest.approx([lp.logprob for lp in whole.logprobs], abs=1e-5)
+    assert all(o.outputs[0].token_ids for o in delta) and delta[-1].finished
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == whole.token_ids
+    assert whole.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in whole.logprobs))
+
+
+def test_n_completions_are_the_offline_ones(served, offline):
+    params = SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=10, ignore_eos=True)
+    outputs = run(served, collect(served[0], "Hello there", params, "n3"))
+    want = offline.generate("Hello there", params, use_tqdm=False)[0]
+    last = outputs[-1]
+    assert [c.index for c in last.outputs] == [0, 1, 2] and last.finished and last.request_id == "n3"
+    assert [c.token_ids for c in last.outputs] == [c.token_ids for c in want.outputs]
+    assert len({tuple(c.token_ids) for c in last.outputs}) > 1
+
+
+def test_stop_strings_end_the_text_as_offline(served, offline):
+    plain = offline.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].text
+    stop = plain[len(plain) // 2:len(plain) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    outputs = run(served, collect(served[0], "The quick brown fox", params))
+    want = offline.generate("The quick brown fox", params, use_tqdm=False)[0].outputs[0]
+    assert outputs[-1].outputs[0].text == want.text and outputs[-1].outputs[0].finish_reason == "stop"
+    assert stop not in want.text
+
+
+def test_a_caller_that_stops_listening_ends_its_request(served):
+    llm = served[0]
+
+    async def leave_early():
+        before = aborted(llm)
+        async for output in llm.generate([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), "leaver"):
+            if len(output.outputs[0].token_ids) >= 2:
+                break
+        await wait_blocks_free(llm)
+        return aborted(llm) - before, llm.engine.streams, llm.children
+
+    assert run(served, leave_early()) == (1, {}, {})        # ended by the engine as aborted, not run to 200
+
+
+def test_abort_ends_the_request_with_abort(served):
+    llm = served[0]
+
+    async def abort_midway():
+        outputs = []
+        async for output in llm.generate([4, 5, 6], SamplingParams(max_tokens=200, ignore_eos=True), "aborted"):
+            outputs.append(output)
+            if len(outputs) == 2:
+                await llm.abort("aborted")
+        await wait_blocks_free(llm)
+        return outputs
+
+    outputs = run(served, abort_midway())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert len(outputs[-1].outputs[0].token_ids) < 200
+
+
+def test_bad_requests_are_refused_before_they_run(served):
+    llm = served[0]
+
+    async def bad_then_good():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(llm, [1] * 300, SamplingParams(max_tokens=4), "long")
+        running = llm.generate([3, 4], SamplingParams(max_tokens=50, ignore_eos=True), "dup")
+        await running.__anext__()
+        with pytest.raises(ValueError, match="already running"):
+            await collect(llm, [1, 2], SamplingParams(max_tokens=4), "dup")
+        rest = [output async for output in running]        # the first one was not disturbed
+        good = await collect(llm, [1, 2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        await wait_blocks_free(llm)
+        return rest, good
+
+    rest, good = run(served, bad_then_good())
+    assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 50
+    assert good[-1].finished and len(good[-1].outputs[0].token_ids) == 4
+
+
+def test_another_event_loop_is_refused(served):
+    async def elsewhere():
+        await collect(served[0], [1, 2], SamplingParams(max_tokens=2))
+
+    with pytest.raises(RuntimeError, match="event loop that first used it"):
+        asyncio.run(elsewhere())
+
+
+def test_a_lora_request_runs_its_adapter(tiny_checkpoint, tmp_path):
+    from mini_engine import LoRARequest
+    from tests.lora_reference import write_adapter
+    lora = LoRARequest("adapter", 1, write_adapter(tiny_checkpoint, str(tmp_path / "adapter"), 5))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    offline = LLM(tiny_checkpoint, enable_lora=True, num_kv_blocks=NUM_KV_BLOCKS)
+    want = [offline.generate([[3, 4, 5]], params, use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
+            for r in (lora, None)]
+    assert want[0] != want[1]
+    llm = AsyncLLM(tiny_checkpoint, enable_lora=True, num_kv_blocks=NUM_KV_BLOCKS)
+
+    async def both():
+        return await asyncio.gather(collect(llm, [3, 4, 5], params, lora_request=lora), collect(llm, [3, 4, 5], params))
+
+    try:
+        got = asyncio.run(both())
+    finally:
+        llm.shutdown()
+    assert [g[-1].outputs[0].token_ids for g in got] == want
