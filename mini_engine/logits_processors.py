@@ -11,7 +11,7 @@ runs here with its imports changed; its constructor takes this engine's EngineCo
 gives its VllmConfig.
 
 The engine's own row order changes every step (longest context first: engine.build_rows), so
-PersistentBatch turns each step's rows into the fewest removals, additions and moves. While a
+PersistentBatch turns each step's rows into removals, additions and moves. While a
 processor is loaded every step samples outside the CUDA graphs (the forward pass still replays
 them). A processor may read a request's output tokens on the host, where with async scheduling
 the newest is still being sampled by the step before when the step is scheduled: so, as vLLM's
@@ -37,8 +37,10 @@ class MoveDirectionality(Enum):
     SWAP = auto()               # the requests at a and b trade places
 
 
-# (index, the request's sampling params, its prompt token ids, its output token ids: a live view,
-# which always holds the tokens sampled so far)
+# (index, the request's sampling params, its prompt token ids (None for a prompt given as
+# embeddings), its output token ids: a live view of the request's list. When update_state and apply
+# run it holds every token sampled so far; between steps its last may be a placeholder (-1) for the
+# token the step in flight is sampling.)
 AddedRequest = tuple[int, SamplingParams, list[int], Sequence[int]]
 MovedRequest = tuple[int, int, MoveDirectionality]
 
@@ -167,11 +169,21 @@ class OutputTokens(Sequence):
     def __repr__(self) -> str:
         return repr(self.seq.token_ids[self.seq.num_prompt_tokens:])
 
+    def __eq__(self, other) -> bool:
+        """Equal to a list (or tuple) of the same ids, as vLLM's processors, handed the list itself,
+        may compare it."""
+        if isinstance(other, (OutputTokens, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None
+
 
 @dataclass(eq=False)
 class LogitsRequest:
     """What a processor is told of one request when it joins the batch; one per engine Sequence,
     whose identity it keeps across steps (and across a preemption, after which it joins again)."""
+    request_id: str
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: OutputTokens
@@ -233,24 +245,88 @@ class PersistentBatch:
 
 
 class LogitsProcessors:
-    """The runner's loaded processors and their batch. The argmax-invariant ones run after
-    temperature, the others on the raw logits (before penalties), as vLLM orders them."""
+    """The runner's loaded processors and their batch. Those that may change an argmax run after
+    the grammar's mask, allowed_token_ids, logit_bias and the bans, before the penalties; the
+    argmax-invariant ones after temperature: vLLM's order (layers/sampler.py).
+
+    A processor that raises may leave its state, and the others', half updated: the processors
+    are then made afresh, with an empty batch. Where update_state raised on a step that added
+    requests, each added one is tried alone (on fresh processors each time) to find the ones it
+    cannot take; those are set aside in `failed` (the engine ends them, "abort", with a warning)
+    and their rows go on under stand-ins that opt into nothing. Any other failure fails the step."""
 
     def __init__(self, classes: tuple[type, ...], config, device: torch.device):
-        pin = device.type == "cuda"
-        self.processors = [cls(config, device, pin) for cls in classes]
+        self.classes, self.config, self.device = classes, config, device
+        # The engine's: makes the output tokens of the step still in flight known on the host.
+        self.before_update: Callable[[], None] | None = None
+        self.failed: list[tuple[str, str]] = []     # (request id, why) of requests the processors refused
+        self.restart()
+
+    def restart(self) -> None:
+        pin = self.device.type == "cuda"
+        self.processors = [cls(self.config, self.device, pin) for cls in self.classes]
         self.argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
         self.others = [p for p in self.processors if not p.is_argmax_invariant()]
         self.batch = PersistentBatch()
-        # The engine's: makes the output tokens of the step still in flight known on the host.
-        self.before_update: Callable[[], None] | None = None
 
     def update(self, requests: list[LogitsRequest]) -> None:
         if self.before_update is not None:
             self.before_update()
+        known = {id(r) for r in self.batch.slots if r is not None}
+        try:
+            self.tell(requests)
+        except Exception as e:
+            added = {id(r) for r in requests} - known
+            if not added:
+                self.restart()
+                raise
+            self.find_refused(requests, added, e)
+
+    def tell(self, requests: list[LogitsRequest]) -> None:
         batch_update = self.batch.update(requests)
         for processor in self.processors:
             processor.update_state(batch_update)
+
+    def find_refused(self, requests: list[LogitsRequest], added: set[int], error: Exception) -> None:
+        refused: dict[int, str] = {}
+        while True:
+            self.restart()
+            rows = [stand_in() if id(r) in added else r for r in requests]
+            try:
+                self.tell(rows)         # the rows the processors held before: they took them then
+            except Exception:
+                self.restart()
+                raise error from None
+            for i, r in enumerate(requests):
+                if id(r) not in added or id(r) in refused:
+                    continue
+                rows[i] = r
+                try:
+                    self.tell(rows)
+                except Exception as e:
+                    refused[id(r)] = f"{type(e).__name__}: {e}"
+                    break
+            else:
+                break
+        self.failed += [(r.request_id, refused[id(r)]) for r in requests if id(r) in refused]
+
+    def apply(self, processors: list[LogitsProcessor], logits: torch.Tensor) -> torch.Tensor:
+        try:
+            for processor in processors:
+                logits = processor.apply(logits)
+        except Exception:
+            self.restart()
+            raise
+        return logits
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        failed, self.failed = self.failed, []
+        return failed
+
+
+def stand_in() -> LogitsRequest:
+    """A row's place in the processors' batch for a request they refused: default params, no tokens."""
+    return LogitsRequest("", SamplingParams(), [], ())
 
 
 def load_logits_processor(spec) -> type:

@@ -238,7 +238,8 @@ class LLMEngine:
         if seq.bad_words_ids and any(len(ids) > 1 for ids in seq.bad_words_ids):
             self.needs_last_token.add(request_id)
         if self.config.logits_processors:
-            seq.logits_request = LogitsRequest(params, None if prompt_embeds is not None else seq.prompt_token_ids,
+            seq.logits_request = LogitsRequest(request_id, params,
+                                               None if prompt_embeds is not None else seq.prompt_token_ids,
                                                OutputTokens(seq))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -328,6 +329,7 @@ class LLMEngine:
             if batch.is_empty and self.in_flight is None and self.compiling and not early:
                 self.wait_for_a_grammar()
             launched = self.launch(batch) if not batch.is_empty else None
+            early += self.end_refused_requests()
             if self.proposal is not None and launched is not None:
                 self.draft_ahead = self.launch_ahead(launched)
             previous, self.in_flight = self.in_flight, launched
@@ -481,6 +483,23 @@ class LLMEngine:
         for seq, position, first in step.first_samples():
             if position < len(seq.token_ids) and seq.token_ids[position] == PENDING_TOKEN:
                 seq.token_ids[position] = tokens[first]
+
+    def end_refused_requests(self) -> list[StepOutput]:
+        """The requests whose admission a custom logits processor's update_state failed on
+        (LogitsProcessors.find_refused): each ends "abort", with a warning, as a request whose LoRA
+        adapter can no longer be read does; the step and the other requests go on."""
+        processors = getattr(self.runner, "logits_processors", None)
+        if processors is None or not processors.failed:
+            return []
+        outputs = []
+        for request_id, why in processors.take_failed():
+            seq = self.requests.get(request_id)
+            if seq is None or seq.is_finished:
+                continue
+            logger.warning("request %s: a logits processor failed as it joined the batch (%s): it ends", request_id, why)
+            self.abort_request(request_id)
+            outputs.append(StepOutput(seq, [], True))
+        return outputs
 
     def start_compiled_grammars(self) -> list[StepOutput]:
         """Each request whose grammar has compiled gets its matcher, and may be scheduled from now

@@ -119,8 +119,7 @@ def apply_after_temperature(logits: torch.Tensor, params: SamplingTensors) -> tu
     the rows are then drawn at temperature 1 (0 for greedy ones), the division done."""
     t = params.temperatures
     logits = logits / torch.where(t > 0, t, 1.0).unsqueeze(1)
-    for processor in params.processors.argmax_invariant:
-        logits = processor.apply(logits)
+    logits = params.processors.apply(params.processors.argmax_invariant, logits)
     return logits, replace(params, temperatures=(t > 0).to(t.dtype))
 
 
@@ -148,8 +147,7 @@ class Sampler(nn.Module):
             if params.banned is not None:
                 ban_tokens(logits, params.banned)
             if params.processors is not None:
-                for processor in params.processors.others:
-                    logits = processor.apply(logits)
+                logits = params.processors.apply(params.processors.others, logits)
             if params.penalties is not None:
                 apply_penalties(logits, params.penalties, self.use_triton)
                 # A repetition penalty as small as vLLM allows (any above 0) can divide a logit past

@@ -296,7 +296,10 @@ class ModelRunner:
         """The decode graphs, over the weights and the KV pool where they lie now (at start-up, and
         again when sleep mode has given their memory back and allocated it anew)."""
         self.graph_runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, self.device, self.sampled_tokens,
-                                            self.take_prev_tokens, sample if "sampler" in self.kernels else None)
+                                            self.take_prev_tokens,
+                                            # With custom logits processors every step samples outside.
+                                            sample if "sampler" in self.kernels and not self.logits_processors
+                                            else None)
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self.graph_runner.capture(lambda bs, turn: self.prepare_inputs([], graph_size=bs, turn=turn))
         self.cuda_graph_capture_s = time.perf_counter() - start
@@ -856,10 +859,13 @@ class ModelRunner:
             penalties = penalty_tensors(penalised, [rows[i].penalty_row for i in penalised],
                                         [params[i] for i in penalised], self.penalty_state)
         processors = None
-        # Only the engine's rows carry their requests: a warm-up step's go past the processors.
-        if self.logits_processors is not None and all(r.logits_request is not None for r in rows):
-            self.logits_processors.update([r.logits_request for r in rows])
-            processors = self.logits_processors
+        if self.logits_processors is not None:
+            requests = [r.logits_request for r in rows]
+            if any(q is not None for q in requests):
+                assert all(q is not None for q in requests), "every engine row that samples carries its request"
+                self.logits_processors.update(requests)
+                processors = self.logits_processors
+            # else a warm-up step's rows, which no request owns: they go past the processors
         return SamplingTensors(
             temperatures=t.temperatures[:len(rows)],
             top_k=self.to_device(top_k, torch.int64) if any(top_k) else None,

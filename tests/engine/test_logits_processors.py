@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from mini_engine import LLM, SamplingParams
+from mini_engine import LLM, SamplingParams, process_dict_updates
 from mini_engine.config import EngineConfig
 from mini_engine.logits_processors import LogitsRequest, MoveDirectionality, OutputTokens, PersistentBatch
 from tests.logits_processor_examples import CountUp, NoRepeat, ScaledMinP, TargetToken
@@ -44,7 +44,7 @@ def replay(entries: dict, update, added_first: bool) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_batch_updates_replay_to_each_steps_rows(seed):
     rng = random.Random(seed)
-    pool = [LogitsRequest(SamplingParams(), [i], OutputTokens(FakeSeq(1))) for i in range(40)]
+    pool = [LogitsRequest(str(i), SamplingParams(seed=i), [i], OutputTokens(FakeSeq(1))) for i in range(40)]
     batch = PersistentBatch()
     views = ({}, {})
     for _ in range(300):
@@ -53,6 +53,12 @@ def test_batch_updates_replay_to_each_steps_rows(seed):
         if update is not None:
             assert update.batch_size == len(rows)
             assert not {a[0] for a in update.added} & set(update.removed)
+            # A move goes into an empty index (after removals and additions), a swap between two held ones.
+            held = {i for i in views[0] if i not in update.removed} | {a[0] for a in update.added}
+            for a, b, direction in update.moved:
+                assert a in held and (b in held) == (direction is MoveDirectionality.SWAP)
+                if direction is MoveDirectionality.UNIDIRECTIONAL:
+                    held = held - {a} | {b}
         for view, added_first in zip(views, (False, True)):
             replay(view, update, added_first)
             assert {i: entry[1] for i, entry in view.items()} == {i: r.params for i, r in enumerate(rows)}
@@ -60,7 +66,7 @@ def test_batch_updates_replay_to_each_steps_rows(seed):
 
 
 def test_an_unchanged_batch_is_no_update():
-    rows = [LogitsRequest(SamplingParams(), [i], OutputTokens(FakeSeq(1))) for i in range(3)]
+    rows = [LogitsRequest(str(i), SamplingParams(), [i], OutputTokens(FakeSeq(1))) for i in range(3)]
     batch = PersistentBatch()
     assert batch.update(rows).added and batch.update(rows) is None
     swapped = batch.update(rows[::-1])
@@ -200,3 +206,70 @@ def test_a_bad_processor_is_refused_at_start(tiny_checkpoint, processors, messag
 def test_what_processors_cannot_run_with(tiny_checkpoint, options, message):
     with pytest.raises(ValueError, match=f"logits_processors: not with {message}"):
         EngineConfig(tiny_checkpoint, logits_processors=[TargetToken], **options)
+
+
+class ExplodesOnJoin(TargetToken):
+    """Raises in update_state when a request with extra_args {"explode": True} joins the batch."""
+
+    def update_state(self, batch_update) -> None:
+        if batch_update is not None and any((p.extra_args or {}).get("explode") for _, p, _, _ in batch_update.added):
+            raise RuntimeError("boom")
+        super().update_state(batch_update)
+
+
+class FailsInApply(TargetToken):
+    """Raises in apply while a request with extra_args {"fail_apply": True} is in the batch."""
+
+    def __init__(self, config, device, is_pin_memory):
+        super().__init__(config, device, is_pin_memory)
+        self.failing: dict[int, bool] = {}
+
+    def update_state(self, batch_update) -> None:
+        super().update_state(batch_update)
+        process_dict_updates(self.failing, batch_update, lambda p, prompt_ids, output_ids:
+                             True if (p.extra_args or {}).get("fail_apply") else None)
+
+    def apply(self, logits):
+        if self.failing:
+            raise RuntimeError("apply failed")
+        return super().apply(logits)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_update_state_fails_on_ends_alone(tiny_checkpoint, async_scheduling):
+    """The processors are made afresh (TargetToken's rows kept right), the request they fail on
+    ends "abort", and the others run on; the engine takes requests after it as before."""
+    llm = LLM(tiny_checkpoint, device=DEVICE, num_kv_blocks=64, block_size=16, async_scheduling=async_scheduling,
+              logits_processors=[TargetToken, ExplodesOnJoin])
+    batch = prompts(6)
+    extras = [{"target_token": 30}, None, {"explode": True}, {"target_token": 31}, None, {"target_token": 32}]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, extra_args=e) for e in extras]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    plain = LLM(tiny_checkpoint, device=DEVICE, num_kv_blocks=64, block_size=16)
+    want = plain.generate(batch, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for out, extra, w in zip(outs, extras, want):
+        if extra and "explode" in extra:
+            assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 10
+        elif extra:
+            assert out.outputs[0].token_ids == [extra["target_token"]] * 10      # both processors force it
+        else:
+            assert out.outputs[0].token_ids == w.outputs[0].token_ids
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+    again = llm.generate(batch[:2], params[:2], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [[30] * 10, want[1].outputs[0].token_ids]
+
+
+def test_a_failing_apply_fails_the_step_and_the_engine_recovers(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device=DEVICE, num_kv_blocks=64, block_size=16, logits_processors=[FailsInApply])
+    with pytest.raises(RuntimeError, match="apply failed"):
+        llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=5, extra_args={"fail_apply": True}),
+                                           SamplingParams(max_tokens=5)], use_tqdm=False)
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+    outs = llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=5, ignore_eos=True, extra_args={"target_token": 9}),
+                                              SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [9] * 5 and len(outs[1].outputs[0].token_ids) == 5
+
+
+def test_a_pooling_runner_refuses_processors(checkpoint_factory):
+    with pytest.raises(ValueError, match="logits_processors: a pooling runner samples nothing"):
+        EngineConfig(checkpoint_factory("tied-gqa2"), runner="pooling", logits_processors=[TargetToken])
