@@ -52,7 +52,10 @@ def make_workload(num_seqs: int | None = 256, num_requests: int = 256, min_len: 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["mini", "vllm", "hf"], default="mini")
+    p.add_argument("--engine", choices=["mini", "mini-async", "vllm", "hf"], default="mini",
+                   help="mini-async: mini_engine's AsyncLLM, every request its own concurrent generate()")
+    p.add_argument("--output-kind", choices=["final_only", "delta", "cumulative"], default="final_only",
+                   help="mini-async only: what each generate() yields (SamplingParams.output_kind)")
     p.add_argument("--model", help="checkpoint folder (default: the cached random Qwen3-0.6B, or the tiny "
                                    "model for the CPU smoke workload)")
     p.add_argument("--random-moe-layers", type=int, metavar="N",
@@ -147,9 +150,8 @@ def random_loras(model: str, count: int, rank: int) -> list:
             for i in range(count)]
 
 
-def run_mini(model: str, prompts, max_tokens, opts) -> dict:
-    from mini_engine import LLM, SamplingParams
-    from benchmarks.peers import sampling_options
+def mini_engine_options(opts) -> dict:
+    """The engine options bench.py passes to LLM (and AsyncLLM)."""
     kwargs = dict(max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, kernels=opts.kernels,
                   enforce_eager=opts.enforce_eager, enable_prefix_caching=not opts.no_prefix_caching,
                   kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size,
@@ -158,6 +160,13 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                  "quantization", "logits_processors"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
+    return kwargs
+
+
+def run_mini(model: str, prompts, max_tokens, opts) -> dict:
+    from mini_engine import LLM, SamplingParams
+    from benchmarks.peers import sampling_options
+    kwargs = mini_engine_options(opts)
     loras = None
     if opts.random_loras:
         kwargs |= dict(enable_lora=True, max_loras=opts.random_loras, max_lora_rank=opts.max_lora_rank)
@@ -209,6 +218,63 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                              "prefix_cache_hit_tokens": engine.prefix_cache_hit_tokens,
                              **({"spec_decode": dataclasses.asdict(engine.spec_decode_stats)}
                                 if engine.config.speculative_config is not None else {})}}
+
+
+def run_mini_async(model: str, prompts, max_tokens, opts) -> dict:
+    """The workload through AsyncLLM: every request its own generate(), all started at once (the
+    engine's process schedules them as the offline engine does), after a warm-up of bench.py's shape."""
+    import asyncio
+    from mini_engine import AsyncLLM, RequestOutputKind, SamplingParams
+    from benchmarks.peers import WARMUP_PROMPTS, WARMUP_TOKENS, sampling_options
+    if opts.random_loras or opts.tensor_parallel_size > 1:
+        sys.exit("bench.py --engine mini-async: without --random-loras and -tp")
+    llm = AsyncLLM(model, **mini_engine_options(opts))
+    sampling = sampling_options(opts)
+    kind = RequestOutputKind[opts.output_kind.upper()]
+
+    async def generate_all(batch, params, tag):
+        async def one(i):
+            async for output in llm.generate(batch[i], params[i], request_id=f"{tag}-{i}"):
+                counts[i] = len(output.outputs[0].token_ids) if kind is not RequestOutputKind.DELTA else \
+                    counts[i] + len(output.outputs[0].token_ids)
+        counts = [0] * len(batch)
+        await asyncio.gather(*(one(i) for i in range(len(batch))))
+        return counts
+
+    async def run():
+        rng = random.Random(1)       # bench.py's warm-up: its shapes, other tokens
+        await generate_all(WARMUP_PROMPTS, [SamplingParams(max_tokens=WARMUP_TOKENS, **sampling)] * 2, "warm")
+        lengths = [len(p) for p in prompts[:32]]
+        await generate_all([[rng.randint(0, 10000) for _ in range(n)] for n in lengths],
+                           [SamplingParams(max_tokens=i + 1, ignore_eos=True, **sampling) for i in range(len(lengths))],
+                           "warm-tail")
+        params = [SamplingParams(ignore_eos=True, max_tokens=m, output_kind=kind, **sampling) for m in max_tokens]
+        start = time.perf_counter()
+        counts = await generate_all(prompts, params, "run")
+        wall = time.perf_counter() - start
+        for _ in range(200):            # the engine's last report comes just after the last tokens
+            if "kv_cache_blocks_used{" in llm.metrics_text() and blocks_used() == 0:
+                break
+            await asyncio.sleep(0.01)
+        return wall, counts
+
+    def blocks_used() -> float:
+        line = next(l for l in llm.metrics_text().splitlines() if l.startswith("mini_engine:kv_cache_blocks_used{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    wall, counts = asyncio.run(run())
+    kv_blocks_free = blocks_used() == 0
+    config = {f.name: getattr(llm.config, f.name) for f in dataclasses.fields(llm.config)
+              if f.name not in ("model_config", "sampling_defaults")}
+    config["logits_processors"] = [f"{c.__module__}:{c.__qualname__}" for c in llm.config.logits_processors]
+    config |= {"num_kv_blocks": llm.limits.num_blocks, "output_kind": opts.output_kind}
+    llm.shutdown()
+    import torch
+    dtype_bytes = 2 if torch.cuda.is_available() else 4       # the runner's default dtypes (bf16; fp32 on CPU)
+    return {"wall_s": wall, "output_counts": counts, "kv_blocks_free": kv_blocks_free,
+            "dtype_bytes": dtype_bytes,
+            "kv_dtype_bytes": 1 if llm.config.kv_cache_dtype.startswith("fp8") else dtype_bytes,
+            "weight_bytes": None, "expert_bytes": None, "engine_version": None, "engine_config": config}
 
 
 def fmt_bytes(n: float) -> str:
@@ -267,7 +333,7 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(device)
     print(f"{opts.engine}: {workload} workload, {len(prompts)} requests, {input_tokens:,} input and "
           f"{output_tokens:,} output tokens; model {model}", flush=True)
-    run = {"mini": run_mini, "vllm": run_vllm, "hf": run_hf}[opts.engine]
+    run = {"mini": run_mini, "mini-async": run_mini_async, "vllm": run_vllm, "hf": run_hf}[opts.engine]
     result = run(model, prompts, max_tokens, opts)
 
     wall = result["wall_s"]

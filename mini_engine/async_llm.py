@@ -16,6 +16,7 @@ them, and metrics_text() gives them in Prometheus' format.
 """
 import asyncio
 import itertools
+import numbers
 from collections.abc import AsyncIterator
 
 from mini_engine.config import EngineConfig
@@ -24,7 +25,7 @@ from mini_engine.lora import LoRARequest
 from mini_engine.outputs import CompletionOutput, RequestOutput
 from mini_engine.pooling_params import truncate_prompt
 from mini_engine.sampling_params import RequestOutputKind, SamplingParams
-from mini_engine.tokenizer import encode_prompt, load_tokenizer
+from mini_engine.tokenizer import encode_prompt, load_tokenizer, load_transformers_tokenizer
 
 
 class AsyncLLM:
@@ -45,6 +46,14 @@ class AsyncLLM:
         self.checked_loras: set[int] = set()
         self.request_counter = itertools.count()
         self.children: dict[str, list[str]] = {}     # a running generate()'s id -> its completions' ids
+        self.hf_tokenizer = None
+        self.stopped = False
+
+    def __del__(self):
+        # As vLLM's: an AsyncLLM dropped without shutdown() does not leave its engine's process
+        # (and its GPU memory) behind. (getattr: __init__ may have failed before the engine started.)
+        if getattr(self, "engine", None) is not None:
+            self.shutdown()
 
     # ---- vLLM's AsyncLLM methods ----
 
@@ -66,12 +75,17 @@ class AsyncLLM:
         completions = [params] if params.n == 1 else [params.completion(k) for k in range(params.n)]
         for child in completions:
             self.limits.validate(ids, child)
-        self.engine_check_priority(priority)
+        self.check_priority(priority)
         if lora_request is not None:
             await self.check_lora(lora_request)
         child_ids = [request_id] if params.n == 1 else [f"{k}_{request_id}" for k in range(params.n)]
+        if request_id in self.children or request_id in self.engine.streams:
+            raise ValueError(f"request id {request_id!r} is already running")
         if busy := [c for c in child_ids if c in self.engine.streams]:
-            raise ValueError(f"request id {busy[0]!r} is already running")
+            raise ValueError(f"request id {busy[0]!r}, which completion {child_ids.index(busy[0])} of {request_id!r} "
+                             "would take, is already running")
+        if self.engine.asleep:
+            raise RuntimeError("the engine is asleep (sleep mode): wake_up() first")
         streams = [self.engine.add_request(c, ids, child, validated=True, priority=priority, lora_request=lora_request,
                                            cache_salt=salt) for c, child in zip(child_ids, completions)]
         text = unwrap_prompt(prompt)
@@ -97,7 +111,7 @@ class AsyncLLM:
                     k, delta = merged.get_nowait()
                 output.finished = running == 0
                 if params.output_kind is RequestOutputKind.CUMULATIVE:
-                    yield snapshot(output)
+                    yield cumulative(output)
                 elif params.output_kind is RequestOutputKind.DELTA:
                     yield sent.delta_of(output, changed)
                 elif output.finished:
@@ -119,25 +133,35 @@ class AsyncLLM:
                     self.engine.abort(c)
 
     def shutdown(self) -> None:
-        """Stops the engine's process; requests still running end with an error."""
-        self.engine.shutdown()
+        """Stops the engine's process; requests still running end with an error. Again, it does nothing."""
+        if not self.stopped:
+            self.stopped = True
+            self.engine.shutdown()
 
     async def get_tokenizer(self):
-        """The engine's tokenizer (the `tokenizers` library's), or None for a checkpoint without one."""
-        return self.tokenizer
+        """vLLM's: the checkpoint's tokenizer as transformers loads it (apply_chat_template, ...);
+        self.tokenizer is the engine's own (the tokenizers library's)."""
+        if self.hf_tokenizer is None:
+            self.hf_tokenizer = load_transformers_tokenizer(self.config.tokenizer_path, self.tokenizer is not None,
+                                                            "AsyncLLM")
+        return self.hf_tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.config.default_sampling_params()
 
     async def check_health(self) -> None:
+        self.start()
         if not self.engine.is_alive:
             raise RuntimeError("the engine process is not running")
 
     @property
     def is_running(self) -> bool:
-        return self.engine.is_alive
+        """The engine's process runs (and, once a call has started it, its output reader)."""
+        return not self.stopped and (self.engine.is_alive if self.engine.reader is not None
+                                     else self.engine.process.is_alive())
 
     async def reset_prefix_cache(self) -> bool:
+        self.start()
         return await self.engine.call("reset_prefix_cache")
 
     async def sleep(self, level: int = 1) -> None:
@@ -163,6 +187,8 @@ class AsyncLLM:
 
     def start(self) -> None:
         """The engine's output reader, on the running event loop: the first call's (one loop an AsyncLLM)."""
+        if self.stopped:
+            raise RuntimeError("this AsyncLLM has been shut down")
         loop = asyncio.get_running_loop()
         if self.engine.loop is None:
             self.engine.start()
@@ -173,8 +199,8 @@ class AsyncLLM:
         ids = encode_prompt(self.tokenizer, unwrap_prompt(prompt))
         return truncate_prompt(ids, params, self.config.max_model_len)
 
-    def engine_check_priority(self, priority: int) -> None:
-        if not isinstance(priority, int) or isinstance(priority, bool):
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError("priority needs scheduling_policy='priority'")
@@ -197,9 +223,11 @@ def add_delta(output: RequestOutput, k: int, delta, params: SamplingParams) -> N
     """Completion k of output, and the request's prompt-side fields, with one delta added."""
     completion = output.outputs[k]
     completion.text += delta.text
-    completion.token_ids = completion.token_ids + delta.token_ids
+    completion.token_ids.extend(delta.token_ids)
     if params.logprobs is not None and delta.logprobs:
-        completion.logprobs = (completion.logprobs or []) + delta.logprobs
+        if completion.logprobs is None:
+            completion.logprobs = []
+        completion.logprobs.extend(delta.logprobs)
         completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(lp.logprob for lp in delta.logprobs)
     completion.finish_reason = delta.finish_reason
     if delta.prompt_logprobs is not None:
@@ -207,12 +235,13 @@ def add_delta(output: RequestOutput, k: int, delta, params: SamplingParams) -> N
     output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
 
 
-def snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy the caller may keep: the next step's deltas do not change it."""
+def cumulative(output: RequestOutput) -> RequestOutput:
+    """The output so far. As vLLM's, its token_ids and logprobs lists are the request's own, which
+    later steps extend (copying them at every step would cost a request quadratic time in its
+    length): a caller that keeps an output past the next one copies them."""
     return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids,
-                         [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason,
-                                           None if c.logprobs is None else list(c.logprobs), c.cumulative_logprob)
-                          for c in output.outputs],
+                         [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
+                                           c.cumulative_logprob) for c in output.outputs],
                          output.finished, output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs)
 
 
@@ -234,6 +263,6 @@ class DeltaMarks:
                                           None if c.logprobs is None else c.logprobs[logprobs_at:], c.cumulative_logprob))
             self.marks[k] = (len(c.text), len(c.token_ids), len(c.logprobs or []))
         prompt_logprobs = None if self.prompt_sent else output.prompt_logprobs
-        self.prompt_sent = True
+        self.prompt_sent = self.prompt_sent or prompt_logprobs is not None
         return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, parts, output.finished,
                              output.num_cached_tokens, prompt_logprobs=prompt_logprobs)

@@ -20,7 +20,7 @@ from mini_engine.outputs import (ClassificationOutput, ClassificationRequestOutp
                                  ScoringOutput, ScoringRequestOutput)
 from mini_engine.pooling_params import PoolingParams, check_task_parameters, resolve_pooling_task
 from mini_engine.sampling_params import SamplingParams
-from mini_engine.tokenizer import encode_pair
+from mini_engine.tokenizer import encode_pair, load_transformers_tokenizer
 
 
 def unwrap_prompt(prompt):
@@ -95,14 +95,8 @@ class LLM:
         build prompts with. Loaded once, on the first call; needs transformers, which the engine
         itself does not."""
         if self._hf_tokenizer is None:
-            try:
-                from transformers import AutoTokenizer
-            except ImportError as e:
-                raise ImportError(f"LLM.get_tokenizer returns transformers' tokenizer: pip install transformers "
-                                  f"({e}); LLM.tokenizer is the engine's own (the tokenizers library's)") from None
-            if self.engine.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: it takes prompts as token ids")
-            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer_path)
+            self._hf_tokenizer = load_transformers_tokenizer(self.engine.config.tokenizer_path,
+                                                             self.engine.tokenizer is not None, "LLM")
         return self._hf_tokenizer
 
     def start_profile(self, profile_dir: str | None = None) -> None:

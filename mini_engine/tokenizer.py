@@ -50,3 +50,17 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int], add_spec
     if isinstance(prompt, (bytes, bytearray)):
         raise ValueError("a prompt is text (str) or token ids, not bytes")
     return list(prompt)
+
+
+def load_transformers_tokenizer(path: str, has_tokenizer: bool, owner: str):
+    """vLLM's get_tokenizer (LLM's, AsyncLLM's: `owner`): the checkpoint's tokenizer as transformers
+    loads it (AutoTokenizer: encode, decode, apply_chat_template, ...), which its users build
+    prompts with; transformers is needed here alone, the engine does not use it."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ImportError(f"{owner}.get_tokenizer returns transformers' tokenizer: pip install transformers "
+                          f"({e}); {owner}.tokenizer is the engine's own (the tokenizers library's)") from None
+    if not has_tokenizer:
+        raise ValueError("this checkpoint has no tokenizer.json: it takes prompts as token ids")
+    return AutoTokenizer.from_pretrained(path)

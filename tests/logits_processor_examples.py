@@ -37,6 +37,24 @@ class TargetToken(LogitsProcessor):
         return logits
 
 
+class FailsInApply(TargetToken):
+    """Raises in apply while a request with extra_args {"fail_apply": True} is in the batch."""
+
+    def __init__(self, config, device, is_pin_memory):
+        super().__init__(config, device, is_pin_memory)
+        self.failing: dict[int, bool] = {}
+
+    def update_state(self, batch_update) -> None:
+        super().update_state(batch_update)
+        process_dict_updates(self.failing, batch_update, lambda params, prompt_ids, output_ids:
+                             True if (params.extra_args or {}).get("fail_apply") else None)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.failing:
+            raise RuntimeError("apply failed")
+        return super().apply(logits)
+
+
 class NoRepeat(LogitsProcessor):
     """Bans each opted-in request's newest output token, read on the host from its live output
     list: a processor that is wrong if that list is stale by a step or holds a placeholder."""

@@ -149,6 +149,21 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert second["kv_read_bytes"] < record["kv_read_bytes"] and second["weight_bytes"] == record["weight_bytes"]
 
 
+@pytest.mark.parametrize("output_kind", ["delta", "cumulative"])
+def test_cpu_smoke_through_async_llm(tmp_path, output_kind):
+    """--engine mini-async: the workload as concurrent AsyncLLM.generate() calls, each request its
+    exact max_tokens (counted from the outputs of either kind) and every block free after."""
+    pytest.importorskip("prometheus_client")
+    results = tmp_path / "results.jsonl"
+    proc = run_bench("--engine", "mini-async", "--output-kind", output_kind, "--num-seqs", "6", "--results",
+                     str(results), "--cache-dir", str(tmp_path / "cache"), "--block-size", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(results.read_text())
+    assert record["engine"] == "mini-async" and record["num_seqs"] == 6
+    assert record["checks"] == {"exact_max_tokens": True, "kv_blocks_free": True}
+    assert record["engine_config"]["block_size"] == 8 and record["engine_config"]["output_kind"] == output_kind
+
+
 def test_help_and_missing_vllm():
     proc = run_bench("--help", timeout=60)
     assert proc.returncode == 0 and "--num-seqs" in proc.stdout and "--kernels" in proc.stdout

@@ -199,10 +199,13 @@ class AsyncEngine:
                 continue
             except (EOFError, OSError):
                 break
-            if message[0] == "step":
-                self.loop.call_soon_threadsafe(self.deliver, message[1], message[2])
-            elif message[0] == "called":
-                self.loop.call_soon_threadsafe(self.called, message[1], message[2], message[3])
+            try:
+                if message[0] == "step":
+                    self.loop.call_soon_threadsafe(self.deliver, message[1], message[2])
+                elif message[0] == "called":
+                    self.loop.call_soon_threadsafe(self.called, message[1], message[2], message[3])
+            except RuntimeError:        # the event loop has closed (an AsyncLLM's caller has returned)
+                return
         reason = "the server is shutting down" if self.stopping else "the engine process exited"
         try:
             self.loop.call_soon_threadsafe(self.fail_all, reason)

@@ -36,7 +36,13 @@ def run(served, coro):
 
 
 async def collect(llm, prompt, params, request_id=None, **kwargs) -> list:
-    return [output async for output in llm.generate(prompt, params, request_id, **kwargs)]
+    """Every output, its lists copied as it came (a CUMULATIVE output's grow with the request)."""
+    outputs = []
+    async for output in llm.generate(prompt, params, request_id, **kwargs):
+        for c in output.outputs:
+            c.token_ids, c.logprobs = list(c.token_ids), None if c.logprobs is None else list(c.logprobs)
+        outputs.append(output)
+    return outputs
 
 
 def metric(llm, pattern: str) -> float:
@@ -169,7 +175,7 @@ def test_bad_requests_are_refused_before_they_run(served):
         await running.__anext__()
         with pytest.raises(ValueError, match="already running"):
             await collect(llm, [1, 2], SamplingParams(max_tokens=4), "dup")
-        rest = [output async for output in running]        # the first one was not disturbed
+        rest = [output async for output in running]        # the first one was not disturbed (lists: its own)
         good = await collect(llm, [1, 2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         await wait_blocks_free(llm)
         return rest, good
@@ -180,11 +186,64 @@ def test_bad_requests_are_refused_before_they_run(served):
 
 
 def test_another_event_loop_is_refused(served):
-    async def elsewhere():
+    async def one():
         await collect(served[0], [1, 2], SamplingParams(max_tokens=2))
 
+    run(served, one())                          # the module's loop uses it first, whatever ran before
     with pytest.raises(RuntimeError, match="event loop that first used it"):
-        asyncio.run(elsewhere())
+        asyncio.run(one())
+
+
+def test_n_completions_streamed_as_deltas(served):
+    """Each completion's DELTA pieces add up to FINAL_ONLY's (the same seeds); the prompt's
+    log-probabilities come once."""
+    def params(kind):
+        return SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=8, ignore_eos=True, logprobs=1,
+                              prompt_logprobs=1, output_kind=kind)
+
+    delta = run(served, collect(served[0], "Hello there", params(RequestOutputKind.DELTA)))
+    final = run(served, collect(served[0], "Hello there", params(RequestOutputKind.FINAL_ONLY)))[-1]
+    for k in range(2):
+        pieces = [c for o in delta for c in o.outputs if c.index == k]
+        assert sum((c.token_ids for c in pieces), []) == final.outputs[k].token_ids
+        assert "".join(c.text for c in pieces) == final.outputs[k].text
+    with_prompt = [o.prompt_logprobs for o in delta if o.prompt_logprobs is not None]
+    assert len(with_prompt) == 1 and len(with_prompt[0]) == len(final.prompt_token_ids)
+    assert [lp and lp.logprob for lp in with_prompt[0]] == pytest.approx(
+        [lp and lp.logprob for lp in final.prompt_logprobs], abs=1e-5)
+
+
+def test_health_a_failed_step_cancellation_and_shutdown(tokenized_model):
+    """A fresh AsyncLLM reports healthy before any request; a step the engine fails (here a
+    logits processor's apply) raises RuntimeError in the generate() of each request in it, and
+    the engine runs the next ones; a cancelled caller's request ends; shutdown twice is fine."""
+    llm = AsyncLLM(tokenized_model, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256,
+                   logits_processors=["tests.logits_processor_examples:FailsInApply"])
+    assert llm.is_running
+
+    async def body():
+        await llm.check_health()
+        assert await llm.reset_prefix_cache()
+        with pytest.raises(RuntimeError, match="apply failed|failed"):
+            await collect(llm, [4, 5], SamplingParams(max_tokens=5, extra_args={"fail_apply": True}))
+        forced = await collect(llm, [1, 2], SamplingParams(max_tokens=4, ignore_eos=True, extra_args={"target_token": 9}))
+        before = aborted(llm)
+        task = asyncio.ensure_future(collect(llm, [6, 7], SamplingParams(max_tokens=200, ignore_eos=True), "gone"))
+        while not llm.engine.streams:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_blocks_free(llm)
+        return forced, aborted(llm) - before, llm.children
+
+    try:
+        forced, cancelled, children = asyncio.run(body())
+    finally:
+        llm.shutdown()
+    llm.shutdown()
+    assert forced[-1].outputs[0].token_ids == [9] * 4
+    assert cancelled == 1 and children == {} and not llm.is_running
 
 
 def test_a_lora_request_runs_its_adapter(tiny_checkpoint, tmp_path):

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from mini_engine import LLM, SamplingParams, process_dict_updates
+from mini_engine import LLM, SamplingParams
 from mini_engine.config import EngineConfig
 from mini_engine.logits_processors import LogitsRequest, MoveDirectionality, OutputTokens, PersistentBatch
-from tests.logits_processor_examples import CountUp, NoRepeat, ScaledMinP, TargetToken
+from tests.logits_processor_examples import CountUp, FailsInApply, NoRepeat, ScaledMinP, TargetToken
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXAMPLES = "tests.logits_processor_examples"
@@ -215,24 +215,6 @@ class ExplodesOnJoin(TargetToken):
         if batch_update is not None and any((p.extra_args or {}).get("explode") for _, p, _, _ in batch_update.added):
             raise RuntimeError("boom")
         super().update_state(batch_update)
-
-
-class FailsInApply(TargetToken):
-    """Raises in apply while a request with extra_args {"fail_apply": True} is in the batch."""
-
-    def __init__(self, config, device, is_pin_memory):
-        super().__init__(config, device, is_pin_memory)
-        self.failing: dict[int, bool] = {}
-
-    def update_state(self, batch_update) -> None:
-        super().update_state(batch_update)
-        process_dict_updates(self.failing, batch_update, lambda p, prompt_ids, output_ids:
-                             True if (p.extra_args or {}).get("fail_apply") else None)
-
-    def apply(self, logits):
-        if self.failing:
-            raise RuntimeError("apply failed")
-        return super().apply(logits)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
