@@ -34,6 +34,7 @@ class AsyncLLM:
         process has loaded the model and sized its KV pool."""
         from mini_engine.server.async_engine import AsyncEngine
         from mini_engine.server.metrics import EngineMetrics, ServerMetrics
+        from mini_engine.server.stats_logger import StatsLogger
 
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         if self.config.runner == "pooling":
@@ -42,6 +43,7 @@ class AsyncLLM:
         self.server_metrics = ServerMetrics(model, self.config.max_loras if self.config.enable_lora else None,
                                             max_model_len=self.config.max_model_len)
         self.engine = AsyncEngine(self.config, EngineMetrics(self.server_metrics, model, "0"))
+        self.stats = StatsLogger(self.server_metrics, model)
         self.limits = self.engine.limits
         self.checked_loras: set[int] = set()
         self.request_counter = itertools.count()
@@ -177,6 +179,11 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         self.start()
         return await self.engine.call("is_sleeping")
+
+    async def do_log_stats(self) -> None:
+        """vLLM's: the server's periodic stats line (server/stats_logger.py), logged now, over the
+        time since the last one (at INFO, "mini_engine.server")."""
+        self.stats.log()
 
     def metrics_text(self) -> str:
         """The engine's metrics in Prometheus' text format, as the server's /metrics gives them."""

@@ -98,7 +98,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids, data_parallel_size=args.data_parallel_size,
-        response_role=args.response_role, **deployed)
+        response_role=args.response_role, disable_log_stats=args.disable_log_stats,
+        enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len, **deployed)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -141,6 +142,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help='logprobs name each token "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
     parser.add_argument("--response-role", default=RESPONSE_ROLE,
                         help="the role of a chat answer that opens a new turn (add_generation_prompt)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (throughput, running and waiting requests, KV cache usage) "
+                        "in the log; VLLM_LOG_STATS_INTERVAL sets its period, 10 s")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="a log line for each request: its id, sampling params and prompt token ids")
+    parser.add_argument("--max-log-len", type=int, default=None,
+                        help="with --enable-log-requests: at most this many prompt token ids a line (default: all)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine processes, each with the whole model on its own GPUs (tensor-parallel-size "
                         "each), requests shared among them")

@@ -50,6 +50,7 @@ from mini_engine.server.responses import ResponsesEndpoint
 from mini_engine.server.responses_protocol import ResponsesRequest
 from mini_engine.server.sagemaker import add_invocations_route
 from mini_engine.server.serving_options import RESPONSE_ROLE, ServingOptions
+from mini_engine.server.stats_logger import StatsLogger, log_stats_interval
 from mini_engine.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("mini_engine.server")
@@ -326,6 +327,12 @@ class OpenAIServer:
             except (ValueError, TypeError) as e:
                 raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
         n = params.n if isinstance(params, SamplingParams) else 1
+        if self.options.enable_log_requests:
+            for prompt_id, prompt in zip(ids, prompts):
+                shown = prompt if self.options.max_log_len is None else prompt[:self.options.max_log_len]
+                logger.info("Received request %s: params: %s, prompt_token_ids: %s%s, lora_request: %s, prompt_embeds: %s",
+                         prompt_id, params, shown, " ..." if len(shown) < len(prompt) else "", lora_request,
+                         prompt_embeds is not None)
         embeds = prompt_embeds or [None] * len(prompts)
         completions = [(prompt, embedded, child_id, child)
                        for prompt_id, prompt, embedded in zip(ids, prompts, embeds)
@@ -843,9 +850,15 @@ def build_app(config: EngineConfig, model_name: str, parsers: ParserOptions | No
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_engine.start()
+        stats = None
+        if not options.disable_log_stats:
+            stats = asyncio.ensure_future(StatsLogger(server.metrics, model_name, options.data_parallel_size)
+                                          .run(log_stats_interval()))
         try:
             yield
         finally:        # the engine process stopped however the app ends (run_batch's may end by an error)
+            if stats is not None:
+                stats.cancel()
             server.async_engine.shutdown()
 
     docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if options.disable_fastapi_docs else {}

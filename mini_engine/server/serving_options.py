@@ -51,6 +51,13 @@ class ServingOptions:
     # --data-parallel-size (vLLM's -dp): engine processes, each with the whole model on GPUs of its
     # own, requests shared among them (server/data_parallel.py).
     data_parallel_size: int = 1
+    # --disable-log-stats: no periodic stats line in the log (server/stats_logger.py), which vLLM's
+    # servers write every VLLM_LOG_STATS_INTERVAL seconds while they work.
+    disable_log_stats: bool = False
+    # --enable-log-requests: a log line for each request the engine is sent (its id, params and
+    # prompt token ids, at most --max-log-len of them: None, all), as vLLM's.
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
 
     def uvicorn_options(self) -> dict:
         return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,

@@ -3,6 +3,7 @@ engine process's batches and give the offline engine's outputs; CUMULATIVE, DELT
 outputs; n completions; stop strings and logprobs; a caller that stops iterating, or abort(),
 ends its request and frees its blocks; bad requests refused before anything runs."""
 import asyncio
+import logging
 import re
 import time
 
@@ -148,7 +149,7 @@ def test_a_caller_that_stops_listening_ends_its_request(served):
     assert run(served, leave_early()) == (1, {}, {})        # ended by the engine as aborted, not run to 200
 
 
-def test_abort_ends_the_request_with_abort(served):
+def test_abort_ends_the_request_with_abort(served, caplog):
     llm = served[0]
 
     async def abort_midway():
@@ -161,6 +162,10 @@ def test_abort_ends_the_request_with_abort(served):
         return outputs
 
     outputs = run(served, abort_midway())
+    with caplog.at_level(logging.INFO, logger="mini_engine.server"):
+        run(served, served[0].do_log_stats())
+    assert re.search(r"Engine 000: Avg prompt throughput: [0-9.]+ tokens/s, Avg generation throughput: [0-9.]+ tokens/s",
+                     caplog.text)
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     assert len(outputs[-1].outputs[0].token_ids) < 200
 
