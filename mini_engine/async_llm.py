@@ -180,6 +180,27 @@ class AsyncLLM:
         self.start()
         return await self.engine.call("is_sleeping")
 
+    async def load_weights(self, weights) -> int:
+        """LLM.load_weights' update (runner/weight_updates.py), sent to the engine's process between
+        two steps, as an RL trainer's rollouts with vLLM's AsyncLLM update it: Hugging Face names and
+        tensors (a dict, named_parameters(), or pairs). They cross as torch's multiprocessing moves
+        tensors (a CPU tensor through shared memory, a GPU's by CUDA IPC, held here until the engine
+        has written them). Raises ValueError for a bad name, shape or value, with nothing written, and
+        RuntimeError while requests are unfinished; returns the tensors written."""
+        self.start()
+        pairs = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        return await self.engine.call("load_weights", pairs)
+
+    async def start_profile(self, profile_dir: str | None = None) -> None:
+        """LLM.start_profile's torch.profiler, in the engine's process."""
+        self.start()
+        await self.engine.call("start_profile", profile_dir)
+
+    async def stop_profile(self) -> str:
+        """Stops it; returns the Chrome trace's path."""
+        self.start()
+        return await self.engine.call("stop_profile")
+
     async def do_log_stats(self) -> None:
         """vLLM's: the server's periodic stats line (server/stats_logger.py), logged now, over the
         time since the last one (at INFO, "mini_engine.server")."""

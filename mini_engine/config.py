@@ -236,6 +236,9 @@ class EngineConfig:
     dtype: str | None = None           # None: bfloat16 on CUDA, float32 on CPU; a name or a torch.dtype
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
+    # As vLLM's: the most prompt tokens one request computes in a step (0: as many as the step's
+    # budget leaves), so that a long prompt's chunks leave room for short prompts and decode rows.
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None   # None: the positions the checkpoint's RoPE serves (ModelConfig.max_positions)
     # None: 64 on CUDA, 16 on CPU. On the H200 a decode tile of 64 tokens then comes from one block
     # instead of four scattered ones: decode attention ~1.4% faster at 64-256 rows, the benchmark
@@ -336,6 +339,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
         if self.max_num_seqs > 65535:      # the decode attention kernel puts sequences on CUDA's grid z
             raise ValueError(f"max_num_seqs must be <= 65535, got {self.max_num_seqs}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -115,7 +115,7 @@ class LLMEngine:
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len, config.scheduling_policy,
-                                   config.max_loras if config.enable_lora else 0)
+                                   config.max_loras if config.enable_lora else 0, config.long_prefill_token_threshold)
         mc = config.model_config
         self.limits = RequestLimits(mc.vocab_size, config.max_model_len, config.block_size,
                                     self.block_manager.num_blocks, self.tokenizer is not None, config.max_logprobs,

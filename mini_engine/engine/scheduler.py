@@ -25,8 +25,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 max_model_len: int, policy: str = "fcfs", max_loras: int = 0):
+                 max_model_len: int, policy: str = "fcfs", max_loras: int = 0, long_prefill_token_threshold: int = 0):
         self.max_num_seqs = max_num_seqs
+        # vLLM's long_prefill_token_threshold: the most prompt tokens one request computes in a step
+        # (0: the whole budget), so that a long prompt shares its steps with short ones.
+        self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens
         self.max_loras = max_loras          # the LoRA adapters the running requests may use at once
         self.by_priority = policy == "priority"
         self.max_model_len = max_model_len
@@ -61,7 +64,7 @@ class Scheduler:
             if self.reached_length(seq):
                 i += 1                # its last token is still on the device: it ends when that arrives
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
             while not bm.allocate_slots(seq, n):
                 victim = self.running.pop()       # the newest; never one scheduled already
                 self.preempt(victim)
@@ -89,7 +92,7 @@ class Scheduler:
                 continue
             cached = [] if seq.computes_whole_prompt else bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
-            n = min(seq.num_tokens - num_computed, budget)
+            n = min(seq.num_tokens - num_computed, budget, self.max_chunk)
             if not bm.allocate_slots(seq, n, cached):
                 break
             bm.count_prefix_lookup(seq, cached)

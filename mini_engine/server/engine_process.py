@@ -52,6 +52,7 @@ ENGINE_CALLS = {
     "is_sleeping": LLMEngine.is_sleeping,
     "start_profile": LLMEngine.start_profile,
     "stop_profile": LLMEngine.stop_profile,
+    "load_weights": LLMEngine.load_weights,
 }
 
 

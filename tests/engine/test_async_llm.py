@@ -233,9 +233,14 @@ def test_health_a_failed_step_cancellation_and_shutdown(tokenized_model):
             await collect(llm, [4, 5], SamplingParams(max_tokens=5, extra_args={"fail_apply": True}))
         forced = await collect(llm, [1, 2], SamplingParams(max_tokens=4, ignore_eos=True, extra_args={"target_token": 9}))
         before = aborted(llm)
-        task = asyncio.ensure_future(collect(llm, [6, 7], SamplingParams(max_tokens=200, ignore_eos=True), "gone"))
-        while not llm.engine.streams:
-            await asyncio.sleep(0.01)
+        started = asyncio.Event()
+
+        async def listener():
+            async for _ in llm.generate([6, 7], SamplingParams(max_tokens=200, ignore_eos=True), "gone"):
+                started.set()           # running, its blocks held: then cancelled
+
+        task = asyncio.ensure_future(listener())
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -270,3 +275,39 @@ def test_a_lora_request_runs_its_adapter(tiny_checkpoint, tmp_path):
     finally:
         llm.shutdown()
     assert [g[-1].outputs[0].token_ids for g in got] == want
+
+
+def test_weight_updates_between_rollouts(checkpoint_factory, tmp_path):
+    """load_weights sends an RL trainer's new weights to the engine's process: the outputs after it
+    are a fresh engine's on those weights; a bad name is refused with nothing written."""
+    import torch
+    from safetensors.torch import load_file
+
+    from mini_engine.model.random_checkpoint import write_random_checkpoint
+    from tests.conftest import tiny_config
+    base = checkpoint_factory("tied-gqa2")
+    other = write_random_checkpoint(str(tmp_path / "other"), tiny_config("tied-gqa2"), dtype=torch.float32, seed=5,
+                                    std=0.3)
+    # On a GPU the tensors cross by CUDA IPC, as a colocated trainer's would.
+    new_weights = {name: t.to("cuda" if torch.cuda.is_available() else "cpu")
+                   for name, t in load_file(f"{other}/model.safetensors").items()}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [LLM(path, num_kv_blocks=NUM_KV_BLOCKS).generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids
+            for path in (base, other)]
+    assert want[0] != want[1]
+    llm = AsyncLLM(base, num_kv_blocks=NUM_KV_BLOCKS)
+
+    async def rollouts():
+        before = (await collect(llm, [3, 4, 5], params))[-1].outputs[0].token_ids
+        with pytest.raises(ValueError, match="no_such"):
+            await llm.load_weights({"model.no_such.weight": torch.zeros(2)})
+        unchanged = (await collect(llm, [3, 4, 5], params))[-1].outputs[0].token_ids
+        written = await llm.load_weights(new_weights)
+        after = (await collect(llm, [3, 4, 5], params))[-1].outputs[0].token_ids
+        return before, unchanged, written, after
+
+    try:
+        before, unchanged, written, after = asyncio.run(rollouts())
+    finally:
+        llm.shutdown()
+    assert before == unchanged == want[0] and after == want[1] and written == len(new_weights)
