@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator
 from mini_engine.config import EngineConfig
 from mini_engine.llm import prompt_cache_salt, unwrap_prompt
 from mini_engine.lora import LoRARequest
-from mini_engine.outputs import CompletionOutput, RequestOutput
-from mini_engine.pooling_params import truncate_prompt
+from mini_engine.layers.pooler import task_output
+from mini_engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from mini_engine.pooling_params import PoolingParams, check_task_parameters, resolve_pooling_task, truncate_prompt
 from mini_engine.sampling_params import RequestOutputKind, SamplingParams
 from mini_engine.tokenizer import encode_prompt, load_tokenizer, load_transformers_tokenizer
 
@@ -37,8 +38,6 @@ class AsyncLLM:
         from mini_engine.server.stats_logger import StatsLogger
 
         self.config = EngineConfig.from_kwargs(model, **kwargs)
-        if self.config.runner == "pooling":
-            raise ValueError("AsyncLLM generates: an embedding or classifier model (runner='pooling') runs in LLM")
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.server_metrics = ServerMetrics(model, self.config.max_loras if self.config.enable_lora else None,
                                             max_model_len=self.config.max_model_len)
@@ -68,6 +67,8 @@ class AsyncLLM:
         Raises ValueError before anything runs for a request the engine could never run, and
         RuntimeError if the engine fails the request (or its process dies)."""
         self.start()
+        if self.config.runner == "pooling":
+            raise ValueError("this AsyncLLM runs a pooling model (runner='pooling'): encode() gives its outputs")
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -126,6 +127,39 @@ class AsyncLLM:
             for c, stream in zip(child_ids, streams):
                 if not stream.finished:      # its stream goes when the engine's "abort" comes back
                     self.engine.abort(c)
+
+    async def encode(self, prompt, pooling_params: PoolingParams | None = None, request_id: str | None = None, *,
+                     pooling_task: str | None = None, lora_request: LoRARequest | None = None,
+                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's AsyncLLM.encode, for a pooling model (runner="pooling"): the prompt's pooled
+        output, yielded once, as LLM.encode gives it (`outputs.data`: an embedding, a classifier's
+        labels' probabilities, a cross-encoder's score; pooling_task as LLM.encode's)."""
+        self.start()
+        if self.config.runner != "pooling":
+            raise ValueError("encode needs a pooling model: AsyncLLM(path, runner='pooling')")
+        pooler = self.config.pooler
+        task = resolve_pooling_task(pooling_task, pooler)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        check_task_parameters(params, task, pooler)
+        request_id = str(next(self.request_counter)) if request_id is None else str(request_id)
+        ids = self.prompt_token_ids(prompt, params)
+        self.limits.validate(ids, params)
+        self.check_priority(priority)
+        if lora_request is not None:
+            await self.check_lora(lora_request)
+        if request_id in self.children or request_id in self.engine.streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        stream = self.engine.add_request(request_id, ids, params, validated=True, priority=priority,
+                                         lora_request=lora_request, cache_salt=prompt_cache_salt(prompt))
+        try:
+            async for delta in stream:
+                if delta.finish_reason == "error":
+                    raise RuntimeError(f"request {request_id}: {delta.error}")
+                if delta.embedding is not None:
+                    yield PoolingRequestOutput(request_id, ids, PoolingOutput(task_output(delta.embedding, pooler)))
+        finally:
+            if not stream.finished:
+                self.engine.abort(request_id)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Ends the request (each of its n completions): its generate() yields it finished, "abort"."""
@@ -223,8 +257,9 @@ class AsyncLLM:
         elif self.engine.loop is not loop:
             raise RuntimeError("an AsyncLLM serves the event loop that first used it")
 
-    def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
-        ids = encode_prompt(self.tokenizer, unwrap_prompt(prompt))
+    def prompt_token_ids(self, prompt, params: SamplingParams | PoolingParams) -> list[int]:
+        """A pooling model's text gets the tokenizer's special tokens, as LLMEngine.tokenize gives them."""
+        ids = encode_prompt(self.tokenizer, unwrap_prompt(prompt), add_special_tokens=self.config.runner == "pooling")
         return truncate_prompt(ids, params, self.config.max_model_len)
 
     def check_priority(self, priority: int) -> None:

@@ -311,3 +311,32 @@ def test_weight_updates_between_rollouts(checkpoint_factory, tmp_path):
     finally:
         llm.shutdown()
     assert before == unchanged == want[0] and after == want[1] and written == len(new_weights)
+
+
+def test_encode_gives_llm_encodes_outputs(tokenized_model, tmp_path):
+    """A pooling model's AsyncLLM.encode: one PoolingRequestOutput a prompt, LLM.encode's data
+    (text with the tokenizer's special tokens, PoolingParams passed through); generate refused."""
+    import torch
+    from mini_engine import PoolingParams
+    from tests.engine.test_embeddings import write_embedding_checkpoint
+    model = write_embedding_checkpoint(tokenized_model, str(tmp_path / "embedding"))
+    prompts = ["the cat sat on the mat", [5, 6, 7, 8], {"prompt_token_ids": [9, 10, 11]}]
+    want = LLM(model, device="cpu", runner="pooling").encode(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    llm = AsyncLLM(model, device="cpu", runner="pooling")
+
+    async def encode_all():
+        async def one(i):
+            return [o async for o in llm.encode(prompts[i], PoolingParams(normalize=False), f"e{i}")]
+        got = await asyncio.gather(*(one(i) for i in range(3)))
+        with pytest.raises(ValueError, match="encode"):
+            await collect(llm, [1, 2], SamplingParams(max_tokens=2))
+        return got
+
+    try:
+        got = asyncio.run(encode_all())
+    finally:
+        llm.shutdown()
+    for outputs, w in zip(got, want):
+        assert len(outputs) == 1 and outputs[0].finished and outputs[0].prompt_token_ids == w.prompt_token_ids
+        torch.testing.assert_close(torch.tensor(outputs[0].outputs.data), torch.tensor(w.outputs.data),
+                                   rtol=1e-4, atol=1e-5)
