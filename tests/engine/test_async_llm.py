@@ -4,6 +4,7 @@ outputs; n completions; stop strings and logprobs; a caller that stops iterating
 ends its request and frees its blocks; bad requests refused before anything runs."""
 import asyncio
 import logging
+import os
 import re
 import time
 
@@ -340,3 +341,15 @@ def test_encode_gives_llm_encodes_outputs(tokenized_model, tmp_path):
         assert len(outputs) == 1 and outputs[0].finished and outputs[0].prompt_token_ids == w.prompt_token_ids
         torch.testing.assert_close(torch.tensor(outputs[0].outputs.data), torch.tensor(w.outputs.data),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_a_profile_of_the_engines_process(served, tmp_path):
+    llm = served[0]
+
+    async def profiled():
+        await llm.start_profile(str(tmp_path))
+        await collect(llm, [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        return await llm.stop_profile()
+
+    trace = run(served, profiled())
+    assert trace.startswith(str(tmp_path)) and os.path.getsize(trace) > 0
