@@ -17,6 +17,7 @@ them, and metrics_text() gives them in Prometheus' format.
 import asyncio
 import itertools
 import numbers
+from multiprocessing.reduction import ForkingPickler
 from collections.abc import AsyncIterator
 
 from mini_engine.config import EngineConfig
@@ -222,7 +223,14 @@ class AsyncLLM:
         has written them). Raises ValueError for a bad name, shape or value, with nothing written, and
         RuntimeError while requests are unfinished; returns the tensors written."""
         self.start()
-        pairs = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        pairs = [(name, tensor.detach()) for name, tensor in (weights.items() if isinstance(weights, dict) else weights)]
+        try:
+            # Pickled here first: the queue's feeder thread would only print its failure (shared
+            # memory full, say), and the call would wait for ever.
+            ForkingPickler.dumps(pairs)
+        except Exception as e:
+            raise ValueError(f"load_weights: the tensors cannot be sent to the engine's process "
+                             f"({type(e).__name__}: {e})") from e
         return await self.engine.call("load_weights", pairs)
 
     async def start_profile(self, profile_dir: str | None = None) -> None:

@@ -534,6 +534,8 @@ class LLM:
             cost = engine.block_manager.prompt_cost(ids, admission.shared_blocks, seq.cache_root, seq.block_extra)
             if seq.computes_whole_prompt:       # the cache serves it nothing (prompt_logprobs, a MEAN embedding)
                 cost = len(ids)
+            # With long_prefill_token_threshold a step computes at most that much of it.
+            cost = min(cost, engine.scheduler.max_chunk)
             admission.prompt_costs[seq.request_id] = cost
             tokens += cost
             num_waiting += 1

@@ -211,6 +211,9 @@ def build_served_app(args: argparse.Namespace):
     from mini_engine.model.random_checkpoint import default_checkpoint
     from mini_engine.server.app import build_app
 
+    from mini_engine.server.stats_logger import log_stats_interval
+    if not args.disable_log_stats:
+        log_stats_interval()        # a bad VLLM_LOG_STATS_INTERVAL stops the server before the model loads
     model = args.model or default_checkpoint()
     name = served_name(args)
     options = {f.name: getattr(args, f.name) for f in engine_option_fields()}

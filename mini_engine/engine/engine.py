@@ -269,14 +269,16 @@ class LLMEngine:
                              "(--scheduling-policy priority); the engine schedules first come, first served")
 
     def waiting_load(self, prompt_costs: dict[str, int]) -> tuple[int, int]:
-        """The waiting requests, and the tokens they have left to compute: a request never run
-        yet counts prompt_costs[its id] where that has it (its prompt less the prefix the cache
-        was to hold for it, BlockManager.prompt_cost), one preempted all it must recompute."""
+        """The waiting requests, and the tokens of theirs the next step could compute: a request never
+        run yet counts prompt_costs[its id] where that has it (its prompt less the prefix the cache
+        was to hold for it, BlockManager.prompt_cost), one preempted all it must recompute; each at
+        most long_prefill_token_threshold."""
         waiting = self.scheduler.waiting
         tokens = 0
         for seq in waiting:
             left = seq.num_tokens - seq.num_computed_tokens
-            tokens += prompt_costs.get(seq.request_id, left) if seq.num_preemptions == 0 else left
+            cost = prompt_costs.get(seq.request_id, left) if seq.num_preemptions == 0 else left
+            tokens += min(cost, self.scheduler.max_chunk)      # what a step can give it
         return len(waiting), tokens
 
     def abort_request(self, request_id: str) -> None:

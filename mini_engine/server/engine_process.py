@@ -204,14 +204,15 @@ class EngineLoop:
 
     def process(self, outputs: list[StepOutput]) -> tuple[list[EngineDelta], int]:
         """The step's deltas, and its tokens as vLLM's iteration_tokens_total counts them: each
-        token generated, and the prompt of each request that got its first."""
+        token generated, and the prompt of each request that got its first (or, pooling, its output)."""
         deltas, step_tokens = [], 0
         for out in outputs:
             state = self.states.get(out.seq.request_id)
             if state is None:
                 continue
             delta = self.delta(out, state)
-            step_tokens += len(delta.token_ids) + (out.seq.num_prompt_tokens if delta.scheduled_time is not None else 0)
+            prompt_done = delta.scheduled_time is not None or delta.embedding is not None
+            step_tokens += len(delta.token_ids) + (out.seq.num_prompt_tokens if prompt_done else 0)
             deltas.append(delta)
         return deltas, step_tokens
 

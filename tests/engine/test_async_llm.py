@@ -303,7 +303,15 @@ def test_weight_updates_between_rollouts(checkpoint_factory, tmp_path):
         with pytest.raises(ValueError, match="no_such"):
             await llm.load_weights({"model.no_such.weight": torch.zeros(2)})
         unchanged = (await collect(llm, [3, 4, 5], params))[-1].outputs[0].token_ids
-        written = await llm.load_weights(new_weights)
+        running = llm.generate([1, 2], SamplingParams(max_tokens=100, ignore_eos=True), "running")
+        await running.__anext__()
+        with pytest.raises(RuntimeError, match="unfinished"):
+            await llm.load_weights(new_weights)
+        await running.aclose()
+        await wait_blocks_free(llm)
+        # As a trainer's: tensors that require grad, made from others (not leaves).
+        trained = {name: t.clone().requires_grad_() * 1.0 for name, t in new_weights.items()}
+        written = await llm.load_weights(trained)
         after = (await collect(llm, [3, 4, 5], params))[-1].outputs[0].token_ids
         return before, unchanged, written, after
 
@@ -331,12 +339,17 @@ def test_encode_gives_llm_encodes_outputs(tokenized_model, tmp_path):
         got = await asyncio.gather(*(one(i) for i in range(3)))
         with pytest.raises(ValueError, match="encode"):
             await collect(llm, [1, 2], SamplingParams(max_tokens=2))
-        return got
+        await asyncio.sleep(0.2)       # the last report's stats
+        # The stats line's prompt count: each pooled prompt, as its output came.
+        prompt_tokens = llm.server_metrics.registry.get_sample_value(
+            "mini_engine:iteration_tokens_total_sum", {"model_name": model, "engine": "0"})
+        return got, prompt_tokens
 
     try:
-        got = asyncio.run(encode_all())
+        got, prompt_tokens = asyncio.run(encode_all())
     finally:
         llm.shutdown()
+    assert prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
     for outputs, w in zip(got, want):
         assert len(outputs) == 1 and outputs[0].finished and outputs[0].prompt_token_ids == w.prompt_token_ids
         torch.testing.assert_close(torch.tensor(outputs[0].outputs.data), torch.tensor(w.outputs.data),

@@ -33,3 +33,19 @@ def test_chunks_stay_under_the_threshold_and_outputs_do_not_change(tiny_checkpoi
 def test_a_bad_threshold_is_refused(tiny_checkpoint, value):
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineConfig(tiny_checkpoint, long_prefill_token_threshold=value)
+
+
+def test_generate_admits_enough_requests_to_fill_a_step(tiny_checkpoint):
+    """LLM.generate adds requests until the waiting ones would fill a step: with the threshold, a
+    prompt fills at most that much of it, so a step of 64 tokens runs 8 prompts' chunks of 8."""
+    llm = LLM(tiny_checkpoint, num_kv_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    scheduled, schedule = [], llm.engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        scheduled.append(list(out.num_new_tokens))
+        return out
+
+    llm.engine.scheduler.schedule = recording
+    llm.generate([[i + 1] * 64 for i in range(8)], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert scheduled[0] == [8] * 8

@@ -60,6 +60,13 @@ def test_the_interval_and_the_flags(monkeypatch):
     assert not serving_options(parse_args([])).disable_log_stats
 
 
+def test_a_bad_interval_stops_the_server_before_the_model_loads(monkeypatch):
+    from mini_engine.serve import build_served_app
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "never")
+    with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL"):
+        build_served_app(parse_args(["--model", "/nonexistent"]))
+
+
 def test_a_server_logs_its_requests_and_its_stats(tiny_model, tmp_path):
     with launched_server(tiny_model, tmp_path, options=("--log-level", "info", "--enable-log-requests",
                                                         "--max-log-len", "3"),
