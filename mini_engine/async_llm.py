@@ -16,7 +16,6 @@ them, and metrics_text() gives them in Prometheus' format.
 """
 import asyncio
 import itertools
-import numbers
 from multiprocessing.reduction import ForkingPickler
 from collections.abc import AsyncIterator
 
@@ -79,17 +78,11 @@ class AsyncLLM:
         completions = [params] if params.n == 1 else [params.completion(k) for k in range(params.n)]
         for child in completions:
             self.limits.validate(ids, child)
-        self.check_priority(priority)
-        if lora_request is not None:
-            await self.check_lora(lora_request)
+        await self.check_admission(request_id, priority, lora_request)
         child_ids = [request_id] if params.n == 1 else [f"{k}_{request_id}" for k in range(params.n)]
-        if request_id in self.children or request_id in self.engine.streams:
-            raise ValueError(f"request id {request_id!r} is already running")
         if busy := [c for c in child_ids if c in self.engine.streams]:
             raise ValueError(f"request id {busy[0]!r}, which completion {child_ids.index(busy[0])} of {request_id!r} "
                              "would take, is already running")
-        if self.engine.asleep:
-            raise RuntimeError("the engine is asleep (sleep mode): wake_up() first")
         streams = [self.engine.add_request(c, ids, child, validated=True, priority=priority, lora_request=lora_request,
                                            cache_salt=salt) for c, child in zip(child_ids, completions)]
         text = unwrap_prompt(prompt)
@@ -145,11 +138,7 @@ class AsyncLLM:
         request_id = str(next(self.request_counter)) if request_id is None else str(request_id)
         ids = self.prompt_token_ids(prompt, params)
         self.limits.validate(ids, params)
-        self.check_priority(priority)
-        if lora_request is not None:
-            await self.check_lora(lora_request)
-        if request_id in self.children or request_id in self.engine.streams:
-            raise ValueError(f"request id {request_id!r} is already running")
+        await self.check_admission(request_id, priority, lora_request)
         stream = self.engine.add_request(request_id, ids, params, validated=True, priority=priority,
                                          lora_request=lora_request, cache_salt=prompt_cache_salt(prompt))
         try:
@@ -270,11 +259,16 @@ class AsyncLLM:
         ids = encode_prompt(self.tokenizer, unwrap_prompt(prompt), add_special_tokens=self.config.runner == "pooling")
         return truncate_prompt(ids, params, self.config.max_model_len)
 
-    def check_priority(self, priority: int) -> None:
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError("priority needs scheduling_policy='priority'")
+    async def check_admission(self, request_id: str, priority: int, lora_request: LoRARequest | None) -> None:
+        """What generate() and encode() check of a request before it is sent: its priority, its
+        adapter (read by the engine), an id no running request holds, and an engine awake."""
+        self.config.check_priority(priority)
+        if lora_request is not None:
+            await self.check_lora(lora_request)
+        if request_id in self.children or request_id in self.engine.streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if self.engine.asleep:
+            raise RuntimeError("the engine is asleep (sleep mode): wake_up() first")
 
     async def check_lora(self, lora_request: LoRARequest) -> None:
         """Has the engine read an adapter before its first request (ValueError with the engine's reason)."""

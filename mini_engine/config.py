@@ -1,4 +1,5 @@
 """Configuration: the model's shape (read from config.json) and the engine's knobs."""
+import numbers
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -546,6 +547,14 @@ class EngineConfig:
         """SamplingParams with what `given` sets, and the rest from generation_config where it
         sets it (vLLM's LLM.get_default_sampling_params, and what its server does for each request)."""
         return SamplingParams(**(self.sampling_defaults | given))
+
+    def check_priority(self, priority: int) -> None:
+        """A request's priority: any integer, and other than 0 only under the "priority" policy."""
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' "
+                             "(--scheduling-policy priority); the engine schedules first come, first served")
 
     @property
     def max_new_tokens(self) -> int | None:

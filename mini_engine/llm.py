@@ -182,7 +182,7 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         for value in priority:
-            self.engine.check_priority(value)
+            self.engine.config.check_priority(value)
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")

@@ -210,8 +210,8 @@ def build_served_app(args: argparse.Namespace):
     it was built with; the server and the batch runner both run this."""
     from mini_engine.model.random_checkpoint import default_checkpoint
     from mini_engine.server.app import build_app
-
     from mini_engine.server.stats_logger import log_stats_interval
+
     if not args.disable_log_stats:
         log_stats_interval()        # a bad VLLM_LOG_STATS_INTERVAL stops the server before the model loads
     model = args.model or default_checkpoint()

@@ -4,7 +4,6 @@ import concurrent.futures
 import gc
 import itertools
 import logging
-import numbers
 import os
 import time
 import warnings
@@ -109,8 +108,10 @@ class LLMEngine:
                                             bytes_beside=self.draft.reserved_bytes if self.draft else 0)
         if self.draft is not None:
             self.draft.share_pool(self.runner.num_kv_blocks)
-        if getattr(self.runner, "logits_processors", None) is not None:
-            self.runner.logits_processors.before_update = self.fill_in_flight_tokens
+        # The runner's custom logits processors (None without; a test's stand-in runner has none).
+        self.logits_processors = getattr(self.runner, "logits_processors", None)
+        if self.logits_processors is not None:
+            self.logits_processors.before_update = self.fill_in_flight_tokens
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           max_blocks_per_seq=-(-config.max_model_len // config.block_size))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
@@ -205,7 +206,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt, params)
         if not validated:
             self.validate(prompt_token_ids, params)
-        self.check_priority(priority)
+        self.config.check_priority(priority)
         self.check_lora(lora_request)
         request_id = request_id if request_id is not None else str(next(self.request_counter))
         if request_id in self.requests:
@@ -260,13 +261,6 @@ class LLMEngine:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: start the engine with enable_lora=True "
                              "(--enable-lora)")
         self.runner.lora.check(lora_request)
-
-    def check_priority(self, priority: int) -> None:
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} needs scheduling_policy='priority' "
-                             "(--scheduling-policy priority); the engine schedules first come, first served")
 
     def waiting_load(self, prompt_costs: dict[str, int]) -> tuple[int, int]:
         """The waiting requests, and the tokens of theirs the next step could compute: a request never
@@ -490,11 +484,10 @@ class LLMEngine:
         """The requests whose admission a custom logits processor's update_state failed on
         (LogitsProcessors.find_refused): each ends "abort", with a warning, as a request whose LoRA
         adapter can no longer be read does; the step and the other requests go on."""
-        processors = getattr(self.runner, "logits_processors", None)
-        if processors is None or not processors.failed:
+        if self.logits_processors is None or not self.logits_processors.failed:
             return []
         outputs = []
-        for request_id, why in processors.take_failed():
+        for request_id, why in self.logits_processors.take_failed():
             seq = self.requests.get(request_id)
             if seq is None or seq.is_finished:
                 continue

@@ -331,8 +331,8 @@ class OpenAIServer:
             for prompt_id, prompt in zip(ids, prompts):
                 shown = prompt if self.options.max_log_len is None else prompt[:self.options.max_log_len]
                 logger.info("Received request %s: params: %s, prompt_token_ids: %s%s, lora_request: %s, prompt_embeds: %s",
-                         prompt_id, params, shown, " ..." if len(shown) < len(prompt) else "", lora_request,
-                         prompt_embeds is not None)
+                            prompt_id, params, shown, " ..." if len(shown) < len(prompt) else "", lora_request,
+                            prompt_embeds is not None)
         embeds = prompt_embeds or [None] * len(prompts)
         completions = [(prompt, embedded, child_id, child)
                        for prompt_id, prompt, embedded in zip(ids, prompts, embeds)

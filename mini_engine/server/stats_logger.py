@@ -6,7 +6,8 @@ has had work since the last line,
     Running: 12 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.2%, Prefix cache hit rate: 45.6%
 
 read from the server's own metrics (metrics.py), so it says what /metrics says. Prompt tokens are
-counted as vLLM counts them: a request's whole prompt, in the interval its first token came."""
+counted as vLLM counts them: a request's whole prompt, in the interval its first token came (a
+pooling request's, in that of its output)."""
 import asyncio
 import logging
 import os
