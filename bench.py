@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--gpu-memory-utilization", type=float)
     engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--compilation-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
+                        '\'{"max_cudagraph_capture_size": 64}\' (decode steps of more rows then run eager)')
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--quantization", choices=["fp8"], help="mini only: fp8 weights (an FP8 checkpoint "
@@ -157,7 +159,7 @@ def mini_engine_options(opts) -> dict:
                   kv_cache_dtype=opts.kv_cache_dtype, tensor_parallel_size=opts.tensor_parallel_size,
                   async_scheduling=not opts.no_async_scheduling)
     for name in ("max_num_batched_tokens", "block_size", "gpu_memory_utilization", "speculative_config",
-                 "quantization", "logits_processors"):
+                 "quantization", "logits_processors", "compilation_config"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
     return kwargs
@@ -383,7 +385,9 @@ def main(argv=None) -> int:
     graphs = result["engine_config"].get("cuda_graph_capture_s")
     if graphs is not None:
         cfg = result["engine_config"]
-        print(f"CUDA graphs: captured in {graphs:.1f} s, pool {cfg['cuda_graph_pool_bytes'] / 2**20:.0f} MiB "
+        sizes = cfg["cuda_graph_sizes"]
+        print(f"CUDA graphs: {len(sizes)} batch sizes ({sizes[0]} to {sizes[-1]}) captured in {graphs:.1f} s, pool "
+              f"{cfg['cuda_graph_pool_bytes'] / 2**20:.0f} MiB "
               f"(set aside when sizing the KV pool: {cfg['cuda_graph_reserve_bytes'] / 2**20:.0f} MiB)")
     if result["engine_config"].get("gemm_warmup_s") is not None:
         print(f"cuBLAS kernels of eager steps loaded at start-up in {result['engine_config']['gemm_warmup_s']:.2f} s")

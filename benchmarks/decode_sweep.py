@@ -44,8 +44,8 @@ def decode_schedule() -> list[list[int]]:
 
 
 def graph_size(batch: int) -> int:
-    from mini_engine.runner.cuda_graph import graph_batch_sizes
-    return next(s for s in graph_batch_sizes(256) if s >= batch)
+    from mini_engine.compilation_config import default_capture_sizes
+    return next(s for s in default_capture_sizes(256) if s >= batch)
 
 
 def time_us(fn) -> float:

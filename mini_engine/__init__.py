@@ -3,6 +3,7 @@ __version__ = "0.1.0"     # pyproject.toml reads it (setuptools' dynamic version
 
 from mini_engine.async_llm import AsyncLLM
 from mini_engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from mini_engine.compilation_config import CompilationConfig
 from mini_engine.llm import LLM
 from mini_engine.logits_processors import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality,
                                          process_dict_updates)
@@ -17,4 +18,4 @@ __all__ = ["LLM", "LoRARequest", "SamplingParams", "PoolingParams", "RequestOutp
            "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "ClassificationRequestOutput", "ClassificationOutput", "PoolingRequestOutput",
            "PoolingOutput", "LogitsProcessor", "AdapterLogitsProcessor", "BatchUpdate", "MoveDirectionality",
-           "process_dict_updates", "AsyncLLM", "RequestOutputKind"]
+           "process_dict_updates", "AsyncLLM", "RequestOutputKind", "CompilationConfig"]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from mini_engine.compilation_config import CompilationConfig
 from mini_engine.distributed import check_divisible
 from mini_engine.json_files import read_json_file
 from mini_engine.kernels.fp8_linear import BLOCK
@@ -259,6 +260,14 @@ class EngineConfig:
     # is importable, none on CPU), "none", or a comma-separated subset of kernels.KERNEL_NAMES.
     kernels: str = "auto"
     enforce_eager: bool = False        # True: never use CUDA graphs
+    # As vLLM's: which decode batch sizes are captured as CUDA graphs (mini_engine/compilation_config.py):
+    # compilation_config's cudagraph_mode ("FULL_DECODE_ONLY", or "NONE"), cudagraph_capture_sizes and
+    # max_cudagraph_capture_size; the last two may be given on their own instead (vLLM's
+    # --cudagraph-capture-sizes and --max-cudagraph-capture-size). A decode step of more rows than the
+    # largest captured size runs eager.
+    compilation_config: dict | CompilationConfig | int | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
     # Schedule step n+1 while the device runs step n (see LLMEngine.step). False: every step
     # waits for its own tokens first.
     async_scheduling: bool = True
@@ -333,6 +342,9 @@ class EngineConfig:
     # The sampling parameters generation_config sets (GENERATION_SAMPLING_FIELDS, max_new_tokens as
     # max_tokens).
     sampling_defaults: dict = field(init=False, repr=False, default_factory=dict)
+    # The decode batch sizes captured as CUDA graphs, ascending (where graphs run at all: CUDA, the
+    # Triton attention kernel, not enforce_eager).
+    cuda_graph_sizes: tuple[int, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
         if self.block_size is None:
@@ -344,6 +356,9 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
         if self.max_num_seqs > 65535:      # the decode attention kernel puts sequences on CUDA's grid z
             raise ValueError(f"max_num_seqs must be <= 65535, got {self.max_num_seqs}")
+        self.cuda_graph_sizes = (CompilationConfig.resolve(self.compilation_config)
+                                 .merged(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size)
+                                 .capture_sizes(self.max_num_seqs))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

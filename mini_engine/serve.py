@@ -19,7 +19,7 @@ from mini_engine.server.serving_options import RESPONSE_ROLE, ServingOptions
 # --reasoning-parser is the server's own flag below, and sets the engine's field too.
 SKIPPED_FIELDS = {"model", "model_config", "reasoning_parser"}
 # vLLM's short forms
-SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "compilation_config": ("-O", "-cc")}
 
 
 def option_type(annotation) -> type:
@@ -38,11 +38,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (EngineConfig)")
     for f in engine_option_fields():
         default = None if f.default is MISSING else f.default
-        flags = ["--" + f.name.replace("_", "-"), *([SHORT_FLAGS[f.name]] if f.name in SHORT_FLAGS else [])]
+        flags = ["--" + f.name.replace("_", "-"), *SHORT_FLAGS.get(f.name, ())]
         kind = option_type(f.type)
-        if kind is bool:
+        if kind == list[int]:   # sizes, as vLLM's --cudagraph-capture-sizes 1 2 4 8
+            group.add_argument(*flags, dest=f.name, nargs="+", type=int, default=default, metavar="N")
+        elif kind is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
-        elif kind is dict:      # JSON, as vLLM's --hf-overrides takes it
+        elif kind is dict:      # JSON, as vLLM's --hf-overrides takes it (-O 3 is JSON too: a number)
             group.add_argument(*flags, dest=f.name, type=json.loads, default=default, help="JSON")
         elif kind is list:      # names, as vLLM's --logits-processors takes them
             group.add_argument(*flags, dest=f.name, nargs="+", default=default, metavar="NAME",

@@ -17,11 +17,6 @@ from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.runner.batch import StepTensors
 
 
-def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size] + list(range(16, max_batch_size, 16))
-    return sizes + [max_batch_size]
-
-
 # Inputs of a decode step of bs rows, all padding (slot mapping -1: they write nowhere; greedy),
 # laid out where a real step padded to bs will put its own, in turn 0 or 1: (bs, turn).
 PaddedInputs = Callable[[int, int], tuple[StepTensors, AttentionMetadata]]
@@ -31,12 +26,13 @@ Sample = Callable[..., torch.Tensor]
 
 
 class CUDAGraphRunner:
-    def __init__(self, model, max_batch_size: int, device: torch.device, sampled_tokens: torch.Tensor,
+    def __init__(self, model, batch_sizes: tuple[int, ...], device: torch.device, sampled_tokens: torch.Tensor,
                  take_prev_tokens: TakePrevTokens, sample: Sample | None):
-        """sampled_tokens: the runner's [2, max_batch_size] samples, a row for each turn."""
+        """batch_sizes: those to capture, ascending (EngineConfig.cuda_graph_sizes); sampled_tokens:
+        the runner's [2, max_num_seqs] samples, a row for each turn."""
         self.model = model
-        self.batch_sizes = graph_batch_sizes(max_batch_size)
-        self.logits = torch.zeros(max_batch_size, model.config.vocab_size, dtype=model.embed_tokens.weight.dtype,
+        self.batch_sizes = list(batch_sizes)
+        self.logits = torch.zeros(self.batch_sizes[-1], model.config.vocab_size, dtype=model.embed_tokens.weight.dtype,
                                   device=device)
         self.sampled_tokens = sampled_tokens
         self.take_prev_tokens = take_prev_tokens
@@ -45,9 +41,9 @@ class CUDAGraphRunner:
         self.top_k_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # where self.sample is set
 
     @staticmethod
-    def buffer_bytes(max_batch_size: int, vocab_size: int, dtype: torch.dtype) -> int:
-        """The static logits buffer (256 x 152k bf16 is 74 MiB)."""
-        return max_batch_size * vocab_size * dtype.itemsize
+    def buffer_bytes(batch_sizes: tuple[int, ...], vocab_size: int, dtype: torch.dtype) -> int:
+        """The static logits buffer, for the largest of batch_sizes (256 x 152k bf16 is 74 MiB)."""
+        return batch_sizes[-1] * vocab_size * dtype.itemsize if batch_sizes else 0
 
     def forward(self, t: StepTensors, meta: AttentionMetadata, turn: int) -> None:
         bs = t.input_ids.shape[0]

@@ -62,7 +62,7 @@ class DraftModel:
         self.runner = ModelRunner(self.config)
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.use_cuda_graphs = (self.runner.device.type == "cuda" and not config.enforce_eager
-                                and "attention" in self.runner.kernels)
+                                and bool(config.cuda_graph_sizes) and "attention" in self.runner.kernels)
         self.guessed_right = False     # did the last proposal find launch_ahead's guess right (every draft accepted)
         # What went ahead and what a proposal then started from (benchmarks/spec_decode_check.py).
         self.ahead_counts = Counter()
@@ -71,7 +71,7 @@ class DraftModel:
         # measured (the draft's steps never run before the target's pool is sized): a decode step's,
         # 22 MiB for a 0.6B draft at 64 rows on the H200 (benchmarks/NOTES.md entry 62), comes out
         # of what gpu_memory_utilization leaves.
-        self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.max_num_seqs, self.runner.model_config.vocab_size,
+        self.reserved_bytes = (CUDAGraphRunner.buffer_bytes(config.cuda_graph_sizes, self.runner.model_config.vocab_size,
                                                             self.runner.dtype) if self.use_cuda_graphs else 0)
 
     def share_pool(self, num_blocks: int) -> None:

@@ -262,7 +262,7 @@ class ModelRunner:
                                    * self.kv_cache_dtype.itemsize)
         # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
         # An embedding model runs no decode steps, which are what the graphs serve.
-        self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
+        self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager and bool(config.cuda_graph_sizes)
                                 and "attention" in self.kernels and not self.pooling)
         self.graph_runner = None
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
@@ -295,7 +295,7 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """The decode graphs, over the weights and the KV pool where they lie now (at start-up, and
         again when sleep mode has given their memory back and allocated it anew)."""
-        self.graph_runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, self.device, self.sampled_tokens,
+        self.graph_runner = CUDAGraphRunner(self.model, self.config.cuda_graph_sizes, self.device, self.sampled_tokens,
                                             self.take_prev_tokens,
                                             # With custom logits processors every step samples outside.
                                             sample if "sampler" in self.kernels and not self.logits_processors
@@ -537,12 +537,13 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak_transient = max(peaks)
         # CUDA graphs hold their static logits buffer, and a private pool about as large as the
-        # biggest decode step's activations (peaks[1]), which the eager path cannot reuse.
+        # biggest decode step's activations (peaks[1]: max_num_seqs rows, so an upper bound where
+        # the largest captured size is smaller), which the eager path cannot reuse.
         # (On the H200 the activations alone were 107 MiB against 134 MiB used: the buffers count.)
         self.graph_reserve_bytes = 0
         if self.use_cuda_graphs:
             self.graph_reserve_bytes = peaks[1] + CUDAGraphRunner.buffer_bytes(
-                self.config.max_num_seqs, self.model_config.vocab_size, self.dtype)
+                self.config.cuda_graph_sizes, self.model_config.vocab_size, self.dtype)
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
                   - self.graph_reserve_bytes - self.bytes_beside)
         num_blocks = int(budget // ((self.kv_bytes_per_token + self.kv_bytes_beside) * self.block_size))

@@ -3,6 +3,7 @@ it reserves, and that a step staged for a graph lands where the graph reads (cap
 are checked on the H200 by benchmarks/gpu_correctness.py: graph logits bitwise equal to the same
 padded batch run eagerly)."""
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -10,23 +11,28 @@ import torch
 from mini_engine.config import EngineConfig
 from mini_engine.engine.sequence import PENDING_TOKEN
 from mini_engine.runner.batch import BatchRow
-from mini_engine.runner.cuda_graph import CUDAGraphRunner, graph_batch_sizes
+from mini_engine.compilation_config import default_capture_sizes
+from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.model_runner import ModelRunner
 from mini_engine.sampling_params import SamplingParams
 
 
 def test_batch_size_ladder():
-    assert graph_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
-    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert graph_batch_sizes(1) == [1]
+    assert default_capture_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_capture_sizes(1) == [1]
 
 
-def test_reserved_bytes_cover_the_static_buffers(tiny_checkpoint):
-    """The KV pool is sized leaving room for the graphs' logits buffer: the estimate must be exact."""
+@pytest.mark.parametrize("sizes", [(1, 2, 4, 8, 16, 24), (3, 10)])
+def test_reserved_bytes_cover_the_static_buffers(tiny_checkpoint, sizes):
+    """The KV pool is sized leaving room for the graphs' logits buffer, as large as the largest
+    captured size: the estimate must be exact."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, max_model_len=100))
-    graphs = CUDAGraphRunner(runner.model, 24, torch.device("cpu"), runner.sampled_tokens, runner.take_prev_tokens,
+    graphs = CUDAGraphRunner(runner.model, sizes, torch.device("cpu"), runner.sampled_tokens, runner.take_prev_tokens,
                              None)
-    assert CUDAGraphRunner.buffer_bytes(24, runner.model_config.vocab_size, runner.dtype) == graphs.logits.nbytes
+    assert graphs.logits.shape[0] == sizes[-1]
+    assert CUDAGraphRunner.buffer_bytes(sizes, runner.model_config.vocab_size, runner.dtype) == graphs.logits.nbytes
+    assert CUDAGraphRunner.buffer_bytes((), runner.model_config.vocab_size, runner.dtype) == 0
 
 
 def test_one_decode_workspace_for_every_layer(tiny_checkpoint):
@@ -255,3 +261,39 @@ def test_lora_slots_stage_where_the_graph_reads(tiny_checkpoint, tmp_path):
     chunk = BatchRow(list(range(3, 9)), 0, [40, 41], True, rows[0].params, lora_request=loras[0])
     t, _ = runner.prepare_inputs(rows[:2] + [chunk])
     assert t.lora_slots.tolist()[:8] == [slot[2], -1] + [slot[1]] * 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on CUDA only")
+@pytest.mark.parametrize("capture, captured", [(dict(max_cudagraph_capture_size=8), [1, 2, 4, 8]),
+                                               (dict(cudagraph_capture_sizes=[3, 6, 10]), [3, 6, 10])])
+def test_only_the_given_sizes_are_captured_and_larger_steps_run_eager(tiny_checkpoint, capture, captured):
+    """vLLM's max_cudagraph_capture_size and cudagraph_capture_sizes: the runner captures those
+    sizes only (each once a turn), a decode step of n rows replays the smallest captured size >= n,
+    and a step of more rows than the largest runs eager. Twelve greedy requests whose max_tokens
+    differ shrink the batch from 12 rows to 1 through both kinds of step, and their tokens are the
+    eager engine's (fp32, so that padded and unpadded products cannot tip a near tie)."""
+    from mini_engine import LLM
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 40))] for _ in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(12)]
+    options = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=16, max_model_len=256)
+    llm = LLM(tiny_checkpoint, **options, **capture)
+    graphs = llm.engine.runner.graph_runner
+    assert graphs.batch_sizes == captured and graphs.logits.shape[0] == captured[-1]
+    assert set(graphs.graphs) == {(size, turn) for size in captured for turn in (0, 1)}
+    chosen, graph_size = [], graphs.graph_size
+
+    def recording_graph_size(rows, query_len):
+        chosen.append((rows, query_len, graph_size(rows, query_len)))
+        return chosen[-1][2]
+
+    graphs.graph_size = recording_graph_size
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    decode_steps = {rows: size for rows, query_len, size in chosen if query_len == 1}
+    assert decode_steps[12] is None and decode_steps[1] == captured[0]
+    assert all(size is None if rows > captured[-1] else size == min(s for s in captured if s >= rows)
+               for rows, size in decode_steps.items())
+    assert any(size is not None for size in decode_steps.values())
+    del llm, graphs
+    eager = LLM(tiny_checkpoint, **options, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in eager]

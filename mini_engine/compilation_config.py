@@ -1,0 +1,129 @@
+"""vLLM's compilation_config, for the part of it that a mini_engine run has: the CUDA graphs of
+decode-only steps (runner/cuda_graph.py). mini_engine compiles nothing with torch.compile, so
+vLLM's compile settings are read and ignored (with a warning), and its graph modes that also
+capture steps with prompt tokens mean what this engine does: such steps run eager.
+
+Which batch sizes are captured, as vLLM's three ways of saying it:
+- cudagraph_capture_sizes: these sizes (sizes above max_num_seqs are dropped: no step has more rows);
+- max_cudagraph_capture_size: the default ladder up to this size;
+- neither: the default ladder up to max_num_seqs.
+A decode step of n rows replays the graph of the smallest captured size >= n, padded; a step of
+more rows than the largest runs eager. Fewer sizes take less start-up time and less memory
+(benchmarks/NOTES.md, entry 68, has what each costs on the H200)."""
+import numbers
+import warnings
+from dataclasses import dataclass, fields
+
+# "FULL_DECODE_ONLY": each decode-only step replays a graph of the whole forward; "NONE": no graphs
+# (as enforce_eager). vLLM's other modes capture mixed steps as well; here they run eager.
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+CUDAGRAPH_MODES_READ_AS_DECODE_ONLY = ("FULL", "PIECEWISE", "FULL_AND_PIECEWISE")
+# vLLM's torch.compile settings (and older spellings of its graph switches): accepted, not used.
+TORCH_COMPILE_FIELDS = ("level", "mode", "backend", "compile_sizes", "custom_ops", "splitting_ops", "use_inductor",
+                        "inductor_compile_config", "inductor_passes", "pass_config", "compile_mm_encoder",
+                        "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "full_cuda_graph", "use_cudagraph",
+                        "debug_dump_path", "cache_dir", "compile_cache_save_format", "use_inductor_graph_partition")
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 16th size, and max_size itself. Steps of 16 rather than vLLM's 8:
+    between two sizes a step pads at most 15 rows, which cost less on the H200 than the start-up
+    time and memory of twice the graphs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_size] + list(range(16, max_size, 16))
+    return sizes + [max_size]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_sizes(sizes, name: str) -> list[int]:
+    if not isinstance(sizes, (list, tuple)) or not all(_is_int(s) and s >= 1 for s in sizes):
+        raise ValueError(f"{name} must be a list of integers >= 1, got {sizes!r}")
+    return sorted(set(int(s) for s in sizes))
+
+
+def _check_max_size(value, name: str) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+@dataclass(slots=True)
+class CompilationConfig:
+    """As vLLM's (vllm.config.CompilationConfig), its CUDA-graph fields: cudagraph_mode,
+    "FULL_DECODE_ONLY" or "NONE" (vLLM's "FULL", "PIECEWISE" and "FULL_AND_PIECEWISE" are read as
+    the first, with a warning); cudagraph_capture_sizes; max_cudagraph_capture_size."""
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+
+    @classmethod
+    def resolve(cls, given: "dict | int | CompilationConfig | None") -> "CompilationConfig":
+        """given as vLLM takes it: a dict of its fields, an int (vLLM's -O level, a torch.compile
+        setting: ignored), or a CompilationConfig. Checked here, so that a bad value fails before
+        the model loads."""
+        if given is None:
+            return cls()
+        if _is_int(given):
+            warnings.warn(f"compilation_config={given}: a torch.compile level, which mini_engine does not use "
+                          "(it has no torch.compile); ignored", stacklevel=3)
+            return cls()
+        if isinstance(given, CompilationConfig):
+            given = {f.name: getattr(given, f.name) for f in fields(cls)}
+        if not isinstance(given, dict):
+            raise ValueError(f"compilation_config must be a dict of vLLM's fields, got {given!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(given) - set(known) - set(TORCH_COMPILE_FIELDS))
+        if unknown:
+            raise ValueError(f"compilation_config: unknown fields {unknown}; this engine takes {known} "
+                             f"(and ignores vLLM's torch.compile fields)")
+        ignored = sorted(set(given) & set(TORCH_COMPILE_FIELDS))
+        if ignored:
+            warnings.warn(f"compilation_config: {ignored} are vLLM's torch.compile settings, which mini_engine "
+                          "does not use (it has no torch.compile); ignored", stacklevel=3)
+        mode = given.get("cudagraph_mode")
+        mode = "FULL_DECODE_ONLY" if mode is None else str(mode).upper()
+        if mode in CUDAGRAPH_MODES_READ_AS_DECODE_ONLY:
+            warnings.warn(f"compilation_config: cudagraph_mode {mode} also captures steps with prompt tokens in "
+                          "vLLM; mini_engine runs those eager and captures decode-only steps (FULL_DECODE_ONLY)",
+                          stacklevel=3)
+            mode = "FULL_DECODE_ONLY"
+        elif mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"compilation_config: cudagraph_mode must be one of {CUDAGRAPH_MODES} or "
+                             f"{CUDAGRAPH_MODES_READ_AS_DECODE_ONLY}, got {given.get('cudagraph_mode')!r}")
+        return cls(mode).merged(given.get("cudagraph_capture_sizes"), given.get("max_cudagraph_capture_size"),
+                                "compilation_config: ")
+
+    def merged(self, capture_sizes: list[int] | None, max_capture_size: int | None,
+               where: str = "") -> "CompilationConfig":
+        """This config with cudagraph_capture_sizes and max_cudagraph_capture_size given apart from
+        it (EngineConfig's own: vLLM's --cudagraph-capture-sizes and --max-cudagraph-capture-size),
+        each of which may be given there or here, not both. where: how errors name them."""
+        for name, value in (("cudagraph_capture_sizes", capture_sizes),
+                            ("max_cudagraph_capture_size", max_capture_size)):
+            if value is not None and getattr(self, name) is not None:
+                raise ValueError(f"{name} is given both on its own and in compilation_config: give it once")
+        if capture_sizes is not None:
+            capture_sizes = _check_sizes(capture_sizes, where + "cudagraph_capture_sizes")
+        if max_capture_size is not None:
+            max_capture_size = _check_max_size(max_capture_size, where + "max_cudagraph_capture_size")
+        return CompilationConfig(self.cudagraph_mode,
+                                 self.cudagraph_capture_sizes if capture_sizes is None else capture_sizes,
+                                 self.max_cudagraph_capture_size if max_capture_size is None else max_capture_size)
+
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The batch sizes to capture, ascending; () for none."""
+        if self.cudagraph_mode == "NONE":
+            return ()
+        sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if sizes is not None and max_size is not None and (not sizes or sizes[-1] != max_size):
+            raise ValueError(f"max_cudagraph_capture_size {max_size} is not the largest of cudagraph_capture_sizes "
+                             f"{sizes}: give one of them, or both in agreement")
+        if sizes is None:
+            return tuple(default_capture_sizes(min(max_size or max_num_seqs, max_num_seqs)))
+        dropped = [s for s in sizes if s > max_num_seqs]
+        if dropped:
+            warnings.warn(f"cudagraph_capture_sizes {dropped} are above max_num_seqs={max_num_seqs}, the most rows a "
+                          "step has: not captured", stacklevel=3)
+        return tuple(s for s in sizes if s <= max_num_seqs)

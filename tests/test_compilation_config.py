@@ -1,0 +1,126 @@
+"""vLLM's compilation_config and its two top-level flags, as far as a mini_engine run has them: which
+decode batch sizes are captured as CUDA graphs. (That a step pads to the next captured size and a
+larger one runs eager, with the eager path's tokens, is checked on CUDA in
+tests/runner/test_cuda_graph.py.)"""
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from mini_engine import CompilationConfig
+from mini_engine.compilation_config import default_capture_sizes
+from mini_engine.config import EngineConfig
+from mini_engine.runner.cuda_graph import CUDAGraphRunner
+from mini_engine.runner.model_runner import ModelRunner
+from mini_engine.serve import parse_args
+
+
+def sizes(checkpoint, **kwargs) -> tuple[int, ...]:
+    return EngineConfig(checkpoint, device="cpu", **kwargs).cuda_graph_sizes
+
+
+def test_the_default_ladder_reaches_max_num_seqs(tiny_checkpoint):
+    assert sizes(tiny_checkpoint) == tuple(default_capture_sizes(256)) == (1, 2, 4, 8, *range(16, 257, 16))
+    assert sizes(tiny_checkpoint, max_num_seqs=20) == (1, 2, 4, 8, 16, 20)
+    assert sizes(tiny_checkpoint, compilation_config={}) == sizes(tiny_checkpoint)
+
+
+@pytest.mark.parametrize("given", [dict(max_cudagraph_capture_size=40),
+                                   dict(compilation_config={"max_cudagraph_capture_size": 40}),
+                                   dict(compilation_config=CompilationConfig(max_cudagraph_capture_size=40))])
+def test_max_capture_size_cuts_the_ladder(tiny_checkpoint, given):
+    assert sizes(tiny_checkpoint, **given) == (1, 2, 4, 8, 16, 32, 40)
+
+
+def test_max_capture_size_above_max_num_seqs_stops_there(tiny_checkpoint):
+    assert sizes(tiny_checkpoint, max_num_seqs=24, max_cudagraph_capture_size=512) == (1, 2, 4, 8, 16, 24)
+
+
+@pytest.mark.parametrize("given", [dict(cudagraph_capture_sizes=[8, 1, 4, 4]),
+                                   dict(compilation_config={"cudagraph_capture_sizes": (4, 8, 1)}),
+                                   dict(cudagraph_capture_sizes=[1, 4, 8], max_cudagraph_capture_size=8)])
+def test_given_sizes_are_captured_sorted_once(tiny_checkpoint, given):
+    assert sizes(tiny_checkpoint, **given) == (1, 4, 8)
+
+
+def test_sizes_above_max_num_seqs_are_dropped_with_a_warning(tiny_checkpoint):
+    with pytest.warns(UserWarning, match=r"\[32, 64\] are above max_num_seqs=16"):
+        assert sizes(tiny_checkpoint, max_num_seqs=16, cudagraph_capture_sizes=[2, 16, 32, 64]) == (2, 16)
+
+
+def test_no_graphs(tiny_checkpoint):
+    assert sizes(tiny_checkpoint, cudagraph_capture_sizes=[]) == ()
+    assert sizes(tiny_checkpoint, compilation_config={"cudagraph_mode": "none"}) == ()
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, cudagraph_capture_sizes=[]))
+    assert not runner.use_cuda_graphs
+
+
+@pytest.mark.parametrize("mode", ["FULL", "piecewise", "FULL_AND_PIECEWISE"])
+def test_vllms_other_modes_capture_decode_steps_here(tiny_checkpoint, mode):
+    with pytest.warns(UserWarning, match="captures decode-only steps"):
+        got = sizes(tiny_checkpoint, max_num_seqs=8, compilation_config={"cudagraph_mode": mode})
+    assert got == (1, 2, 4, 8)
+
+
+def test_torch_compile_settings_are_ignored_with_a_warning(tiny_checkpoint):
+    with pytest.warns(UserWarning, match=r"\['custom_ops', 'level'\] are vLLM's torch.compile settings"):
+        got = sizes(tiny_checkpoint, max_num_seqs=8, compilation_config={"level": 3, "custom_ops": ["all"],
+                                                                          "max_cudagraph_capture_size": 4})
+    assert got == (1, 2, 4)
+    with pytest.warns(UserWarning, match="compilation_config=3: a torch.compile level"):
+        assert sizes(tiny_checkpoint, max_num_seqs=8, compilation_config=3) == (1, 2, 4, 8)
+
+
+def test_a_valid_config_warns_of_nothing(tiny_checkpoint):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sizes(tiny_checkpoint, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                   "cudagraph_capture_sizes": [1, 2], "max_cudagraph_capture_size": 2})
+
+
+@pytest.mark.parametrize("given, error", [
+    (dict(compilation_config={"cudagraph_mode": "SOMETIMES"}), "cudagraph_mode must be one of"),
+    (dict(compilation_config={"capture_sizes": [1]}), r"unknown fields \['capture_sizes'\]"),
+    (dict(compilation_config="FULL"), "must be a dict"),
+    (dict(cudagraph_capture_sizes=[0, 4]), "cudagraph_capture_sizes must be a list of integers >= 1"),
+    (dict(cudagraph_capture_sizes=[1.5]), "must be a list of integers"),
+    (dict(cudagraph_capture_sizes=[True]), "must be a list of integers"),
+    (dict(compilation_config={"cudagraph_capture_sizes": 8}), "must be a list of integers"),
+    (dict(max_cudagraph_capture_size=0), "max_cudagraph_capture_size must be an integer >= 1"),
+    (dict(compilation_config={"max_cudagraph_capture_size": 8.0}), "must be an integer >= 1"),
+    (dict(cudagraph_capture_sizes=[1, 2, 4], max_cudagraph_capture_size=8), "is not the largest of"),
+    (dict(cudagraph_capture_sizes=[], max_cudagraph_capture_size=8), "is not the largest of"),
+    (dict(cudagraph_capture_sizes=[1], compilation_config={"cudagraph_capture_sizes": [1]}), "give it once"),
+    (dict(max_cudagraph_capture_size=8, compilation_config={"max_cudagraph_capture_size": 8}), "give it once"),
+])
+def test_bad_values_fail_before_the_model_loads(tiny_checkpoint, given, error):
+    with pytest.raises(ValueError, match=error):
+        sizes(tiny_checkpoint, **given)
+
+
+def test_a_copy_of_the_config_keeps_its_sizes(tiny_checkpoint):
+    """The draft model's config is the target's, replaced (enforce_eager until it shares the pool):
+    its sizes are worked out again from the same options."""
+    config = EngineConfig(tiny_checkpoint, device="cpu", max_cudagraph_capture_size=24)
+    assert dataclasses.replace(config, enforce_eager=True).cuda_graph_sizes == config.cuda_graph_sizes == (1, 2, 4, 8,
+                                                                                                          16, 24)
+
+
+def test_the_server_takes_vllms_flags():
+    args = parse_args(["--cudagraph-capture-sizes", "1", "2", "4", "--max-cudagraph-capture-size", "4",
+                       "--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'])
+    assert args.cudagraph_capture_sizes == [1, 2, 4] and args.max_cudagraph_capture_size == 4
+    assert args.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert parse_args(["-O3"]).compilation_config == 3
+    given = parse_args(["-cc", '{"max_cudagraph_capture_size": 8}']).compilation_config
+    assert given == {"max_cudagraph_capture_size": 8}
+    assert parse_args([]).cudagraph_capture_sizes is None
+
+
+def test_a_step_pads_to_the_next_captured_size_and_a_larger_one_has_no_graph(tiny_checkpoint):
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, max_model_len=100))
+    graphs = CUDAGraphRunner(runner.model, (3, 10), torch.device("cpu"), runner.sampled_tokens,
+                             runner.take_prev_tokens, None)
+    assert [graphs.graph_size(n, 1) for n in (1, 3, 4, 10, 11, 16)] == [3, 3, 10, 10, None, None]
+    assert graphs.graph_size(2, 2) is None       # a row of two tokens: not a decode-only step
