@@ -15,7 +15,8 @@ from mini_engine.distributed import (TensorParallel, abandon_process_group, chec
                                      leave_process_group, min_over_ranks)
 from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
-from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
+from mini_engine.kernels.paged_attention import (decode_workspace_numel, eager_decode_num_splits, prefill_block_q,
+                                                prefill_work)
 from mini_engine.kernels.rotary_kv import FP8_DTYPES
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
@@ -818,9 +819,13 @@ class ModelRunner:
         t = self.inputs[turn].stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
                                      top_k, top_p, lora_column, logits_indices], num_tokens, num_rows, width,
                                     len(temperatures), len(logits_indices), len(work))
+        decode_splits = None
+        if graph_size is None and max_query_len == 1 and self.triton_attention:
+            decode_splits = eager_decode_num_splits(num_rows, self.num_kv_heads, max_seq_len, self.device)
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
-                                 max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None)
+                                 max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None,
+                                 decode_splits=decode_splits)
         return t, meta
 
     @staticmethod

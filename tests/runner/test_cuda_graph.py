@@ -106,6 +106,25 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
     assert staged.logits_indices.tolist() == eager.logits_indices.tolist() == list(range(13))
 
 
+def test_an_eager_decode_step_rounds_its_split_count(tiny_checkpoint):
+    """A decode step laid out for a graph leaves the split count to the kernel's rule (fixed at
+    capture by the graph's batch size and max_model_len); an eager one passes the rule's count for
+    its own batch and longest context, rounded down to a power of two (eager_decode_num_splits),
+    so that eager runs compile few variants of the kernel. Mixed steps take the prefill kernel."""
+    pytest.importorskip("triton")
+    from mini_engine.kernels.paged_attention import eager_decode_num_splits
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
+                                      max_num_seqs=24, block_size=4, kernels="attention"))
+    rows = _decode_rows(2, 4, SamplingParams(temperature=0, max_tokens=4))      # contexts 5 and 12
+    rows.append(BatchRow([100], 90, list(range(30, 53)), True, rows[0].params))  # 91: two 64-token tiles
+    _, graph_meta = runner.prepare_inputs(rows, graph_size=4)
+    _, eager_meta = runner.prepare_inputs(rows)
+    assert graph_meta.decode_splits is None
+    assert eager_meta.decode_splits == eager_decode_num_splits(3, runner.num_kv_heads, 91, runner.device) == 2
+    chunk = BatchRow(list(range(3, 9)), 0, [40, 41], True, rows[0].params)
+    assert runner.prepare_inputs(rows + [chunk])[1].decode_splits is None
+
+
 def test_top_k_rows_stage_their_top_k_and_top_p(tiny_checkpoint):
     """The top-k sampler's inputs, staged with the step's: a sampling row's top_k where
     kernels/top_k_sampling.py draws it (1 to 64, temperature above 0), else 0, and its top_p;
