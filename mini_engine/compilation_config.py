@@ -1,7 +1,8 @@
 """vLLM's compilation_config, for the part of it that a mini_engine run has: the CUDA graphs of
 decode-only steps (runner/cuda_graph.py). mini_engine compiles nothing with torch.compile, so
-vLLM's compile settings are read and ignored (with a warning), and its graph modes that also
-capture steps with prompt tokens mean what this engine does: such steps run eager.
+vLLM's compile settings are read and ignored (with a warning), its graph modes that also capture
+steps with prompt tokens mean what this engine does (such steps run eager), and of its -O levels
+only -O0's "no graphs" applies.
 
 Which batch sizes are captured, as vLLM's three ways of saying it:
 - cudagraph_capture_sizes: these sizes (sizes above max_num_seqs are dropped: no step has more rows);
@@ -11,6 +12,8 @@ A decode step of n rows replays the graph of the smallest captured size >= n, pa
 more rows than the largest runs eager. Fewer sizes take less start-up time and less memory
 (benchmarks/NOTES.md, entry 68, has what each costs on the H200)."""
 import numbers
+import os
+import sys
 import warnings
 from dataclasses import dataclass, fields
 
@@ -22,7 +25,8 @@ CUDAGRAPH_MODES_READ_AS_DECODE_ONLY = ("FULL", "PIECEWISE", "FULL_AND_PIECEWISE"
 TORCH_COMPILE_FIELDS = ("level", "mode", "backend", "compile_sizes", "custom_ops", "splitting_ops", "use_inductor",
                         "inductor_compile_config", "inductor_passes", "pass_config", "compile_mm_encoder",
                         "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "full_cuda_graph", "use_cudagraph",
-                        "debug_dump_path", "cache_dir", "compile_cache_save_format", "use_inductor_graph_partition")
+                        "debug_dump_path", "cache_dir", "compile_cache_save_format", "use_inductor_graph_partition",
+                        "cudagraph_specialize_lora", "dynamic_shapes_config", "local_cache_dir", "fast_moe_cold_start")
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -31,6 +35,16 @@ def default_capture_sizes(max_size: int) -> list[int]:
     time and memory of twice the graphs."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_size] + list(range(16, max_size, 16))
     return sizes + [max_size]
+
+
+def _warn(message: str) -> None:
+    """A warning shown at the caller's line: the first frame outside mini_engine (and outside the
+    dataclass's generated __init__), as Python 3.12's skip_file_prefixes would."""
+    package, level = os.path.dirname(os.path.abspath(__file__)), 1
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level + 1)     # (1 would be this function)
 
 
 def _is_int(value) -> bool:
@@ -60,15 +74,16 @@ class CompilationConfig:
 
     @classmethod
     def resolve(cls, given: "dict | int | CompilationConfig | None") -> "CompilationConfig":
-        """given as vLLM takes it: a dict of its fields, an int (vLLM's -O level, a torch.compile
-        setting: ignored), or a CompilationConfig. Checked here, so that a bad value fails before
+        """given as vLLM takes it: a dict of its fields, a CompilationConfig, or an int, vLLM's -O
+        optimization level: 0 captures no graphs (as vLLM's -O0), 1 to 3 the default ones (the rest
+        of what a level sets is torch.compile's). Checked here, so that a bad value fails before
         the model loads."""
         if given is None:
             return cls()
         if _is_int(given):
-            warnings.warn(f"compilation_config={given}: a torch.compile level, which mini_engine does not use "
-                          "(it has no torch.compile); ignored", stacklevel=3)
-            return cls()
+            if not 0 <= given <= 3:
+                raise ValueError(f"compilation_config as an optimization level (-O) must be 0 to 3, got {given}")
+            return cls("NONE" if given == 0 else "FULL_DECODE_ONLY")
         if isinstance(given, CompilationConfig):
             given = {f.name: getattr(given, f.name) for f in fields(cls)}
         if not isinstance(given, dict):
@@ -80,14 +95,13 @@ class CompilationConfig:
                              f"(and ignores vLLM's torch.compile fields)")
         ignored = sorted(set(given) & set(TORCH_COMPILE_FIELDS))
         if ignored:
-            warnings.warn(f"compilation_config: {ignored} are vLLM's torch.compile settings, which mini_engine "
-                          "does not use (it has no torch.compile); ignored", stacklevel=3)
+            _warn(f"compilation_config: {ignored} are vLLM's torch.compile settings, which mini_engine does not "
+                  "use (it has no torch.compile); ignored")
         mode = given.get("cudagraph_mode")
         mode = "FULL_DECODE_ONLY" if mode is None else str(mode).upper()
         if mode in CUDAGRAPH_MODES_READ_AS_DECODE_ONLY:
-            warnings.warn(f"compilation_config: cudagraph_mode {mode} also captures steps with prompt tokens in "
-                          "vLLM; mini_engine runs those eager and captures decode-only steps (FULL_DECODE_ONLY)",
-                          stacklevel=3)
+            _warn(f"compilation_config: cudagraph_mode {mode} also captures steps with prompt tokens in vLLM; "
+                  "mini_engine runs those eager and captures decode-only steps (FULL_DECODE_ONLY)")
             mode = "FULL_DECODE_ONLY"
         elif mode not in CUDAGRAPH_MODES:
             raise ValueError(f"compilation_config: cudagraph_mode must be one of {CUDAGRAPH_MODES} or "
@@ -124,6 +138,6 @@ class CompilationConfig:
             return tuple(default_capture_sizes(min(max_size or max_num_seqs, max_num_seqs)))
         dropped = [s for s in sizes if s > max_num_seqs]
         if dropped:
-            warnings.warn(f"cudagraph_capture_sizes {dropped} are above max_num_seqs={max_num_seqs}, the most rows a "
-                          "step has: not captured", stacklevel=3)
+            _warn(f"cudagraph_capture_sizes {dropped} are above max_num_seqs={max_num_seqs}, the most rows a step "
+                  "has: not captured")
         return tuple(s for s in sizes if s <= max_num_seqs)

@@ -52,8 +52,6 @@ def test_sizes_above_max_num_seqs_are_dropped_with_a_warning(tiny_checkpoint):
 def test_no_graphs(tiny_checkpoint):
     assert sizes(tiny_checkpoint, cudagraph_capture_sizes=[]) == ()
     assert sizes(tiny_checkpoint, compilation_config={"cudagraph_mode": "none"}) == ()
-    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, cudagraph_capture_sizes=[]))
-    assert not runner.use_cuda_graphs
 
 
 @pytest.mark.parametrize("mode", ["FULL", "piecewise", "FULL_AND_PIECEWISE"])
@@ -64,12 +62,22 @@ def test_vllms_other_modes_capture_decode_steps_here(tiny_checkpoint, mode):
 
 
 def test_torch_compile_settings_are_ignored_with_a_warning(tiny_checkpoint):
-    with pytest.warns(UserWarning, match=r"\['custom_ops', 'level'\] are vLLM's torch.compile settings"):
+    with pytest.warns(UserWarning, match=r"\['custom_ops', 'level'\] are vLLM's torch.compile settings") as shown:
         got = sizes(tiny_checkpoint, max_num_seqs=8, compilation_config={"level": 3, "custom_ops": ["all"],
                                                                           "max_cudagraph_capture_size": 4})
     assert got == (1, 2, 4)
-    with pytest.warns(UserWarning, match="compilation_config=3: a torch.compile level"):
+    assert shown[0].filename == __file__         # the warning points at the caller's line, not at the engine's
+
+
+def test_an_optimization_level_as_vllms_dash_o(tiny_checkpoint):
+    """vLLM's -O0 turns CUDA graphs off; -O1 to -O3 keep the default ones (what else they set is
+    torch.compile's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sizes(tiny_checkpoint, max_num_seqs=8, compilation_config=0) == ()
         assert sizes(tiny_checkpoint, max_num_seqs=8, compilation_config=3) == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match="must be 0 to 3, got 4"):
+        sizes(tiny_checkpoint, compilation_config=4)
 
 
 def test_a_valid_config_warns_of_nothing(tiny_checkpoint):

@@ -55,8 +55,8 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self, padded_inputs: PaddedInputs) -> None:
-        """Every batch size, once for each turn, all in one memory pool: the graphs run one
-        at a time."""
+        """Each of batch_sizes, once for each turn, all in one memory pool: the graphs run one at a
+        time."""
         pool = None
         for turn in (0, 1):
             for bs in reversed(self.batch_sizes):      # largest first: the smaller ones reuse its pool

@@ -143,7 +143,8 @@ class DraftModel:
             if not spans:
                 return handle, sample_of, known
             # Decode rows only where all of them fit the runner's max_num_seqs rows (its samples'
-            # and graphs' size); else each sequence's tokens go in as one row.
+            # size; up to its largest captured size a step of them replays a graph); else each
+            # sequence's tokens go in as one row.
             splits = [end - start <= short and end == seqs[i].num_tokens for i, start, end in spans]
             num_rows = sum(end - start if split else 1 for (_, start, end), split in zip(spans, splits))
             if num_rows > self.config.max_num_seqs:

@@ -529,7 +529,10 @@ class ModelRunner:
         self.allocate_kv_cache(self.max_blocks)
         base = torch.cuda.memory_allocated(self.device)
         peaks = []
-        for rows in self.warmup_batches(list(range(self.max_blocks))):
+        batches = self.warmup_batches(list(range(self.max_blocks)))
+        if self.use_cuda_graphs:
+            batches.append(self.graph_sized_decode(list(range(self.max_blocks))))
+        for rows in batches:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.execute(rows)
             torch.cuda.synchronize(self.device)
@@ -538,12 +541,10 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak_transient = max(peaks)
         # CUDA graphs hold their static logits buffer, and a private pool about as large as the
-        # biggest decode step's activations (peaks[1]: max_num_seqs rows, so an upper bound where
-        # the largest captured size is smaller), which the eager path cannot reuse.
-        # (On the H200 the activations alone were 107 MiB against 134 MiB used: the buffers count.)
+        # largest captured decode step's activations (peaks[-1]), which the eager path cannot reuse.
         self.graph_reserve_bytes = 0
         if self.use_cuda_graphs:
-            self.graph_reserve_bytes = peaks[1] + CUDAGraphRunner.buffer_bytes(
+            self.graph_reserve_bytes = peaks[-1] + CUDAGraphRunner.buffer_bytes(
                 self.config.cuda_graph_sizes, self.model_config.vocab_size, self.dtype)
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
                   - self.graph_reserve_bytes - self.bytes_beside)
@@ -552,6 +553,16 @@ class ModelRunner:
             raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
                                "raise gpu_memory_utilization or lower max_num_batched_tokens/max_num_seqs")
         return num_blocks
+
+    def graph_sized_decode(self, block_table: list[int]) -> list[BatchRow]:
+        """A decode step as the largest CUDA graph runs it: its rows at max_model_len, sampling as the
+        graphs sample (within a top-k and a nucleus, the second graph's work; no fp32 copy of the
+        logits, no sort). Its peak sizes the graphs' reserve: warmup_batches' decode step, max_num_seqs
+        rows through the sampler's hungriest path, had set aside 1,666 MiB on the H200 for a pool of
+        58 MiB (benchmarks/NOTES.md, entry 68)."""
+        params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=1)
+        return [BatchRow([0], self.config.max_model_len - 1, block_table, True, params)
+                for _ in range(self.config.cuda_graph_sizes[-1])]
 
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
@@ -785,6 +796,10 @@ class ModelRunner:
         if graph_size is None:
             width, max_seq_len = max(len(r.block_table) for r in rows), max(seq_lens)
             max_query_len, num_rows = max(len(r.token_ids) for r in rows), len(rows)
+            if max_query_len == 1:
+                # Triton specialises the decode kernel on its table width being 1 or a multiple of
+                # 16: a width of 16s (or the widest) compiles one variant, not three, mid-run.
+                width = min(-(-width // 16) * 16, self.max_blocks)
             # Tokens past query_start_loc[-1]: no sequence's, so attention skips them. Only the
             # products and elementwise kernels see them.
             pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.triton_attention else 0

@@ -109,20 +109,28 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
 def test_an_eager_decode_step_rounds_its_split_count(tiny_checkpoint):
     """A decode step laid out for a graph leaves the split count to the kernel's rule (fixed at
     capture by the graph's batch size and max_model_len); an eager one passes the rule's count for
-    its own batch and longest context, rounded down to a power of two (eager_decode_num_splits),
-    so that eager runs compile few variants of the kernel. Mixed steps take the prefill kernel."""
+    its own batch and longest context rounded down to a power of two (eager_decode_num_splits), and
+    a table as wide as its longest row rounded up to 16 entries: so that eager runs compile few
+    variants of the kernel. Mixed steps take the prefill kernel."""
     pytest.importorskip("triton")
-    from mini_engine.kernels.paged_attention import eager_decode_num_splits
-    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=64, max_model_len=100,
+    from mini_engine.kernels.paged_attention import decode_num_splits, eager_decode_num_splits
+    from mini_engine.kernels.triton_utils import num_sms
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=400,
                                       max_num_seqs=24, block_size=4, kernels="attention"))
-    rows = _decode_rows(2, 4, SamplingParams(temperature=0, max_tokens=4))      # contexts 5 and 12
-    rows.append(BatchRow([100], 90, list(range(30, 53)), True, rows[0].params))  # 91: two 64-token tiles
-    _, graph_meta = runner.prepare_inputs(rows, graph_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    rows = [BatchRow([100], 299, list(range(75)), True, params)]        # 300 tokens: five 64-token tiles
+    _, graph_meta = runner.prepare_inputs(rows, graph_size=1)
     _, eager_meta = runner.prepare_inputs(rows)
-    assert graph_meta.decode_splits is None
-    assert eager_meta.decode_splits == eager_decode_num_splits(3, runner.num_kv_heads, 91, runner.device) == 2
-    chunk = BatchRow(list(range(3, 9)), 0, [40, 41], True, rows[0].params)
-    assert runner.prepare_inputs(rows + [chunk])[1].decode_splits is None
+    assert graph_meta.decode_splits is None and graph_meta.block_tables.shape[1] == 100
+    rule = decode_num_splits(1, runner.num_kv_heads, 300, 64, num_sms(runner.device), 3)
+    assert rule == 5 and eager_meta.decode_splits == eager_decode_num_splits(1, runner.num_kv_heads, 300,
+                                                                             runner.device) == 4
+    assert eager_meta.block_tables.shape[1] == 80                        # 75 entries, rounded up to 16s
+    short = [BatchRow([100], 9, [3, 4, 5], True, params)]
+    assert runner.prepare_inputs(short)[1].block_tables.shape[1] == 16
+    chunk = BatchRow(list(range(3, 9)), 0, [40, 41], True, params)
+    mixed = runner.prepare_inputs(rows + [chunk])[1]
+    assert mixed.decode_splits is None and mixed.block_tables.shape[1] == 75    # the prefill kernel's: as they are
 
 
 def test_top_k_rows_stage_their_top_k_and_top_p(tiny_checkpoint):
@@ -316,3 +324,50 @@ def test_only_the_given_sizes_are_captured_and_larger_steps_run_eager(tiny_check
     del llm, graphs
     eager = LLM(tiny_checkpoint, **options, enforce_eager=True).generate(prompts, params, use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in eager]
+
+
+def test_a_step_above_the_largest_captured_size_runs_eager(tiny_checkpoint):
+    """With graphs captured up to 10 rows, a decode step of 11 rows never touches them (it runs the
+    eager forward, with the eager path's tokens) while one of 2 rows replays the graph of 3. On the
+    CPU the runner holds no graphs: the graph runner here is one whose replay is recorded."""
+    config = EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=100, max_num_seqs=24,
+                          block_size=4)
+    runner = ModelRunner(config)
+    replays = []
+
+    class Replayed(Exception):
+        pass
+
+    def replay(bs, turn, top_k=False):
+        replays.append(bs)
+        raise Replayed
+    runner.graph_runner = CUDAGraphRunner(runner.model, (3, 10), torch.device("cpu"), runner.sampled_tokens,
+                                          runner.take_prev_tokens, None)
+    runner.graph_runner.replay = replay
+    rows = _decode_rows(11, 4, SamplingParams(temperature=0, max_tokens=4))
+    eager = ModelRunner(config).execute(rows)
+    assert runner.execute(rows) == eager and replays == []
+    with pytest.raises(Replayed):
+        runner.execute(rows[:2])
+    assert replays == [3]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the KV pool is sized from GPU memory on CUDA only")
+def test_the_graphs_reserve_covers_their_pool_and_follows_the_largest_size(tiny_checkpoint):
+    """The memory set aside for the graphs when the KV pool is sized is measured on a decode step of
+    the largest captured size (graph_sized_decode): it covers the pool the graphs then take, and
+    graphs up to 8 rows set aside less than graphs up to 64."""
+    import gc
+    from mini_engine import LLM
+    reserves = {}
+    for largest in (64, 8):
+        llm = LLM(tiny_checkpoint, device="cuda", max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.5,
+                  max_cudagraph_capture_size=largest)
+        runner = llm.engine.runner
+        assert runner.graph_runner.batch_sizes[-1] == largest
+        assert 0 < runner.cuda_graph_pool_bytes <= runner.graph_reserve_bytes
+        reserves[largest] = runner.graph_reserve_bytes
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert reserves[8] < reserves[64]
