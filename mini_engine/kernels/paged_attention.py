@@ -364,17 +364,6 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(triton.cdiv(slots, programs), tiles, 64))
 
 
-def eager_decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """decode_num_splits for an eager launch (max_seq_len the step's longest context), rounded down
-    to a power of two. A CUDA graph fixes its split count at capture; an eager step's would follow
-    its batch and its longest context from step to step, and each new count is another variant of
-    the kernel for Triton to compile, ~0.4 s on the H200, in the middle of a run (24 of them in a
-    run of the benchmark without graphs; benchmarks/NOTES.md, entry 68). Rounded, an eager run
-    meets at most seven counts. Never more than the rule's, so the runner's workspace holds them."""
-    splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, DECODE_TILE_N, num_sms(device), DECODE_STAGES)
-    return 1 << (splits.bit_length() - 1)
-
-
 # How many block-table entries a decode program keeps in registers (one, four or eight a thread at
 # 4 warps): the smallest of these that holds every block a tile can reach. A few sizes, not one per
 # table width, so that an eager run, whose tables are as wide as the batch's longest sequence,
@@ -598,15 +587,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
                     prefill_work: torch.Tensor | None = None,
-                    decode_workspace: torch.Tensor | None = None, decode_splits: int | None = None) -> torch.Tensor:
+                    decode_workspace: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
     queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch (over
     prefill_work, where given), with decode_workspace holding the decode splits' partial results
-    where given, and decode_splits programs a sequence and KV head (None: decode_num_splits's rule).
-    Every host choice of the decode path depends on shapes and the host ints only, so it can be
-    graph-captured (pass max_seq_len = max_model_len there)."""
+    where given. Every host choice of the decode path depends on shapes and the two host ints only,
+    so it can be graph-captured (pass max_seq_len = max_model_len there)."""
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      max_seq_len, out, num_splits=decode_splits, workspace=decode_workspace)
+                                      max_seq_len, out, workspace=decode_workspace)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                    prefill_work)

@@ -15,8 +15,7 @@ from mini_engine.distributed import (TensorParallel, abandon_process_group, chec
                                      leave_process_group, min_over_ranks)
 from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
-from mini_engine.kernels.paged_attention import (decode_workspace_numel, eager_decode_num_splits, prefill_block_q,
-                                                prefill_work)
+from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
 from mini_engine.kernels.rotary_kv import FP8_DTYPES
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
@@ -796,10 +795,14 @@ class ModelRunner:
         if graph_size is None:
             width, max_seq_len = max(len(r.block_table) for r in rows), max(seq_lens)
             max_query_len, num_rows = max(len(r.token_ids) for r in rows), len(rows)
-            if max_query_len == 1:
-                # Triton specialises the decode kernel on its table width being 1 or a multiple of
-                # 16: a width of 16s (or the widest) compiles one variant, not three, mid-run.
-                width = min(-(-width // 16) * 16, self.max_blocks)
+            if max_query_len == 1 and self.triton_attention:
+                # An eager decode step is launched as the graph of its batch size is: tables
+                # max_model_len wide, and the split count for max_model_len. Its attention then
+                # matches that graph's bit for bit, and Triton compiles a variant of the kernel for
+                # each split count the batch sizes give (14 on the H200), not for every split count
+                # and table width that batch sizes and longest contexts give: 24 of ~0.4 s each,
+                # mid-run, in the benchmark without graphs (benchmarks/NOTES.md, entry 68).
+                width, max_seq_len = self.max_blocks, self.config.max_model_len
             # Tokens past query_start_loc[-1]: no sequence's, so attention skips them. Only the
             # products and elementwise kernels see them.
             pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.triton_attention else 0
@@ -834,13 +837,9 @@ class ModelRunner:
         t = self.inputs[turn].stage([*columns, seeds, seq_lens, query_start_loc, block_tables, temperatures, work,
                                      top_k, top_p, lora_column, logits_indices], num_tokens, num_rows, width,
                                     len(temperatures), len(logits_indices), len(work))
-        decode_splits = None
-        if graph_size is None and max_query_len == 1 and self.triton_attention:
-            decode_splits = eager_decode_num_splits(num_rows, self.num_kv_heads, max_seq_len, self.device)
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
-                                 max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None,
-                                 decode_splits=decode_splits)
+                                 max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None)
         return t, meta
 
     @staticmethod

@@ -528,6 +528,7 @@ def test_stop_strings_match_plain_decoding(tokenized_model):
 def test_structured_outputs_get_no_drafts(tokenized_model):
     """A request held to a grammar gets no drafts (a draft row has no grammar mask): its output is
     plain decoding's, and matches the grammar, beside a free request that does get drafts."""
+    pytest.importorskip("xgrammar")
     from mini_engine.structured_outputs import StructuredOutputsParams
     plain_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64)
     spec_llm = LLM(tokenized_model, device="cpu", num_kv_blocks=64, speculative_config=NGRAM)

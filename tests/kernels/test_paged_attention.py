@@ -211,30 +211,6 @@ def test_decode_split_count():
     assert decode_num_splits(15, 8, 2048, 64, 132, 5) == 4           # outside the table: as 3 stages
 
 
-def test_eager_split_counts_are_few(device, monkeypatch):
-    """An eager decode step's split count is the rule's rounded down to a power of two, so that a
-    run whose batches shrink and contexts grow meets at most seven counts (each a Triton variant),
-    not one for every (batch, longest context) the rule tells apart: on the H200's 132 SMs, 6 against 50. A
-    launch with such a count matches the reference."""
-    import mini_engine.kernels.paged_attention as kernels
-    dev = torch.device(device)
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "num_sms", lambda _: 132)
-        rule, eager = set(), set()
-        for num_seqs in range(1, 257):
-            for max_len in range(1, 4097, 37):
-                exact = kernels.decode_num_splits(num_seqs, 8, max_len, 64, 132, DECODE_STAGES)
-                rounded = kernels.eager_decode_num_splits(num_seqs, 8, max_len, dev)
-                assert rounded <= exact < 2 * rounded and rounded & (rounded - 1) == 0
-                rule.add(exact)
-                eager.add(rounded)
-        assert len(rule) == 50 and eager == {1, 2, 4, 8, 16, 32}
-    batch = make_batch([1] * 3, [130, 17, 64], 4, 2, 16, device)
-    splits = kernels.eager_decode_num_splits(3, 2, 130, dev)
-    assert splits > 1
-    check(paged_decode_attention(*batch, HEAD_DIM ** -0.5, max_seq_len=130, num_splits=splits), *batch)
-
-
 def test_decode_splits_in_a_given_workspace(device):
     """The splits' partial results in a caller's workspace (the runner's one scratch for every
     layer), sized by decode_workspace_numel for any batch up to its maximum; a workspace too

@@ -106,31 +106,28 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
     assert staged.logits_indices.tolist() == eager.logits_indices.tolist() == list(range(13))
 
 
-def test_an_eager_decode_step_rounds_its_split_count(tiny_checkpoint):
-    """A decode step laid out for a graph leaves the split count to the kernel's rule (fixed at
-    capture by the graph's batch size and max_model_len); an eager one passes the rule's count for
-    its own batch and longest context rounded down to a power of two (eager_decode_num_splits), and
-    a table as wide as its longest row rounded up to 16 entries: so that eager runs compile few
-    variants of the kernel. Mixed steps take the prefill kernel."""
+def test_an_eager_decode_step_is_launched_as_its_graph_is(tiny_checkpoint):
+    """An eager decode step (Triton attention) takes the launch shape of the graph of its batch
+    size: tables max_model_len wide and max_model_len as the bound its split count is reckoned for,
+    so that its attention matches the graph's and Triton compiles one decode variant for each
+    batch size's split count, not one for each longest context and table width. A mixed step's
+    tables are as wide as its longest row (the prefill kernel does not specialise on it)."""
     pytest.importorskip("triton")
-    from mini_engine.kernels.paged_attention import decode_num_splits, eager_decode_num_splits
-    from mini_engine.kernels.triton_utils import num_sms
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=400,
                                       max_num_seqs=24, block_size=4, kernels="attention"))
     params = SamplingParams(temperature=0, max_tokens=4)
-    rows = [BatchRow([100], 299, list(range(75)), True, params)]        # 300 tokens: five 64-token tiles
-    _, graph_meta = runner.prepare_inputs(rows, graph_size=1)
+    rows = _decode_rows(3, 4, params)                 # contexts 6, 13 and 20: tables of 2, 4 and 5 blocks
+    _, graph_meta = runner.prepare_inputs(rows, graph_size=4)
     _, eager_meta = runner.prepare_inputs(rows)
-    assert graph_meta.decode_splits is None and graph_meta.block_tables.shape[1] == 100
-    rule = decode_num_splits(1, runner.num_kv_heads, 300, 64, num_sms(runner.device), 3)
-    assert rule == 5 and eager_meta.decode_splits == eager_decode_num_splits(1, runner.num_kv_heads, 300,
-                                                                             runner.device) == 4
-    assert eager_meta.block_tables.shape[1] == 80                        # 75 entries, rounded up to 16s
-    short = [BatchRow([100], 9, [3, 4, 5], True, params)]
-    assert runner.prepare_inputs(short)[1].block_tables.shape[1] == 16
+    assert eager_meta.block_tables.shape == (3, 100) and graph_meta.block_tables.shape == (4, 100)
+    assert eager_meta.max_seq_len == graph_meta.max_seq_len == 400
+    assert torch.equal(eager_meta.block_tables, graph_meta.block_tables[:3])
     chunk = BatchRow(list(range(3, 9)), 0, [40, 41], True, params)
     mixed = runner.prepare_inputs(rows + [chunk])[1]
-    assert mixed.decode_splits is None and mixed.block_tables.shape[1] == 75    # the prefill kernel's: as they are
+    assert mixed.block_tables.shape == (4, 5) and mixed.max_seq_len == 20
+    plain = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=400,
+                                     max_num_seqs=24, block_size=4, kernels="none"))
+    assert plain.prepare_inputs(rows)[1].block_tables.shape == (3, 5)    # the PyTorch path gathers by the width
 
 
 def test_top_k_rows_stage_their_top_k_and_top_p(tiny_checkpoint):
@@ -361,7 +358,7 @@ def test_the_graphs_reserve_covers_their_pool_and_follows_the_largest_size(tiny_
     from mini_engine import LLM
     reserves = {}
     for largest in (64, 8):
-        llm = LLM(tiny_checkpoint, device="cuda", max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.5,
+        llm = LLM(tiny_checkpoint, device="cuda", max_num_seqs=64, max_model_len=512, gpu_memory_utilization=0.5,
                   max_cudagraph_capture_size=largest)
         runner = llm.engine.runner
         assert runner.graph_runner.batch_sizes[-1] == largest
