@@ -68,6 +68,12 @@ def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[lis
     return sample_rows, token_rows
 
 
+# What a CUDA graphs' pool takes beyond its allocations at the least: PyTorch's caching allocator
+# gives it whole segments, one of 2 MiB for its small blocks and one of 20 MiB for blocks of 1-10
+# MiB. A tiny model's graphs took exactly these 22 MiB on the H200 for a 2 MiB peak
+# (benchmarks/NOTES.md, entry 68).
+GRAPH_POOL_SEGMENTS_BYTES = 22 * 2**20
+
 # The dtypes the model may run in, by name (torch's aliases included).
 MODEL_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "half": torch.float16, "float64": torch.float64, "double": torch.float64}
@@ -540,10 +546,11 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak_transient = max(peaks)
         # CUDA graphs hold their static logits buffer, and a private pool about as large as the
-        # largest captured decode step's activations (peaks[-1]), which the eager path cannot reuse.
+        # largest captured decode step's activations (peaks[-1]), which the eager path cannot reuse,
+        # in whole segments of the caching allocator.
         self.graph_reserve_bytes = 0
         if self.use_cuda_graphs:
-            self.graph_reserve_bytes = peaks[-1] + CUDAGraphRunner.buffer_bytes(
+            self.graph_reserve_bytes = peaks[-1] + GRAPH_POOL_SEGMENTS_BYTES + CUDAGraphRunner.buffer_bytes(
                 self.config.cuda_graph_sizes, self.model_config.vocab_size, self.dtype)
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
                   - self.graph_reserve_bytes - self.bytes_beside)
