@@ -35,7 +35,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 from tqdm import tqdm
 
-from mini_engine.serve import add_model_options, build_served_app, check_model_options
+from mini_engine.serve import add_model_options, build_served_app, check_model_options, parse_command_line
 from mini_engine.server.middleware import ENGINE_ROUTES
 from mini_engine.server.protocol import error_body, random_id
 
@@ -331,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="requests running at once (default: 2 x max_num_seqs for each engine, as vLLM's)")
     add_model_options(parser)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     check_model_options(parser, args)
     if args.max_in_flight is not None and args.max_in_flight < 1:
         parser.error("--max-in-flight must be at least 1")

@@ -6,12 +6,14 @@ import argparse
 import json
 import logging
 import os
+import sys
 import types
 import typing
 from dataclasses import MISSING, fields
 
 from mini_engine.chat_template import compiled, load_chat_template
 from mini_engine.config import OWN_SAMPLING_DEFAULTS, EngineConfig
+from mini_engine.json_arguments import expand_json_arguments
 from mini_engine.server.lora_modules import LoRAModulePath, parse_lora_module
 from mini_engine.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserOptions
 from mini_engine.server.serving_options import RESPONSE_ROLE, ServingOptions
@@ -51,6 +53,27 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                                help="qualified names (package.module:Class)")
         else:
             group.add_argument(*flags, dest=f.name, type=kind, default=default, help=f"default: {default}")
+
+
+def json_option_flags() -> dict[str, str]:
+    """Each option string of the engine's JSON options, to its long flag."""
+    flags = {}
+    for f in engine_option_fields():
+        if option_type(f.type) is dict:
+            long_flag = "--" + f.name.replace("_", "-")
+            flags |= {flag: long_flag for flag in (long_flag, *SHORT_FLAGS.get(f.name, ()))}
+    return flags
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parser.parse_args, with the JSON options also taken key by key, as vLLM's
+    (`--speculative-config.num_speculative_tokens 4`; mini_engine/json_arguments.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_json_arguments(argv, json_option_flags())
+    except ValueError as e:
+        parser.error(str(e))
+    return parser.parse_args(argv)
 
 
 def lora_module(item: str) -> LoRAModulePath:
@@ -200,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mini_engine.serve", description=__doc__.split("\n\n")[0])
     add_deployment_options(parser)
     add_model_options(parser)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     check_model_options(parser, args)
     if args.ssl_keyfile and not args.ssl_certfile:       # else uvicorn fails, once the model has loaded
         parser.error("--ssl-keyfile needs --ssl-certfile")
