@@ -38,13 +38,15 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 def _warn(message: str) -> None:
-    """A warning shown at the caller's line: the first frame outside mini_engine (and outside the
-    dataclass's generated __init__), as Python 3.12's skip_file_prefixes would."""
-    package, level = os.path.dirname(os.path.abspath(__file__)), 1
+    """A warning shown at the caller's line: the first frame outside mini_engine and the dataclass
+    __init__ that called into it, as Python 3.12's skip_file_prefixes would; the caller's caller
+    where there is none (a run of `python -m mini_engine...`)."""
+    package, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, 1
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"):
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or (frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__")):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level + 1)     # (1 would be this function)
+    warnings.warn(message, stacklevel=level + 1 if frame is not None else 3)     # (1 would be this function)
 
 
 def _is_int(value) -> bool:
@@ -87,7 +89,8 @@ class CompilationConfig:
         if isinstance(given, CompilationConfig):
             given = {f.name: getattr(given, f.name) for f in fields(cls)}
         if not isinstance(given, dict):
-            raise ValueError(f"compilation_config must be a dict of vLLM's fields, got {given!r}")
+            raise ValueError(f"compilation_config must be a dict of vLLM's fields (or an -O level, 0 to 3), "
+                             f"got {given!r}")
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(given) - set(known) - set(TORCH_COMPILE_FIELDS))
         if unknown:

@@ -367,7 +367,7 @@ class LLMEngine:
         prompt given as embeddings, whose placeholder ids a proposer would read as its tokens. Where it
         looked and found none, the proposer backs off (MAX_DRAFT_BACKOFF_STEPS)."""
         spec = self.config.speculative_config
-        spare_rows = self.spare_draft_rows()
+        spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
         looked = found = False
         for seq in self.scheduler.running:
             room = self.draft_room(seq, seq.num_tokens, spare_rows)
@@ -391,17 +391,6 @@ class LLMEngine:
             self.draft_backoff = self.next_draft_backoff
             self.next_draft_backoff = min(2 * self.next_draft_backoff, MAX_DRAFT_BACKOFF_STEPS)
 
-    def spare_draft_rows(self) -> int:
-        """How many rows a step's drafts may take: up to max_num_seqs rows in all, or, where the
-        decode graphs stop short of that (max_cudagraph_capture_size) and the running sequences
-        alone fit the largest, up to its rows: a verifying step of more rows runs eager, which took
-        2.2x a graph's time at 129-256 rows on the H200 (benchmarks/NOTES.md, entry 68)."""
-        running = len(self.scheduler.running)
-        graphs = getattr(self.runner, "graph_runner", None)
-        if graphs is not None and running <= graphs.batch_sizes[-1]:
-            return graphs.batch_sizes[-1] - running
-        return self.config.max_num_seqs - running
-
     def draft_room(self, seq: Sequence, num_tokens: int, spare_rows: int) -> int:
         """How many drafts seq may take at num_tokens tokens: the most speculative_config gives, as
         many as its request may still take, while the step has rows to spare."""
@@ -421,7 +410,7 @@ class LLMEngine:
         seqs, proposal = self.proposal
         where = {seq: (position, first) for seq, position, first in verifying.first_samples()}
         guess = []
-        spare_rows = self.spare_draft_rows()
+        spare_rows = self.config.max_num_seqs - len(self.scheduler.running)
         for seq, drafts in zip(seqs, proposal.num_drafts):
             position, first = where[seq]
             num_tokens = position + drafts + 1

@@ -587,14 +587,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None,
                     prefill_work: torch.Tensor | None = None,
-                    decode_workspace: torch.Tensor | None = None) -> torch.Tensor:
+                    decode_workspace: torch.Tensor | None = None, decode_splits: int | None = None) -> torch.Tensor:
     """paged_attention_ref on the GPU: q [T, Hq, D] -> out [T, Hq, D]. A batch of single-token
     queries (max_query_len == 1) takes flash-decoding; anything else one varlen launch (over
     prefill_work, where given), with decode_workspace holding the decode splits' partial results
-    where given. Every host choice of the decode path depends on shapes and the two host ints only,
+    where given, and decode_splits programs a sequence and KV head (None: decode_num_splits's rule
+    for the batch). Every host choice of the decode path depends on shapes and the host ints only,
     so it can be graph-captured (pass max_seq_len = max_model_len there)."""
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      max_seq_len, out, workspace=decode_workspace)
+                                      max_seq_len, out, num_splits=decode_splits, workspace=decode_workspace)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                    prefill_work)

@@ -19,6 +19,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int                # an upper bound on seq_lens (CUDA graphs pass max_model_len)
     prefill_work: torch.Tensor | None = None    # [I, 4] int32: the varlen kernel's work list (prefill_work)
+    # Programs a sequence and KV head of a decode-only step (None: the kernel's rule for the step's
+    # rows; an eager step passes its graph size's, ModelRunner.prepare_inputs).
+    decode_splits: int | None = None
 
 
 class Attention(nn.Module):
@@ -40,7 +43,8 @@ class Attention(nn.Module):
             from mini_engine.kernels.paged_attention import paged_attention
             return paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                                   prefill_work=meta.prefill_work, decode_workspace=self.decode_workspace)
+                                   prefill_work=meta.prefill_work, decode_workspace=self.decode_workspace,
+                                   decode_splits=meta.decode_splits)
         return self.forward_eager(q, meta)
 
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

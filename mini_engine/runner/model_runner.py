@@ -15,7 +15,10 @@ from mini_engine.distributed import (TensorParallel, abandon_process_group, chec
                                      leave_process_group, min_over_ranks)
 from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
-from mini_engine.kernels.paged_attention import decode_workspace_numel, prefill_block_q, prefill_work
+from mini_engine.compilation_config import default_capture_sizes
+from mini_engine.kernels.paged_attention import (DECODE_STAGES, DECODE_TILE_N, decode_num_splits,
+                                                decode_workspace_numel, prefill_block_q, prefill_work)
+from mini_engine.kernels.triton_utils import num_sms
 from mini_engine.kernels.rotary_kv import FP8_DTYPES
 from mini_engine.kernels.sampling import sample
 from mini_engine.layers.attention import AttentionMetadata
@@ -68,10 +71,10 @@ def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[lis
     return sample_rows, token_rows
 
 
-# What a CUDA graphs' pool takes beyond its allocations at the least: PyTorch's caching allocator
-# gives it whole segments, one of 2 MiB for its small blocks and one of 20 MiB for blocks of 1-10
-# MiB. A tiny model's graphs took exactly these 22 MiB on the H200 for a 2 MiB peak
-# (benchmarks/NOTES.md, entry 68).
+# What a CUDA graphs' pool takes at the least, whatever its allocations: PyTorch's caching
+# allocator gives it whole segments, one of 2 MiB for its small blocks and one of 20 MiB for blocks
+# of 1-10 MiB. A tiny model's graphs took exactly these 22 MiB on the H200 for a 2 MiB peak
+# (benchmarks/NOTES.md, entry 68). A floor, not a bound: the warning after capture is the check.
 GRAPH_POOL_SEGMENTS_BYTES = 22 * 2**20
 
 # The dtypes the model may run in, by name (torch's aliases included).
@@ -546,12 +549,12 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak_transient = max(peaks)
         # CUDA graphs hold their static logits buffer, and a private pool about as large as the
-        # largest captured decode step's activations (peaks[-1]), which the eager path cannot reuse,
-        # in whole segments of the caching allocator.
+        # largest captured decode step's activations, which the eager path cannot reuse, in whole
+        # segments of the caching allocator. The eager step measured (peaks[-1]) held both: its
+        # logits are as large as the graphs' buffer.
         self.graph_reserve_bytes = 0
         if self.use_cuda_graphs:
-            self.graph_reserve_bytes = peaks[-1] + GRAPH_POOL_SEGMENTS_BYTES + CUDAGraphRunner.buffer_bytes(
-                self.config.cuda_graph_sizes, self.model_config.vocab_size, self.dtype)
+            self.graph_reserve_bytes = peaks[-1] + GRAPH_POOL_SEGMENTS_BYTES
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
                   - self.graph_reserve_bytes - self.bytes_beside)
         num_blocks = int(budget // ((self.kv_bytes_per_token + self.kv_bytes_beside) * self.block_size))
@@ -567,7 +570,9 @@ class ModelRunner:
         rows through the sampler's hungriest path, had set aside 1,666 MiB on the H200 for a pool of
         58 MiB (benchmarks/NOTES.md, entry 68)."""
         params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=1)
-        return [BatchRow([0], self.config.max_model_len - 1, block_table, True, params)
+        # Seeded, so that it draws nothing from the engine's stream of seeds for unseeded requests:
+        # their outputs are then the same whatever the graphs.
+        return [BatchRow([0], self.config.max_model_len - 1, block_table, True, params, seed=0)
                 for _ in range(self.config.cuda_graph_sizes[-1])]
 
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
@@ -799,17 +804,20 @@ class ModelRunner:
                 # Seeded rows draw from their own stream; the rest get a fresh seed every step.
                 seeds.append(row.seed if row.seed is not None else self.rng.getrandbits(31))
         num_decodes = len(input_ids)        # the leading single-token rows
+        decode_splits = None
         if graph_size is None:
             width, max_seq_len = max(len(r.block_table) for r in rows), max(seq_lens)
             max_query_len, num_rows = max(len(r.token_ids) for r in rows), len(rows)
             if max_query_len == 1 and self.triton_attention:
-                # An eager decode step is launched as the graph of its batch size is: tables
-                # max_model_len wide, and the split count for max_model_len. Its attention then
-                # matches that graph's bit for bit, and Triton compiles a variant of the kernel for
-                # each split count the batch sizes give (14 on the H200), not for every split count
-                # and table width that batch sizes and longest contexts give: 24 of ~0.4 s each,
-                # mid-run, in the benchmark without graphs (benchmarks/NOTES.md, entry 68).
+                # An eager decode step's attention is launched as the graph it would pad to launches
+                # it: tables max_model_len wide, and that graph's split count. Each row's attention
+                # then matches the graph's bit for bit, and Triton compiles a variant of the kernel
+                # for each captured size's split count, not for every split count and table width
+                # that batch sizes and longest contexts give: 24 of ~0.4 s each, mid-run, in the
+                # benchmark without graphs (benchmarks/NOTES.md, entry 68).
                 width, max_seq_len = self.max_blocks, self.config.max_model_len
+                decode_splits = decode_num_splits(self.graph_size_for(num_rows), self.num_kv_heads, max_seq_len,
+                                                  DECODE_TILE_N, num_sms(self.device), DECODE_STAGES)
             # Tokens past query_start_loc[-1]: no sequence's, so attention skips them. Only the
             # products and elementwise kernels see them.
             pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.triton_attention else 0
@@ -846,8 +854,15 @@ class ModelRunner:
                                     len(temperatures), len(logits_indices), len(work))
         meta = AttentionMetadata(slot_mapping=t.slot_mapping, query_start_loc=t.query_start_loc, seq_lens=t.seq_lens,
                                  block_tables=t.block_tables, num_decodes=num_decodes, max_query_len=max_query_len,
-                                 max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None)
+                                 max_seq_len=max_seq_len, prefill_work=t.prefill_work if len(work) else None,
+                                 decode_splits=decode_splits)
         return t, meta
+
+    def graph_size_for(self, num_rows: int) -> int:
+        """The captured size a decode step of num_rows pads to (the default ladder's where no graphs
+        are captured); num_rows itself above the largest."""
+        sizes = self.config.cuda_graph_sizes or default_capture_sizes(self.config.max_num_seqs)
+        return next((size for size in sizes if size >= num_rows), num_rows)
 
     @staticmethod
     def padded_block_table(row: BatchRow, width: int) -> np.ndarray:

@@ -705,24 +705,3 @@ def test_a_bad_word_is_banned_in_draft_rows_too():
             engine.step()
         assert seq.output_token_ids == expected_output(CYCLE, 40, [], bad=(bad,)), bad
         assert bad not in seq.output_token_ids and engine.spec_decode_stats.num_draft_tokens > 0
-
-
-@pytest.mark.parametrize("num_requests, most_rows", [(2, 4), (5, 8)])
-def test_drafts_stay_within_the_largest_decode_graph(num_requests, most_rows):
-    """With decode graphs captured up to 4 rows (max_cudagraph_capture_size) under max_num_seqs 8,
-    drafts fill a step up to 4 rows while the running sequences alone fit in 4, so that the verifying
-    step replays a graph rather than running eager; with more sequences running than that, up to
-    max_num_seqs rows as before. Drafts are proposed either way (the prompts repeat, and so does the
-    stand-in's output)."""
-    import types
-    engine = make_engine(128, 4, 8, 256, True, NGRAM)
-    engine.runner.graph_runner = types.SimpleNamespace(batch_sizes=[1, 2, 4])
-    sizes, launch = [], engine.runner.launch
-
-    def recording_launch(rows):
-        if all(len(row.token_ids) == 1 for row in rows):
-            sizes.append(len(rows))
-        return launch(rows)
-    engine.runner.launch = recording_launch
-    run(engine, [([1, 2, 3] * 5, 30, []) for _ in range(num_requests)])
-    assert max(sizes) == most_rows and engine.spec_decode_stats.num_drafts > 0

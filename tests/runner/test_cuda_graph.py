@@ -107,27 +107,35 @@ def test_a_step_staged_for_a_graph_lands_where_the_graph_reads(tiny_checkpoint):
 
 
 def test_an_eager_decode_step_is_launched_as_its_graph_is(tiny_checkpoint):
-    """An eager decode step (Triton attention) takes the launch shape of the graph of its batch
-    size: tables max_model_len wide and max_model_len as the bound its split count is reckoned for,
-    so that its attention matches the graph's and Triton compiles one decode variant for each
-    batch size's split count, not one for each longest context and table width. A mixed step's
-    tables are as wide as its longest row (the prefill kernel does not specialise on it)."""
+    """An eager decode step (Triton attention) takes the launch shape of the graph it would pad to:
+    tables max_model_len wide, max_model_len as the bound on its contexts, and that graph's split
+    count, so that each row's attention matches the graph's and Triton compiles one decode variant
+    for each captured size's split count, not one for each batch, longest context and table width.
+    Above the largest captured size, the step's own rows' count. A mixed step's tables are as wide
+    as its longest row (the prefill kernel does not specialise on it)."""
     pytest.importorskip("triton")
-    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=400,
-                                      max_num_seqs=24, block_size=4, kernels="attention"))
+    from mini_engine.kernels.paged_attention import decode_num_splits
     params = SamplingParams(temperature=0, max_tokens=4)
-    rows = _decode_rows(3, 4, params)                 # contexts 6, 13 and 20: tables of 2, 4 and 5 blocks
-    _, graph_meta = runner.prepare_inputs(rows, graph_size=4)
-    _, eager_meta = runner.prepare_inputs(rows)
-    assert eager_meta.block_tables.shape == (3, 100) and graph_meta.block_tables.shape == (4, 100)
+    rows = _decode_rows(5, 4, params)                 # contexts 6 to 34: tables of 2 to 9 blocks
+
+    def runner(**options):
+        return ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=400,
+                                        max_num_seqs=24, block_size=4, **options))
+
+    graphs = runner(kernels="attention")
+    _, graph_meta = graphs.prepare_inputs(rows, graph_size=8)
+    _, eager_meta = graphs.prepare_inputs(rows)
+    assert eager_meta.block_tables.shape == (5, 100) and graph_meta.block_tables.shape == (8, 100)
     assert eager_meta.max_seq_len == graph_meta.max_seq_len == 400
-    assert torch.equal(eager_meta.block_tables, graph_meta.block_tables[:3])
+    assert torch.equal(eager_meta.block_tables, graph_meta.block_tables[:5])
+    splits = [decode_num_splits(n, 2, 400, 64, 4, 3) for n in (8, 5)]     # the interpreter counts 4 SMs
+    assert graph_meta.decode_splits is None and splits == [1, 2]          # the graph's rule, at 8 rows: 1
+    assert eager_meta.decode_splits == 1
+    assert runner(kernels="attention", max_cudagraph_capture_size=4).prepare_inputs(rows)[1].decode_splits == 2
     chunk = BatchRow(list(range(3, 9)), 0, [40, 41], True, params)
-    mixed = runner.prepare_inputs(rows + [chunk])[1]
-    assert mixed.block_tables.shape == (4, 5) and mixed.max_seq_len == 20
-    plain = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=400,
-                                     max_num_seqs=24, block_size=4, kernels="none"))
-    assert plain.prepare_inputs(rows)[1].block_tables.shape == (3, 5)    # the PyTorch path gathers by the width
+    mixed = graphs.prepare_inputs(rows + [chunk])[1]
+    assert mixed.block_tables.shape == (6, 9) and mixed.max_seq_len == 34 and mixed.decode_splits is None
+    assert runner(kernels="none").prepare_inputs(rows)[1].block_tables.shape == (5, 9)   # the PyTorch path's
 
 
 def test_top_k_rows_stage_their_top_k_and_top_p(tiny_checkpoint):
@@ -368,3 +376,16 @@ def test_the_graphs_reserve_covers_their_pool_and_follows_the_largest_size(tiny_
         gc.collect()
         torch.cuda.empty_cache()
     assert reserves[8] < reserves[64]
+
+
+def test_the_graph_sized_warm_up_step_draws_no_seeds(tiny_checkpoint):
+    """The decode step that sizes the graphs' reserve (largest captured size, at max_model_len) is
+    seeded: staging it leaves the engine's stream of seeds for unseeded requests where it was, so
+    that their outputs are the same with graphs and without."""
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=100,
+                                      max_num_seqs=24, block_size=4, max_cudagraph_capture_size=16))
+    rows = runner.graph_sized_decode(list(range(runner.max_blocks)))
+    assert len(rows) == 16 and {row.start_position for row in rows} == {99}
+    state = runner.rng.getstate()
+    runner.prepare_inputs(rows)
+    assert runner.rng.getstate() == state
