@@ -84,11 +84,11 @@ def expand_json_arguments(argv: list[str], flags: dict[str, str]) -> list[str]:
             token = out[at]
             if "=" in token:
                 text = token.split("=", 1)[1]
-            elif token[:2] != token and not token.startswith("--"):
-                text = token[2:]                              # -O3
-            else:
+            elif token in flags:
                 text = out[at + 1] if at + 1 < len(out) else ""
                 drop.add(at + 1)
+            else:
+                text = token[2:]                              # a short flag's value attached: -O3
             drop.add(at)
             value = _value(text)
             if not isinstance(value, dict):

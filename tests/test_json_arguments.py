@@ -36,8 +36,8 @@ def test_keys_are_merged_over_the_whole_json_wherever_it_stands():
     assert expand_json_arguments(argv, FLAGS) == [
         "--port", "9000", "--compilation-config",
         '{"cudagraph_mode": "NONE", "max_cudagraph_capture_size": 8, "x": {"a": 1, "b": 2}}']
-    assert expand_json_arguments(["-cc={\"a\": 1}", "-cc.b", "2"], FLAGS) == ["--compilation-config",
-                                                                             '{"a": 1, "b": 2}']
+    for whole in (["-cc={\"a\": 1}"], ["-cc", '{"a": 1}'], ["-O", '{"a": 1}'], ['-O{"a": 1}']):
+        assert expand_json_arguments([*whole, "-cc.b", "2"], FLAGS) == ["--compilation-config", '{"a": 1, "b": 2}']
 
 
 def test_a_command_line_without_keys_is_left_as_it_is():
