@@ -38,15 +38,15 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 def _warn(message: str) -> None:
-    """A warning shown at the caller's line: the first frame outside mini_engine and the dataclass
-    __init__ that called into it, as Python 3.12's skip_file_prefixes would; the caller's caller
-    where there is none (a run of `python -m mini_engine...`)."""
+    """A warning shown at the caller's line: the first frame outside mini_engine, the dataclass
+    __init__ that called into it and runpy, as Python 3.12's skip_file_prefixes would; the engine's
+    own line where there is none (a run of `python -m mini_engine...`)."""
     package, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, 1
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
+    while frame is not None and (frame.f_code.co_filename.startswith((package, "<frozen"))
                                  or (frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__")):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level + 1 if frame is not None else 3)     # (1 would be this function)
+    warnings.warn(message, stacklevel=level + 1 if frame is not None else 2)     # (1 would be this function)
 
 
 def _is_int(value) -> bool:

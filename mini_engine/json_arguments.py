@@ -48,23 +48,29 @@ def expand_json_arguments(argv: list[str], flags: dict[str, str]) -> list[str]:
     """argv with every JSON option given key by key turned into one whole-JSON argument. flags:
     each option string of a JSON option ("--compilation-config", "-cc", ...) to the option's long
     flag. Raises ValueError, for the parser to report, on a key without a value or keys given
-    beside a whole value that is not a JSON object."""
-    keys: dict[str, dict] = {}          # long flag -> the keys given one by one
-    whole: dict[str, list[int]] = {}    # long flag -> where its whole-JSON arguments lie in argv
+    beside a whole value that is not a JSON object. (The parser must not take abbreviated flags,
+    which this would not know for the option's.)"""
+    keys: dict[str, dict] = {}                  # long flag -> the keys given one by one
+    whole: dict[str, tuple[int, str]] = {}      # long flag -> its last whole value: (where in out, its flag)
     out, i = [], 0
     # Longest first, so that "--compilation-config." is not read as a shorter flag's key.
     ordered = sorted(flags, key=len, reverse=True)
     while i < len(argv):
         token = argv[i]
-        flag = next((f for f in ordered if token.startswith(f + ".")), None)
-        if flag is None:
-            name = token.split("=", 1)[0]
-            if name in flags or (token[:2] in flags and not token.startswith("--")):   # -O3 as -O 3
-                whole.setdefault(flags.get(name, flags.get(token[:2])), []).append(len(out))
+        if token == "--":                       # what follows is positional
+            out += argv[i:]
+            break
+        keyed = next((f for f in ordered if token.startswith(f + ".")), None)
+        if keyed is None:
+            # A whole value: "--flag JSON", "--flag=JSON", or a short flag's attached "-O3".
+            flag = next((f for f in ordered if token == f or token.startswith(f + "=")
+                         or (not f.startswith("--") and token.startswith(f))), None)
+            if flag is not None:
+                whole[flags[flag]] = (len(out), flag)
             out.append(token)
             i += 1
             continue
-        path, sep, value = token[len(flag) + 1:].partition("=")
+        path, sep, value = token[len(keyed) + 1:].partition("=")
         if not sep:
             if i + 1 >= len(argv):
                 raise ValueError(f"{token}: expected a value after it")
@@ -73,28 +79,27 @@ def expand_json_arguments(argv: list[str], flags: dict[str, str]) -> list[str]:
         path = path.removesuffix("+").split(".")
         if not all(path):
             raise ValueError(f"{token}: a key is empty")
-        _set(keys.setdefault(flags[flag], {}), path, value, append, flag)
+        _set(keys.setdefault(flags[keyed], {}), path, value, append, keyed)
         i += 1
     if not keys:
         return argv
     drop = set()
     for long_flag, given in keys.items():
         base = {}
-        for at in whole.get(long_flag, []):
+        if long_flag in whole:      # as argparse would, the last whole value counts
+            at, flag = whole[long_flag]
             token = out[at]
-            if "=" in token:
-                text = token.split("=", 1)[1]
-            elif token in flags:
+            drop.add(at)
+            if token == flag:
                 text = out[at + 1] if at + 1 < len(out) else ""
                 drop.add(at + 1)
             else:
-                text = token[2:]                              # a short flag's value attached: -O3
-            drop.add(at)
-            value = _value(text)
-            if not isinstance(value, dict):
+                text = token[len(flag):].removeprefix("=")
+            base = _value(text)
+            if not isinstance(base, dict):
                 raise ValueError(f"{long_flag} is given as {text!r} and key by key: keys need a JSON object")
-            _merge(base, value)
-        given = _merge(base, given)
-        keys[long_flag] = given
+        keys[long_flag] = _merge(base, given)
     rest = [token for at, token in enumerate(out) if at not in drop]
-    return rest + [arg for long_flag, given in keys.items() for arg in (long_flag, json.dumps(given))]
+    end = rest.index("--") if "--" in rest else len(rest)
+    expanded = [arg for long_flag, given in keys.items() for arg in (long_flag, json.dumps(given))]
+    return rest[:end] + expanded + rest[end:]

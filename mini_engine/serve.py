@@ -69,6 +69,8 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
     """parser.parse_args, with the JSON options also taken key by key, as vLLM's
     (`--speculative-config.num_speculative_tokens 4`; mini_engine/json_arguments.py)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # As vLLM's parser: no abbreviated flags, which the JSON options' expansion could not tell.
+    parser.allow_abbrev = False
     try:
         argv = expand_json_arguments(argv, json_option_flags())
     except ValueError as e:

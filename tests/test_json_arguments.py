@@ -74,3 +74,21 @@ def test_the_batch_runner_takes_keys_too(tmp_path):
     args = batch_args(["-i", str(requests), "-o", str(tmp_path / "out.jsonl"), "--speculative-config.method", "ngram",
                        "--speculative-config.num_speculative_tokens", "2"])
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+
+
+def test_the_last_whole_value_counts_as_argparse_would_take_it():
+    argv = ["--compilation-config", '{"a": 1}', "--compilation-config", '{"b": 2}', "-cc.c", "3"]
+    assert expand_json_arguments(argv, FLAGS) == ["--compilation-config", '{"a": 1}', "--compilation-config",
+                                                  '{"b": 2, "c": 3}']
+    assert parse_args(argv).compilation_config == {"b": 2, "c": 3}
+    # An attached short value keeps an "=" of its own; options after "--" stay positional.
+    assert expand_json_arguments(['-O{"x": "a=b"}', "-cc.y", "1", "--", "-cc.z"], FLAGS) == [
+        "--compilation-config", '{"x": "a=b", "y": 1}', "--", "-cc.z"]
+
+
+def test_abbreviated_flags_are_refused(capsys):
+    """argparse would take `--compilation-conf` for `--compilation-config`, which the keys' merge
+    cannot see: as vLLM's parser, this one takes no abbreviations."""
+    with pytest.raises(SystemExit):
+        parse_args(["--compilation-conf", '{"a": 1}', "-cc.c", "3"])
+    assert "unrecognized arguments" in capsys.readouterr().err

@@ -389,3 +389,13 @@ def test_the_graph_sized_warm_up_step_draws_no_seeds(tiny_checkpoint):
     state = runner.rng.getstate()
     runner.prepare_inputs(rows)
     assert runner.rng.getstate() == state
+
+
+def test_without_captured_sizes_an_eager_step_reckons_the_default_ladders_split(tiny_checkpoint):
+    """With no graphs captured (cudagraph_mode NONE) an eager decode step still takes the split
+    count of the default ladder's size it would pad to, so that a run without graphs compiles as
+    few decode variants as one with them."""
+    runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=128, max_model_len=400,
+                                      max_num_seqs=24, block_size=4, compilation_config={"cudagraph_mode": "NONE"}))
+    assert runner.config.cuda_graph_sizes == ()
+    assert [runner.graph_size_for(n) for n in (1, 3, 5, 9, 17, 24)] == [1, 4, 8, 16, 24, 24]
