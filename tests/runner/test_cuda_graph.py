@@ -25,8 +25,8 @@ def test_batch_size_ladder():
 
 @pytest.mark.parametrize("sizes", [(1, 2, 4, 8, 16, 24), (3, 10)])
 def test_reserved_bytes_cover_the_static_buffers(tiny_checkpoint, sizes):
-    """The KV pool is sized leaving room for the graphs' logits buffer, as large as the largest
-    captured size: the estimate must be exact."""
+    """The graphs' logits buffer is as large as the largest captured size, and buffer_bytes (what a
+    draft model's graphs set aside for it) is its exact size."""
     runner = ModelRunner(EngineConfig(tiny_checkpoint, device="cpu", num_kv_blocks=8, max_model_len=100))
     graphs = CUDAGraphRunner(runner.model, sizes, torch.device("cpu"), runner.sampled_tokens, runner.take_prev_tokens,
                              None)
