@@ -37,6 +37,12 @@ def default_capture_sizes(max_size: int) -> list[int]:
     return sizes + [max_size]
 
 
+def padded_size(sizes: tuple[int, ...] | list[int], num_rows: int) -> int | None:
+    """The smallest of the ascending sizes that holds num_rows: the captured size a decode step of
+    num_rows pads to; None above the largest."""
+    return next((size for size in sizes if size >= num_rows), None)
+
+
 def _warn(message: str) -> None:
     """A warning shown at the caller's line: the first frame outside mini_engine, the dataclass
     __init__ that called into it and runpy, as Python 3.12's skip_file_prefixes would; the engine's

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from mini_engine.compilation_config import padded_size
 from mini_engine.kernels.top_k_sampling import sample_top_k
 from mini_engine.layers.attention import AttentionMetadata
 from mini_engine.runner.batch import StepTensors
@@ -83,9 +84,7 @@ class CUDAGraphRunner:
 
     def graph_size(self, num_rows: int, max_query_len: int) -> int | None:
         """The captured batch size a step of num_rows single-token rows pads to; None: no graph."""
-        if max_query_len != 1 or num_rows > self.batch_sizes[-1]:
-            return None
-        return next(size for size in self.batch_sizes if size >= num_rows)
+        return padded_size(self.batch_sizes, num_rows) if max_query_len == 1 else None
 
     def replay(self, bs: int, turn: int, top_k: bool = False) -> torch.Tensor:
         """Logits of the step whose inputs were staged for bs rows in that turn: [bs, vocab],

@@ -15,7 +15,7 @@ from mini_engine.distributed import (TensorParallel, abandon_process_group, chec
                                      leave_process_group, min_over_ranks)
 from mini_engine.kernels import KERNEL_NAMES, resolve_kernels
 from mini_engine.kernels.prev_tokens import take_prev_tokens, take_prev_tokens_ref
-from mini_engine.compilation_config import default_capture_sizes
+from mini_engine.compilation_config import default_capture_sizes, padded_size
 from mini_engine.kernels.paged_attention import (DECODE_STAGES, DECODE_TILE_N, decode_num_splits,
                                                 decode_workspace_numel, prefill_block_q, prefill_work)
 from mini_engine.kernels.triton_utils import num_sms
@@ -274,6 +274,8 @@ class ModelRunner:
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager and bool(config.cuda_graph_sizes)
                                 and "attention" in self.kernels and not self.pooling)
         self.graph_runner = None
+        # The sizes an eager decode step reckons its attention's split count for (graph_size_for).
+        self.padding_sizes = config.cuda_graph_sizes or tuple(default_capture_sizes(config.max_num_seqs))
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
         self.cuda_graph_capture_s = self.cuda_graph_pool_bytes = None     # measured at capture
         self.decode_workspace = None
@@ -861,8 +863,7 @@ class ModelRunner:
     def graph_size_for(self, num_rows: int) -> int:
         """The captured size a decode step of num_rows pads to (the default ladder's where no graphs
         are captured); num_rows itself above the largest."""
-        sizes = self.config.cuda_graph_sizes or default_capture_sizes(self.config.max_num_seqs)
-        return next((size for size in sizes if size >= num_rows), num_rows)
+        return padded_size(self.padding_sizes, num_rows) or num_rows
 
     @staticmethod
     def padded_block_table(row: BatchRow, width: int) -> np.ndarray:
