@@ -385,8 +385,10 @@ def main(argv=None) -> int:
     graphs = result["engine_config"].get("cuda_graph_capture_s")
     if graphs is not None:
         cfg = result["engine_config"]
-        sizes = cfg["cuda_graph_sizes"]
-        print(f"CUDA graphs: {len(sizes)} batch sizes ({sizes[0]} to {sizes[-1]}) captured in {graphs:.1f} s, pool "
+        sizes, pieces = cfg["cuda_graph_sizes"], cfg["piecewise_graph_sizes"]
+        what = [f"{len(sizes)} decode batch sizes ({sizes[0]} to {sizes[-1]})" if sizes else "",
+                f"{len(pieces)} piecewise token counts ({pieces[0]} to {pieces[-1]})" if pieces else ""]
+        print(f"CUDA graphs: {' and '.join(w for w in what if w)} captured in {graphs:.1f} s, pool "
               f"{cfg['cuda_graph_pool_bytes'] / 2**20:.0f} MiB "
               f"(set aside when sizing the KV pool: {cfg['cuda_graph_reserve_bytes'] / 2**20:.0f} MiB)")
     if result["engine_config"].get("gemm_warmup_s") is not None:

@@ -1,26 +1,41 @@
-"""vLLM's compilation_config, for the part of it that a mini_engine run has: the CUDA graphs of
-decode-only steps (runner/cuda_graph.py). mini_engine compiles nothing with torch.compile, so
-vLLM's compile settings are read and ignored (with a warning), its graph modes that also capture
-steps with prompt tokens mean what this engine does (such steps run eager), and of its -O levels
-only -O0's "no graphs" applies.
+"""vLLM's compilation_config, for the part of it that a mini_engine run has: its CUDA graphs.
+mini_engine compiles nothing with torch.compile, so vLLM's compile settings are read and ignored
+(with a warning), and of its -O levels only -O0's "no graphs" applies.
 
-Which batch sizes are captured, as vLLM's three ways of saying it:
-- cudagraph_capture_sizes: these sizes (sizes above max_num_seqs are dropped: no step has more rows);
+cudagraph_mode, as vLLM's:
+- "FULL_AND_PIECEWISE" (the default, as vLLM's): each decode-only step replays a graph of its whole
+  step (runner/cuda_graph.py); every other step of few enough tokens replays piecewise graphs, the
+  forward between attentions, with attention eager (runner/piecewise_graph.py);
+- "FULL_DECODE_ONLY": the decode graphs only; other steps run eager;
+- "PIECEWISE": piecewise graphs for every step, decode steps too;
+- "NONE": no graphs (as enforce_eager). vLLM's "FULL" also captures mixed steps whole: read here as
+  FULL_AND_PIECEWISE, with a warning.
+
+Which sizes are captured, as vLLM's three ways of saying it:
+- cudagraph_capture_sizes: these sizes (rows of a decode graph, tokens of a piecewise one);
 - max_cudagraph_capture_size: the default ladder up to this size;
-- neither: the default ladder up to max_num_seqs.
-A decode step of n rows replays the graph of the smallest captured size >= n, padded; a step of
-more rows than the largest runs eager. Fewer sizes take less start-up time and less memory
-(benchmarks/NOTES.md, entry 68, has what each costs on the H200)."""
+- neither: the default ladder up to max_num_seqs, and for the piecewise graphs on to
+  PIECEWISE_MAX_TOKENS (mixed steps have more tokens than rows: default_piecewise_sizes).
+A step pads to the smallest captured size that holds it; a larger one runs eager. Decode graphs
+are captured at sizes up to max_num_seqs (no decode step has more rows), piecewise ones up to
+max_num_batched_tokens. Fewer sizes take less start-up time and less memory
+(benchmarks/NOTES.md, entries 68 and 69, have what each costs on the H200)."""
 import numbers
 import os
 import sys
 import warnings
 from dataclasses import dataclass, fields
 
-# "FULL_DECODE_ONLY": each decode-only step replays a graph of the whole forward; "NONE": no graphs
-# (as enforce_eager). vLLM's other modes capture mixed steps as well; here they run eager.
-CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
-CUDAGRAPH_MODES_READ_AS_DECODE_ONLY = ("FULL", "PIECEWISE", "FULL_AND_PIECEWISE")
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
+DEFAULT_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"
+WITH_DECODE_GRAPHS = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+WITH_PIECEWISE_GRAPHS = ("FULL_AND_PIECEWISE", "PIECEWISE")
+# The default piecewise ladder past the decode graphs' sizes: every 16th token count to 256, then
+# every PIECEWISE_STEP-th to PIECEWISE_MAX_TOKENS. A mixed step's GPU time reaches an eager step's
+# host time (~10 ms on the H200) only at several thousand tokens, but each size is
+# num_hidden_layers + 1 more graphs to capture.
+PIECEWISE_STEP = 256
+PIECEWISE_MAX_TOKENS = 2048
 # vLLM's torch.compile settings (and older spellings of its graph switches): accepted, not used.
 TORCH_COMPILE_FIELDS = ("level", "mode", "backend", "compile_sizes", "custom_ops", "splitting_ops", "use_inductor",
                         "inductor_compile_config", "inductor_passes", "pass_config", "compile_mm_encoder",
@@ -35,6 +50,16 @@ def default_capture_sizes(max_size: int) -> list[int]:
     time and memory of twice the graphs."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_size] + list(range(16, max_size, 16))
     return sizes + [max_size]
+
+
+def default_piecewise_sizes(decode_max: int, max_tokens: int) -> list[int]:
+    """The decode ladder up to decode_max, then on to 256 by 16 and to PIECEWISE_MAX_TOKENS by
+    PIECEWISE_STEP, none above max_tokens (max_num_batched_tokens), which ends the ladder where it
+    lies below PIECEWISE_MAX_TOKENS."""
+    sizes = default_capture_sizes(min(decode_max, max_tokens))
+    on = [*range(16, 257, 16), *range(256 + PIECEWISE_STEP, PIECEWISE_MAX_TOKENS + 1, PIECEWISE_STEP)]
+    sizes += [n for n in on if sizes[-1] < n <= max_tokens]
+    return sizes + [max_tokens] if sizes[-1] < max_tokens <= PIECEWISE_MAX_TOKENS else sizes
 
 
 def padded_size(sizes: tuple[int, ...] | list[int], num_rows: int) -> int | None:
@@ -73,10 +98,10 @@ def _check_max_size(value, name: str) -> int:
 
 @dataclass(slots=True)
 class CompilationConfig:
-    """As vLLM's (vllm.config.CompilationConfig), its CUDA-graph fields: cudagraph_mode,
-    "FULL_DECODE_ONLY" or "NONE" (vLLM's "FULL", "PIECEWISE" and "FULL_AND_PIECEWISE" are read as
-    the first, with a warning); cudagraph_capture_sizes; max_cudagraph_capture_size."""
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    """As vLLM's (vllm.config.CompilationConfig), its CUDA-graph fields: cudagraph_mode (one of
+    CUDAGRAPH_MODES; vLLM's "FULL" is read as "FULL_AND_PIECEWISE", with a warning);
+    cudagraph_capture_sizes; max_cudagraph_capture_size."""
+    cudagraph_mode: str = DEFAULT_CUDAGRAPH_MODE
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
 
@@ -91,7 +116,7 @@ class CompilationConfig:
         if _is_int(given):
             if not 0 <= given <= 3:
                 raise ValueError(f"compilation_config as an optimization level (-O) must be 0 to 3, got {given}")
-            return cls("NONE" if given == 0 else "FULL_DECODE_ONLY")
+            return cls("NONE" if given == 0 else DEFAULT_CUDAGRAPH_MODE)
         if isinstance(given, CompilationConfig):
             given = {f.name: getattr(given, f.name) for f in fields(cls)}
         if not isinstance(given, dict):
@@ -107,14 +132,14 @@ class CompilationConfig:
             _warn(f"compilation_config: {ignored} are vLLM's torch.compile settings, which mini_engine does not "
                   "use (it has no torch.compile); ignored")
         mode = given.get("cudagraph_mode")
-        mode = "FULL_DECODE_ONLY" if mode is None else str(mode).upper()
-        if mode in CUDAGRAPH_MODES_READ_AS_DECODE_ONLY:
-            _warn(f"compilation_config: cudagraph_mode {mode} also captures steps with prompt tokens in vLLM; "
-                  "mini_engine runs those eager and captures decode-only steps (FULL_DECODE_ONLY)")
-            mode = "FULL_DECODE_ONLY"
+        mode = DEFAULT_CUDAGRAPH_MODE if mode is None else str(mode).upper()
+        if mode == "FULL":
+            _warn("compilation_config: cudagraph_mode FULL also captures steps with prompt tokens whole in vLLM; "
+                  "mini_engine captures those piecewise, attention eager (FULL_AND_PIECEWISE)")
+            mode = "FULL_AND_PIECEWISE"
         elif mode not in CUDAGRAPH_MODES:
-            raise ValueError(f"compilation_config: cudagraph_mode must be one of {CUDAGRAPH_MODES} or "
-                             f"{CUDAGRAPH_MODES_READ_AS_DECODE_ONLY}, got {given.get('cudagraph_mode')!r}")
+            raise ValueError(f"compilation_config: cudagraph_mode must be one of {CUDAGRAPH_MODES} or FULL, "
+                             f"got {given.get('cudagraph_mode')!r}")
         return cls(mode).merged(given.get("cudagraph_capture_sizes"), given.get("max_cudagraph_capture_size"),
                                 "compilation_config: ")
 
@@ -136,17 +161,38 @@ class CompilationConfig:
                                  self.max_cudagraph_capture_size if max_capture_size is None else max_capture_size)
 
     def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
-        """The batch sizes to capture, ascending; () for none."""
-        if self.cudagraph_mode == "NONE":
+        """The decode graphs' batch sizes, ascending; () for none."""
+        if self.cudagraph_mode not in WITH_DECODE_GRAPHS:
             return ()
+        self.check_agreement()
+        sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if sizes is None:
+            return tuple(default_capture_sizes(min(max_size or max_num_seqs, max_num_seqs)))
+        dropped = [s for s in sizes if s > max_num_seqs]
+        # (In FULL_AND_PIECEWISE they are the piecewise graphs' token counts.)
+        if dropped and self.cudagraph_mode == "FULL_DECODE_ONLY":
+            _warn(f"cudagraph_capture_sizes {dropped} are above max_num_seqs={max_num_seqs}, the most rows a step "
+                  "has: not captured")
+        return tuple(s for s in sizes if s <= max_num_seqs)
+
+    def piecewise_sizes(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
+        """The piecewise graphs' token counts, ascending; () for none."""
+        if self.cudagraph_mode not in WITH_PIECEWISE_GRAPHS:
+            return ()
+        self.check_agreement()
+        sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if sizes is not None:
+            dropped = [s for s in sizes if s > max_num_batched_tokens]
+            if dropped:
+                _warn(f"cudagraph_capture_sizes {dropped} are above max_num_batched_tokens={max_num_batched_tokens}, "
+                      "the most tokens a step has: not captured")
+            return tuple(s for s in sizes if s <= max_num_batched_tokens)
+        if max_size is not None:
+            return tuple(default_capture_sizes(min(max_size, max_num_batched_tokens)))
+        return tuple(default_piecewise_sizes(max_num_seqs, max_num_batched_tokens))
+
+    def check_agreement(self) -> None:
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
         if sizes is not None and max_size is not None and (not sizes or sizes[-1] != max_size):
             raise ValueError(f"max_cudagraph_capture_size {max_size} is not the largest of cudagraph_capture_sizes "
                              f"{sizes}: give one of them, or both in agreement")
-        if sizes is None:
-            return tuple(default_capture_sizes(min(max_size or max_num_seqs, max_num_seqs)))
-        dropped = [s for s in sizes if s > max_num_seqs]
-        if dropped:
-            _warn(f"cudagraph_capture_sizes {dropped} are above max_num_seqs={max_num_seqs}, the most rows a step "
-                  "has: not captured")
-        return tuple(s for s in sizes if s <= max_num_seqs)

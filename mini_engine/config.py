@@ -260,11 +260,11 @@ class EngineConfig:
     # is importable, none on CPU), "none", or a comma-separated subset of kernels.KERNEL_NAMES.
     kernels: str = "auto"
     enforce_eager: bool = False        # True: never use CUDA graphs
-    # As vLLM's: which decode batch sizes are captured as CUDA graphs (mini_engine/compilation_config.py):
-    # compilation_config's cudagraph_mode ("FULL_DECODE_ONLY", or "NONE"), cudagraph_capture_sizes and
-    # max_cudagraph_capture_size; the last two may be given on their own instead (vLLM's
-    # --cudagraph-capture-sizes and --max-cudagraph-capture-size). A decode step of more rows than the
-    # largest captured size runs eager.
+    # As vLLM's: which steps are captured as CUDA graphs, and at which sizes (mini_engine/compilation_config.py):
+    # compilation_config's cudagraph_mode ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE" or
+    # "NONE"), cudagraph_capture_sizes and max_cudagraph_capture_size; the last two may be given on
+    # their own instead (vLLM's --cudagraph-capture-sizes and --max-cudagraph-capture-size). A step
+    # larger than the largest captured size runs eager.
     compilation_config: dict | CompilationConfig | int | None = None
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
@@ -345,6 +345,8 @@ class EngineConfig:
     # The decode batch sizes captured as CUDA graphs, ascending (where graphs run at all: CUDA, the
     # Triton attention kernel, not enforce_eager).
     cuda_graph_sizes: tuple[int, ...] = field(init=False, repr=False, default=())
+    # The token counts captured as piecewise CUDA graphs, ascending (runner/piecewise_graph.py).
+    piecewise_graph_sizes: tuple[int, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
         if self.block_size is None:
@@ -356,9 +358,10 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
         if self.max_num_seqs > 65535:      # the decode attention kernel puts sequences on CUDA's grid z
             raise ValueError(f"max_num_seqs must be <= 65535, got {self.max_num_seqs}")
-        self.cuda_graph_sizes = (CompilationConfig.resolve(self.compilation_config)
-                                 .merged(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size)
-                                 .capture_sizes(self.max_num_seqs))
+        compilation = (CompilationConfig.resolve(self.compilation_config)
+                       .merged(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size))
+        self.cuda_graph_sizes = compilation.capture_sizes(self.max_num_seqs)
+        self.piecewise_graph_sizes = compilation.piecewise_sizes(self.max_num_seqs, self.max_num_batched_tokens)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

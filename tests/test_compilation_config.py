@@ -1,7 +1,7 @@
 """vLLM's compilation_config and its two top-level flags, as far as a mini_engine run has them: which
-decode batch sizes are captured as CUDA graphs. (That a step pads to the next captured size and a
-larger one runs eager, with the eager path's tokens, is checked on CUDA in
-tests/runner/test_cuda_graph.py.)"""
+decode batch sizes are captured as CUDA graphs, and which token counts as piecewise ones. (That a
+step pads to the next captured size and a larger one runs eager, with the eager path's tokens, is
+checked on CUDA in tests/runner/test_cuda_graph.py and tests/runner/test_piecewise_graph.py.)"""
 import dataclasses
 import warnings
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mini_engine import CompilationConfig
-from mini_engine.compilation_config import default_capture_sizes
+from mini_engine.compilation_config import PIECEWISE_MAX_TOKENS, default_capture_sizes
 from mini_engine.config import EngineConfig
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
 from mini_engine.runner.model_runner import ModelRunner
@@ -18,6 +18,10 @@ from mini_engine.serve import parse_args
 
 def sizes(checkpoint, **kwargs) -> tuple[int, ...]:
     return EngineConfig(checkpoint, device="cpu", **kwargs).cuda_graph_sizes
+
+
+def pieces(checkpoint, **kwargs) -> tuple[int, ...]:
+    return EngineConfig(checkpoint, device="cpu", **kwargs).piecewise_graph_sizes
 
 
 def test_the_default_ladder_reaches_max_num_seqs(tiny_checkpoint):
@@ -45,20 +49,53 @@ def test_given_sizes_are_captured_sorted_once(tiny_checkpoint, given):
 
 
 def test_sizes_above_max_num_seqs_are_dropped_with_a_warning(tiny_checkpoint):
+    given = dict(max_num_seqs=16, cudagraph_capture_sizes=[2, 16, 32, 64])
     with pytest.warns(UserWarning, match=r"\[32, 64\] are above max_num_seqs=16"):
-        assert sizes(tiny_checkpoint, max_num_seqs=16, cudagraph_capture_sizes=[2, 16, 32, 64]) == (2, 16)
+        assert sizes(tiny_checkpoint, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"}, **given) == (2, 16)
+    # With piecewise graphs (the default) they are those graphs' token counts.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sizes(tiny_checkpoint, **given) == (2, 16)
+        assert pieces(tiny_checkpoint, **given) == (2, 16, 32, 64)
+    with pytest.warns(UserWarning, match=r"\[64\] are above max_num_batched_tokens=40"):
+        assert pieces(tiny_checkpoint, max_num_batched_tokens=40, **given) == (2, 16, 32)
+
+
+def test_the_piecewise_ladder_goes_on_past_max_num_seqs(tiny_checkpoint):
+    """Mixed steps have more tokens than rows: the default piecewise ladder is the decode one, then
+    every 16th count to 256 and every 256th to PIECEWISE_MAX_TOKENS, ending at
+    max_num_batched_tokens where that is lower."""
+    ladder = (*default_capture_sizes(256), *range(512, PIECEWISE_MAX_TOKENS + 1, 256))
+    assert pieces(tiny_checkpoint) == ladder and ladder[-1] == 2048
+    assert pieces(tiny_checkpoint, max_num_seqs=20) == (1, 2, 4, 8, 16, 20, *range(32, 257, 16), *ladder[20:])
+    assert pieces(tiny_checkpoint, max_num_batched_tokens=1000) == (*ladder[:22], 1000)
+    assert pieces(tiny_checkpoint, max_num_seqs=8, max_num_batched_tokens=8) == (1, 2, 4, 8)
+    # max_cudagraph_capture_size ends both ladders (as vLLM's), the piecewise one past max_num_seqs.
+    assert pieces(tiny_checkpoint, max_num_seqs=8, max_cudagraph_capture_size=40) == (1, 2, 4, 8, 16, 32, 40)
+    assert sizes(tiny_checkpoint, max_num_seqs=8, max_cudagraph_capture_size=40) == (1, 2, 4, 8)
 
 
 def test_no_graphs(tiny_checkpoint):
-    assert sizes(tiny_checkpoint, cudagraph_capture_sizes=[]) == ()
+    assert sizes(tiny_checkpoint, cudagraph_capture_sizes=[]) == pieces(tiny_checkpoint, cudagraph_capture_sizes=[]) == ()
     assert sizes(tiny_checkpoint, compilation_config={"cudagraph_mode": "none"}) == ()
+    assert pieces(tiny_checkpoint, compilation_config={"cudagraph_mode": "none"}) == ()
 
 
-@pytest.mark.parametrize("mode", ["FULL", "piecewise", "FULL_AND_PIECEWISE"])
-def test_vllms_other_modes_capture_decode_steps_here(tiny_checkpoint, mode):
-    with pytest.warns(UserWarning, match="captures decode-only steps"):
-        got = sizes(tiny_checkpoint, max_num_seqs=8, compilation_config={"cudagraph_mode": mode})
-    assert got == (1, 2, 4, 8)
+@pytest.mark.parametrize("mode, decode, piecewise", [("FULL_AND_PIECEWISE", True, True), ("full_decode_only", True, False),
+                                                     ("PIECEWISE", False, True)])
+def test_each_mode_captures_its_graphs(tiny_checkpoint, mode, decode, piecewise):
+    given = dict(max_num_seqs=8, max_num_batched_tokens=16, compilation_config={"cudagraph_mode": mode})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sizes(tiny_checkpoint, **given) == ((1, 2, 4, 8) if decode else ())
+        assert pieces(tiny_checkpoint, **given) == ((1, 2, 4, 8, 16) if piecewise else ())
+
+
+def test_vllms_full_mode_captures_mixed_steps_piecewise_here(tiny_checkpoint):
+    with pytest.warns(UserWarning, match="captures those piecewise"):
+        config = EngineConfig(tiny_checkpoint, device="cpu", max_num_seqs=8, max_num_batched_tokens=16,
+                              compilation_config={"cudagraph_mode": "FULL"})
+    assert config.cuda_graph_sizes == (1, 2, 4, 8) and config.piecewise_graph_sizes == (1, 2, 4, 8, 16)
 
 
 def test_torch_compile_settings_are_ignored_with_a_warning(tiny_checkpoint):
@@ -111,8 +148,9 @@ def test_a_copy_of_the_config_keeps_its_sizes(tiny_checkpoint):
     """The draft model's config is the target's, replaced (enforce_eager until it shares the pool):
     its sizes are worked out again from the same options."""
     config = EngineConfig(tiny_checkpoint, device="cpu", max_cudagraph_capture_size=24)
-    assert dataclasses.replace(config, enforce_eager=True).cuda_graph_sizes == config.cuda_graph_sizes == (1, 2, 4, 8,
-                                                                                                          16, 24)
+    copy = dataclasses.replace(config, enforce_eager=True)
+    assert copy.cuda_graph_sizes == config.cuda_graph_sizes == (1, 2, 4, 8, 16, 24)
+    assert copy.piecewise_graph_sizes == config.piecewise_graph_sizes == (1, 2, 4, 8, 16, 24)
 
 
 def test_the_server_takes_vllms_flags():

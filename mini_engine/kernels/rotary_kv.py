@@ -56,10 +56,10 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
                               q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float,
                               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               num_heads: int, num_kv_heads: int, head_dim: int,
-                              norm_input: torch.Tensor | None = None) -> torch.Tensor:
-    """qkv: [T, (Hq + 2 Hkv) D]. Returns the rotated, normed q as [T, Hq, D]. With norm_input
-    ([T, H]), qkv is first scaled row by row by 1/rms(norm_input): the rest of the decoder's input
-    RMSNorm, folded into the QKV projection (layers.linear.NormedPackedLinear)."""
+                              norm_input: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv: [T, (Hq + 2 Hkv) D]. Returns the rotated, normed q as [T, Hq, D] (in `out` when
+    given). With norm_input ([T, H]), qkv is first scaled row by row by 1/rms(norm_input): the rest
+    of the decoder's input RMSNorm, folded into the QKV projection (layers.linear.NormedPackedLinear)."""
     T = qkv.shape[0]
     if norm_input is not None:
         qkv = scale_by_inv_rms_ref(qkv, norm_input, eps)
@@ -70,7 +70,7 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_si
     q = apply_rope_ref(q, cos, sin)
     k = apply_rope_ref(k, cos, sin)
     write_kv_cache_ref(k, v.reshape(T, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
-    return q
+    return q if out is None else out.copy_(q)
 
 
 # ---- Triton ----
@@ -173,16 +173,17 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_ca
                           q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                           num_heads: int, num_kv_heads: int, head_dim: int,
-                          norm_input: torch.Tensor | None = None) -> torch.Tensor:
+                          norm_input: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused qk_norm_rope_kv_write_ref, one launch. qkv: [T, (Hq + 2 Hkv) D] with contiguous rows;
     caches [num_blocks, block_size, Hkv, D] with contiguous heads; norm_input, when given, [T, H]
-    contiguous. Returns q as [T, Hq, D]."""
+    contiguous. Returns q as [T, Hq, D], in `out` (contiguous) when given."""
     num_tokens = qkv.shape[0]
     assert qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.dtype == v_cache.dtype
     assert norm_input is None or norm_input.is_contiguous()
     hidden_size = 1 if norm_input is None else norm_input.shape[1]
-    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if out is None else out
+    assert q.shape == (num_tokens, num_heads, head_dim) and q.is_contiguous()
     if num_tokens:
         _qk_norm_rope_kv_write_kernel[(num_tokens,)](
             qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, q, k_cache, v_cache, slot_mapping,

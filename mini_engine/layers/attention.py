@@ -38,14 +38,21 @@ class Attention(nn.Module):
         # (None: the kernel allocates its own).
         self.decode_workspace: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: where the result goes (a piecewise CUDA graph's static buffer; rows of tokens outside
+        every sequence are left as they are), else a new tensor."""
         if self.use_triton:
             from mini_engine.kernels.paged_attention import paged_attention
             return paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
+                                   meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len, out,
                                    prefill_work=meta.prefill_work, decode_workspace=self.decode_workspace,
                                    decode_splits=meta.decode_splits)
-        return self.forward_eager(q, meta)
+        result = self.forward_eager(q, meta)
+        if out is None:
+            return result
+        end = int(meta.query_start_loc[-1])     # the eager path gives padding tokens rows of its own
+        out[:end].copy_(result[:end])
+        return out
 
     def forward_eager(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d = meta.num_decodes

@@ -23,9 +23,10 @@ class QKNormRopeKVWrite(nn.Module):
             from mini_engine.kernels.rotary_kv import qk_norm_rope_kv_write
             self.impl = qk_norm_rope_kv_write
 
-    def forward(self, qkv, positions, k_cache, v_cache, slot_mapping, norm_input=None) -> torch.Tensor:
+    def forward(self, qkv, positions, k_cache, v_cache, slot_mapping, norm_input=None, out=None) -> torch.Tensor:
         """norm_input: the rows whose 1/rms first scales qkv (the folded input norm:
-        layers.linear.NormedPackedLinear); Qwen3 gives every norm the same eps."""
+        layers.linear.NormedPackedLinear); Qwen3 gives every norm the same eps. out: where q goes
+        (a piecewise CUDA graph's static buffer), else a new tensor."""
         return self.impl(qkv, positions, self.cos_sin_cache, self.q_norm_weight, self.k_norm_weight, self.eps,
                          k_cache, v_cache, slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
-                         norm_input)
+                         norm_input, out)

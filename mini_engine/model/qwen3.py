@@ -33,10 +33,18 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """hidden + attention(input_layernorm(hidden)), written into hidden."""
+        q = self.before_attention(hidden, positions, meta.slot_mapping)
+        return self.after_attention(self.attn(q, meta), hidden)
+
+    def before_attention(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                         q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The queries, [T, heads, head_dim] (in q_out when given); the keys and values go to the cache."""
         qkv, norm_input = self.qkv_proj(hidden)
-        q = self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, norm_input)
-        out = self.attn(q, meta)
-        return self.o_proj(out.flatten(1), residual=hidden)
+        return self.qk_norm_rope(qkv, positions, self.attn.k_cache, self.attn.v_cache, slot_mapping, norm_input,
+                                 q_out)
+
+    def after_attention(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn_out.flatten(1), residual=hidden)
 
 
 class Qwen3MLP(nn.Module):
@@ -201,6 +209,24 @@ class Qwen3ForCausalLM(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, positions, meta)
         return self.norm(hidden)
+
+    def forward_piece(self, k: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      hidden: torch.Tensor, attn_out: torch.Tensor, q_out: torch.Tensor) -> None:
+        """Piece k of forward, of num_hidden_layers + 1, as piecewise CUDA graphs capture them
+        (runner/piecewise_graph.py): everything between layer k-1's attention and layer k's. The
+        first embeds input_ids into hidden; each after it finishes layer k-1 from its attention's
+        output, attn_out; each but the last leaves layer k's queries in q_out. hidden, the residual
+        stream, is updated in place; the final norm is not a piece's. Without LoRA or prompt
+        embeddings, which forward's callers apply around the layers."""
+        if k == 0:
+            hidden.copy_(self.embed_tokens(input_ids))
+        else:
+            layer = self.layers[k - 1]
+            out = layer.mlp(layer.self_attn.after_attention(attn_out, hidden))
+            if out.data_ptr() != hidden.data_ptr():     # (every projection adds its residual in place)
+                hidden.copy_(out)
+        if k < len(self.layers):
+            self.layers[k].self_attn.before_attention(hidden, positions, slot_mapping, q_out)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, vocab] (every rank's, under tensor parallelism); into `out` when given."""

@@ -35,6 +35,7 @@ from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.quantization import AwqConfig
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
+from mini_engine.runner.piecewise_graph import PiecewiseGraphRunner
 from mini_engine.runner.lora_adapters import LoRAAdapters
 from mini_engine.runner.sleep_mode import SleepState, distinct_storages, release, restore
 from mini_engine.runner.tensor_parallel_workers import TensorParallelWorkers
@@ -76,6 +77,9 @@ def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[lis
 # of 1-10 MiB. A tiny model's graphs took exactly these 22 MiB on the H200 for a 2 MiB peak
 # (benchmarks/NOTES.md, entry 68). A floor, not a bound: the warning after capture is the check.
 GRAPH_POOL_SEGMENTS_BYTES = 22 * 2**20
+
+# The piecewise graphs' reserve step samples one token greedily (ModelRunner.piecewise_sized_step).
+GREEDY_ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 
 # The dtypes the model may run in, by name (torch's aliases included).
 MODEL_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -271,9 +275,13 @@ class ModelRunner:
                                    * self.kv_cache_dtype.itemsize)
         # Graphs need the Triton attention kernel: the eager path's shapes follow the context length.
         # An embedding model runs no decode steps, which are what the graphs serve.
-        self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager and bool(config.cuda_graph_sizes)
-                                and "attention" in self.kernels and not self.pooling)
-        self.graph_runner = None
+        graphs = (self.device.type == "cuda" and not config.enforce_eager and "attention" in self.kernels
+                  and not self.pooling)
+        # Piecewise graphs (runner/piecewise_graph.py) are not made for tensor parallelism's
+        # collectives or LoRA's adapter masks, which nothing has run them with: those steps run eager.
+        self.piecewise_sizes = config.piecewise_graph_sizes if graphs and tp.size == 1 and self.lora is None else ()
+        self.use_cuda_graphs = graphs and bool(config.cuda_graph_sizes or self.piecewise_sizes)
+        self.graph_runner = self.piecewise = None
         # The sizes an eager decode step reckons its attention's split count for (graph_size_for).
         self.padding_sizes = config.cuda_graph_sizes or tuple(default_capture_sizes(config.max_num_seqs))
         self.graph_reserve_bytes = 0              # set aside for the graphs' pool when sizing the KV pool
@@ -304,17 +312,27 @@ class ModelRunner:
             self.load_gemm_kernels()
 
     def capture_cuda_graphs(self) -> None:
-        """The decode graphs, over the weights and the KV pool where they lie now (at start-up, and
-        again when sleep mode has given their memory back and allocated it anew)."""
-        self.graph_runner = CUDAGraphRunner(self.model, self.config.cuda_graph_sizes, self.device, self.sampled_tokens,
-                                            self.take_prev_tokens,
-                                            # With custom logits processors every step samples outside.
-                                            sample if "sampler" in self.kernels and not self.logits_processors
-                                            else None)
+        """The decode graphs and the piecewise ones, over the weights and the KV pool where they lie
+        now (at start-up, and again when sleep mode has given their memory back and allocated it
+        anew, or the pool has been reallocated)."""
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        self.graph_runner.capture(lambda bs, turn: self.prepare_inputs([], graph_size=bs, turn=turn))
+        if self.config.cuda_graph_sizes:
+            self.graph_runner = CUDAGraphRunner(self.model, self.config.cuda_graph_sizes, self.device,
+                                                self.sampled_tokens, self.take_prev_tokens,
+                                                # With custom logits processors every step samples outside.
+                                                sample if "sampler" in self.kernels and not self.logits_processors
+                                                else None)
+            self.graph_runner.capture(lambda bs, turn: self.prepare_inputs([], graph_size=bs, turn=turn))
+        if self.piecewise_sizes:
+            self.piecewise = PiecewiseGraphRunner(self.model, self.piecewise_sizes, self.device)
+            self.piecewise.capture()
         self.cuda_graph_capture_s = time.perf_counter() - start
         self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+
+    def drop_cuda_graphs(self) -> None:
+        """Lets go of the graphs (which hold the addresses of the weights and the KV pool they were
+        captured over), and so of their pools."""
+        self.graph_runner = self.piecewise = None
 
     @torch.inference_mode()
     def load_gemm_kernels(self) -> None:
@@ -370,9 +388,9 @@ class ModelRunner:
             return
         if self.workers is not None:
             self.workers.stop()
-        if self.graph_runner is not None and self.broken is None:
+        if (self.graph_runner is not None or self.piecewise is not None) and self.broken is None:
             torch.cuda.synchronize(self.device)
-        self.graph_runner = None
+        self.drop_cuda_graphs()
         # Out of step, the other ranks are gone or stuck: NCCL's collective destruction would wait.
         (abandon_process_group if self.broken is not None else leave_process_group)()
         self.in_process_group = False
@@ -455,7 +473,7 @@ class ModelRunner:
             self.workers.call("sleep", level)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.graph_runner = None
+        self.drop_cuda_graphs()
         self.sleep_state.released["weights"] = release(distinct_storages(self.model.parameters()),
                                                        keep_contents=level == 1)
         self.sleep_state.released["kv_cache"] = release([self.kv_cache.untyped_storage()], keep_contents=False)
@@ -476,7 +494,7 @@ class ModelRunner:
             if tag in self.sleep_state.released:        # (a wake-up called again after one that failed)
                 restore(self.sleep_state.released[tag])     # forgotten only once restored: restore can run again
                 del self.sleep_state.released[tag]
-        if not self.sleep_state.released and self.use_cuda_graphs and self.graph_runner is None:
+        if not self.sleep_state.released and self.use_cuda_graphs and self.graph_runner is None and self.piecewise is None:
             self.capture_cuda_graphs()
         self.update_readiness()
 
@@ -521,7 +539,7 @@ class ModelRunner:
     def reallocate_kv_cache(self, num_blocks: int) -> None:
         """A pool of num_blocks in place of this one (its contents dropped), and the CUDA graphs,
         which hold the old pool's addresses, captured anew."""
-        self.graph_runner = None
+        self.drop_cuda_graphs()
         self.kv_cache = None
         self.release_kv_cache()
         self.num_kv_blocks = num_blocks
@@ -540,8 +558,12 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         peaks = []
         batches = self.warmup_batches(list(range(self.max_blocks)))
-        if self.use_cuda_graphs:
-            batches.append(self.graph_sized_decode(list(range(self.max_blocks))))
+        graph_batches = []
+        if self.use_cuda_graphs and self.config.cuda_graph_sizes:
+            graph_batches.append(self.graph_sized_decode(list(range(self.max_blocks))))
+        if self.use_cuda_graphs and self.piecewise_sizes:
+            graph_batches.append(self.piecewise_sized_step(list(range(self.max_blocks))))
+        batches += graph_batches
         for rows in batches:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.execute(rows)
@@ -550,13 +572,17 @@ class ModelRunner:
         self.release_kv_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak_transient = max(peaks)
-        # CUDA graphs hold their static logits buffer, and a private pool about as large as the
-        # largest captured decode step's activations, which the eager path cannot reuse, in whole
-        # segments of the caching allocator. The eager step measured (peaks[-1]) held both: its
-        # logits are as large as the graphs' buffer.
-        self.graph_reserve_bytes = 0
-        if self.use_cuda_graphs:
-            self.graph_reserve_bytes = peaks[-1] + GRAPH_POOL_SEGMENTS_BYTES
+        # CUDA graphs hold their static buffers (the decode graphs' logits), and private pools
+        # about as large as the largest captured step's activations, which the eager path cannot
+        # reuse, in whole segments of the caching allocator: a pool for the decode graphs, one for
+        # the piecewise ones. The eager steps measured (the last peaks) held their activations and
+        # the decode graphs' logits (an eager step's own are as large); the piecewise graphs'
+        # static buffers are added.
+        self.graph_reserve_bytes = sum(peaks[len(peaks) - len(graph_batches):]) + len(graph_batches) * GRAPH_POOL_SEGMENTS_BYTES
+        if self.piecewise_sizes:
+            mc = self.model_config
+            self.graph_reserve_bytes += PiecewiseGraphRunner.buffer_bytes(
+                self.piecewise_sizes, mc.hidden_size, mc.num_attention_heads, mc.head_dim, self.dtype)
         budget = (total * self.config.gpu_memory_utilization - (total - free) - peak_transient
                   - self.graph_reserve_bytes - self.bytes_beside)
         num_blocks = int(budget // ((self.kv_bytes_per_token + self.kv_bytes_beside) * self.block_size))
@@ -576,6 +602,14 @@ class ModelRunner:
         # their outputs are then the same whatever the graphs.
         return [BatchRow([0], self.config.max_model_len - 1, block_table, True, params, seed=0)
                 for _ in range(self.config.cuda_graph_sizes[-1])]
+
+    def piecewise_sized_step(self, block_table: list[int]) -> list[BatchRow]:
+        """A step of prompt tokens as the largest piecewise graphs run it: its peak sizes their
+        pool's reserve (rows of at most max_model_len tokens, greedy, the last sampling)."""
+        num_tokens, per_row = self.piecewise_sizes[-1], self.config.max_model_len
+        lengths = [per_row] * (num_tokens // per_row) + ([num_tokens % per_row] if num_tokens % per_row else [])
+        return [BatchRow([0] * n, 0, block_table, i == len(lengths) - 1, GREEDY_ONE_TOKEN)
+                for i, n in enumerate(lengths)]
 
     def warmup_batches(self, block_table: list[int]) -> list[list[BatchRow]]:
         """The two extreme steps: a full token budget of prefill, and max_num_seqs decodes at
@@ -660,7 +694,12 @@ class ModelRunner:
         embeds = self.prompt_embeds(rows) if any(r.prompt_embeds is not None for r in rows) else None
         if self.graph_runner is not None and not prompt_rows and not pooling_rows and embeds is None:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))
-        t, meta = self.prepare_inputs(rows, graph_size, turn)
+        # What no decode graph holds replays the piecewise graphs, where they hold its tokens (a
+        # prompt's embeddings and pooling run eager).
+        piece_size = None
+        if graph_size is None and self.piecewise is not None and not pooling_rows and embeds is None:
+            piece_size = self.piecewise.size_for(sum(len(r.token_ids) for r in rows))
+        t, meta = self.prepare_inputs(rows, graph_size, turn, piece_size)
         if self.tokens_copied[turn] is not None:
             # The launch before the last one copies this turn's samples out: long done by now.
             torch.cuda.current_stream(self.device).wait_event(self.tokens_copied[turn])
@@ -678,7 +717,10 @@ class ModelRunner:
         else:
             if any(r.prev_token_index >= 0 for r in rows):
                 self.take_prev_tokens(t.input_ids, t.prev_index, self.sampled_tokens[1 - turn])
-            hidden = self.model(t.input_ids, t.positions, meta, t.lora_slots, embeds)
+            if piece_size is not None:
+                hidden = self.piecewise.forward(t, meta)
+            else:
+                hidden = self.model(t.input_ids, t.positions, meta, t.lora_slots, embeds)
             logits = self.model.compute_logits(hidden[t.logits_indices]) if sample_rows else None
         prompt_extras = self.prompt_logprob_extras(rows, prompt_rows, hidden) if prompt_rows else []
         pooled = self.pool(rows, hidden) if pooling_rows else None
@@ -760,15 +802,16 @@ class ModelRunner:
                    or p.logit_bias or p.allowed_token_ids or r.num_output_tokens < p.min_tokens
                    or r.grammar_bitmask is not None or r.banned_tokens for r in rows)
 
-    def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None,
-                       turn: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
+    def prepare_inputs(self, rows: list[BatchRow], graph_size: int | None = None, turn: int | None = None,
+                       piece_size: int | None = None) -> tuple[StepTensors, AttentionMetadata]:
         """The step's flat input tensors, its sampling rows' temperatures and seeds, and its
         attention metadata, staged in StepInputBuffers by one copy. A decode row costs a few list
         appends; block tables are one padded array a row. graph_size: lay the step out as the CUDA
         graph of that batch size was captured (rows padded with greedy ones that write nowhere,
         tables max_model_len wide). turn: whose input buffer (and so graph) the step takes, given
         by a caller that knows no queued work still reads it (launch, the graphs' capture); by
-        default the next launch's, staged after all work queued so far."""
+        default the next launch's, staged after all work queued so far. piece_size: pad the
+        step's tokens to this count, the piecewise graphs' it replays."""
         if turn is None:
             turn = self.turn
             self.inputs[turn].release()
@@ -823,6 +866,8 @@ class ModelRunner:
             # Tokens past query_start_loc[-1]: no sequence's, so attention skips them. Only the
             # products and elementwise kernels see them.
             pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.triton_attention else 0
+            if piece_size is not None:
+                pad = piece_size - num_tokens
         else:
             width, max_seq_len, max_query_len, num_rows = self.max_blocks, self.config.max_model_len, 1, graph_size
             # Rows of one token each (num_tokens == len(rows) here), greedy, with a context of one.

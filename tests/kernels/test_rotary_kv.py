@@ -57,6 +57,29 @@ def test_qk_norm_rope_kv_write_matches_reference(device, dtype, num_heads, num_k
         assert not torch.allclose(v_unscaled.nan_to_num(), v_ref.nan_to_num())
 
 
+def test_q_goes_into_a_given_buffer(device):
+    """out= (a piecewise CUDA graph's static queries): the kernel and the reference write q there,
+    a slice of a larger buffer whose rest stays as it was, and return it."""
+    num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 32, 6
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device)
+    positions = torch.arange(num_tokens, device=device) * 7
+    cos_sin_cache = rope_cos_sin_cache(head_dim, 64, 10_000.0, device=device)
+    norms = [(1 + 0.2 * torch.randn(head_dim, generator=gen)).to(device) for _ in range(2)]
+    k_cache = torch.zeros(4, 4, num_kv_heads, head_dim, device=device)
+    slots = torch.arange(num_tokens, device=device)
+    outs = []
+    for impl in (qk_norm_rope_kv_write_ref, qk_norm_rope_kv_write):
+        buffer = torch.full((num_tokens + 3, num_heads, head_dim), 7.0, device=device)
+        q = impl(qkv, positions, cos_sin_cache, *norms, 1e-6, k_cache.clone(), k_cache.clone(), slots, num_heads,
+                 num_kv_heads, head_dim, out=buffer[:num_tokens])
+        assert q.data_ptr() == buffer.data_ptr() and (buffer[num_tokens:] == 7.0).all()
+        outs.append(impl(qkv, positions, cos_sin_cache, *norms, 1e-6, k_cache.clone(), k_cache.clone(), slots,
+                         num_heads, num_kv_heads, head_dim))
+        torch.testing.assert_close(q, outs[-1], atol=0, rtol=0)
+    torch.testing.assert_close(outs[1], outs[0], **TOL[torch.float32])
+
+
 FP8_FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
