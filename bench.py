@@ -87,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--compilation-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
-                        '\'{"max_cudagraph_capture_size": 64}\' (decode steps of more rows then run eager)')
+                        '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' (steps with prompt tokens eager, no piecewise graphs) or '
+                        '\'{"max_cudagraph_capture_size": 64}\' (larger steps eager)')
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")
     engine.add_argument("--quantization", choices=["fp8"], help="mini only: fp8 weights (an FP8 checkpoint "
@@ -200,6 +201,7 @@ def run_mini(model: str, prompts, max_tokens, opts) -> dict:
                "kv_cache_dtype_resolved": str(runner.kv_cache_dtype).removeprefix("torch."),
                "cuda_graphs": getattr(runner, "use_cuda_graphs", None),
                "cuda_graph_capture_s": getattr(runner, "cuda_graph_capture_s", None),
+               "piecewise_sizes_captured": list(getattr(runner, "piecewise_sizes", ())),
                "cuda_graph_pool_bytes": getattr(runner, "cuda_graph_pool_bytes", None),
                "cuda_graph_reserve_bytes": getattr(runner, "graph_reserve_bytes", None),
                "gemm_warmup_s": getattr(runner, "gemm_warmup_s", None)}
@@ -385,7 +387,8 @@ def main(argv=None) -> int:
     graphs = result["engine_config"].get("cuda_graph_capture_s")
     if graphs is not None:
         cfg = result["engine_config"]
-        sizes, pieces = cfg["cuda_graph_sizes"], cfg["piecewise_graph_sizes"]
+        # (The runner's: no piecewise graphs under tensor parallelism or LoRA, whatever the config says.)
+        sizes, pieces = cfg["cuda_graph_sizes"], cfg["piecewise_sizes_captured"]
         what = [f"{len(sizes)} decode batch sizes ({sizes[0]} to {sizes[-1]})" if sizes else "",
                 f"{len(pieces)} piecewise token counts ({pieces[0]} to {pieces[-1]})" if pieces else ""]
         print(f"CUDA graphs: {' and '.join(w for w in what if w)} captured in {graphs:.1f} s, pool "

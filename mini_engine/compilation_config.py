@@ -1,6 +1,7 @@
 """vLLM's compilation_config, for the part of it that a mini_engine run has: its CUDA graphs.
 mini_engine compiles nothing with torch.compile, so vLLM's compile settings are read and ignored
-(with a warning), and of its -O levels only -O0's "no graphs" applies.
+(with a warning), and its -O levels set only cudagraph_mode: -O0 none, -O1 PIECEWISE, -O2 and
+-O3 FULL_AND_PIECEWISE (OPTIMIZATION_LEVEL_MODES).
 
 cudagraph_mode, as vLLM's:
 - "FULL_AND_PIECEWISE" (the default, as vLLM's): each decode-only step replays a graph of its whole
@@ -13,12 +14,12 @@ cudagraph_mode, as vLLM's:
 
 Which sizes are captured, as vLLM's three ways of saying it:
 - cudagraph_capture_sizes: these sizes (rows of a decode graph, tokens of a piecewise one);
-- max_cudagraph_capture_size: the default ladder up to this size;
+- max_cudagraph_capture_size: the default ladders up to this size;
 - neither: the default ladder up to max_num_seqs, and for the piecewise graphs on to
   PIECEWISE_MAX_TOKENS (mixed steps have more tokens than rows: default_piecewise_sizes).
 A step pads to the smallest captured size that holds it; a larger one runs eager. Decode graphs
 are captured at sizes up to max_num_seqs (no decode step has more rows), piecewise ones up to
-max_num_batched_tokens. Fewer sizes take less start-up time and less memory
+the most tokens a step can have (max_num_batched_tokens, and max_num_seqs rows of max_model_len). Fewer sizes take less start-up time and less memory
 (benchmarks/NOTES.md, entries 68 and 69, have what each costs on the H200)."""
 import numbers
 import os
@@ -35,6 +36,8 @@ WITH_PIECEWISE_GRAPHS = ("FULL_AND_PIECEWISE", "PIECEWISE")
 # host time (~10 ms on the H200) only at several thousand tokens, but each size is
 # num_hidden_layers + 1 more graphs to capture.
 PIECEWISE_STEP = 256
+# vLLM's -O levels, as far as they set cudagraph_mode (the rest of what they set is torch.compile's).
+OPTIMIZATION_LEVEL_MODES = {0: "NONE", 1: "PIECEWISE", 2: "FULL_AND_PIECEWISE", 3: "FULL_AND_PIECEWISE"}
 PIECEWISE_MAX_TOKENS = 2048
 # vLLM's torch.compile settings (and older spellings of its graph switches): accepted, not used.
 TORCH_COMPILE_FIELDS = ("level", "mode", "backend", "compile_sizes", "custom_ops", "splitting_ops", "use_inductor",
@@ -52,14 +55,14 @@ def default_capture_sizes(max_size: int) -> list[int]:
     return sizes + [max_size]
 
 
-def default_piecewise_sizes(decode_max: int, max_tokens: int) -> list[int]:
-    """The decode ladder up to decode_max, then on to 256 by 16 and to PIECEWISE_MAX_TOKENS by
-    PIECEWISE_STEP, none above max_tokens (max_num_batched_tokens), which ends the ladder where it
-    lies below PIECEWISE_MAX_TOKENS."""
-    sizes = default_capture_sizes(min(decode_max, max_tokens))
-    on = [*range(16, 257, 16), *range(256 + PIECEWISE_STEP, PIECEWISE_MAX_TOKENS + 1, PIECEWISE_STEP)]
-    sizes += [n for n in on if sizes[-1] < n <= max_tokens]
-    return sizes + [max_tokens] if sizes[-1] < max_tokens <= PIECEWISE_MAX_TOKENS else sizes
+def default_piecewise_sizes(decode_max: int, top: int) -> list[int]:
+    """The decode ladder up to decode_max, then on by 16 to 256 and by PIECEWISE_STEP to top, top
+    itself last (PIECEWISE_MAX_TOKENS, or max_cudagraph_capture_size, capped at the most tokens a
+    step can have)."""
+    sizes = default_capture_sizes(min(decode_max, top))
+    on = [*range(16, 257, 16), *range(256 + PIECEWISE_STEP, top + 1, PIECEWISE_STEP)]
+    sizes += [n for n in on if sizes[-1] < n <= top]
+    return sizes if sizes[-1] == top else sizes + [top]
 
 
 def padded_size(sizes: tuple[int, ...] | list[int], num_rows: int) -> int | None:
@@ -108,15 +111,15 @@ class CompilationConfig:
     @classmethod
     def resolve(cls, given: "dict | int | CompilationConfig | None") -> "CompilationConfig":
         """given as vLLM takes it: a dict of its fields, a CompilationConfig, or an int, vLLM's -O
-        optimization level: 0 captures no graphs (as vLLM's -O0), 1 to 3 the default ones (the rest
-        of what a level sets is torch.compile's). Checked here, so that a bad value fails before
-        the model loads."""
+        optimization level, which sets cudagraph_mode as vLLM's does (OPTIMIZATION_LEVEL_MODES; the
+        rest of what a level sets is torch.compile's). Checked here, so that a bad value fails
+        before the model loads."""
         if given is None:
             return cls()
         if _is_int(given):
             if not 0 <= given <= 3:
                 raise ValueError(f"compilation_config as an optimization level (-O) must be 0 to 3, got {given}")
-            return cls("NONE" if given == 0 else DEFAULT_CUDAGRAPH_MODE)
+            return cls(OPTIMIZATION_LEVEL_MODES[given])
         if isinstance(given, CompilationConfig):
             given = {f.name: getattr(given, f.name) for f in fields(cls)}
         if not isinstance(given, dict):
@@ -176,7 +179,8 @@ class CompilationConfig:
         return tuple(s for s in sizes if s <= max_num_seqs)
 
     def piecewise_sizes(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
-        """The piecewise graphs' token counts, ascending; () for none."""
+        """The piecewise graphs' token counts, ascending; () for none. max_num_batched_tokens: the
+        most tokens a step can have."""
         if self.cudagraph_mode not in WITH_PIECEWISE_GRAPHS:
             return ()
         self.check_agreement()
@@ -187,9 +191,8 @@ class CompilationConfig:
                 _warn(f"cudagraph_capture_sizes {dropped} are above max_num_batched_tokens={max_num_batched_tokens}, "
                       "the most tokens a step has: not captured")
             return tuple(s for s in sizes if s <= max_num_batched_tokens)
-        if max_size is not None:
-            return tuple(default_capture_sizes(min(max_size, max_num_batched_tokens)))
-        return tuple(default_piecewise_sizes(max_num_seqs, max_num_batched_tokens))
+        return tuple(default_piecewise_sizes(max_num_seqs, min(max_size or PIECEWISE_MAX_TOKENS,
+                                                               max_num_batched_tokens)))
 
     def check_agreement(self) -> None:
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size

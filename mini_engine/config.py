@@ -361,7 +361,6 @@ class EngineConfig:
         compilation = (CompilationConfig.resolve(self.compilation_config)
                        .merged(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size))
         self.cuda_graph_sizes = compilation.capture_sizes(self.max_num_seqs)
-        self.piecewise_graph_sizes = compilation.piecewise_sizes(self.max_num_seqs, self.max_num_batched_tokens)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -423,6 +422,9 @@ class EngineConfig:
             self.max_model_len = limit
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
+        # No step has more tokens than its budget, nor than max_num_seqs rows of max_model_len each.
+        self.piecewise_graph_sizes = compilation.piecewise_sizes(
+            self.max_num_seqs, min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len))
         self.sampling_defaults = self.read_sampling_defaults()
         self.resolve_runner()
         if self.runner == "pooling":

@@ -70,9 +70,14 @@ def test_the_piecewise_ladder_goes_on_past_max_num_seqs(tiny_checkpoint):
     assert pieces(tiny_checkpoint, max_num_seqs=20) == (1, 2, 4, 8, 16, 20, *range(32, 257, 16), *ladder[20:])
     assert pieces(tiny_checkpoint, max_num_batched_tokens=1000) == (*ladder[:22], 1000)
     assert pieces(tiny_checkpoint, max_num_seqs=8, max_num_batched_tokens=8) == (1, 2, 4, 8)
-    # max_cudagraph_capture_size ends both ladders (as vLLM's), the piecewise one past max_num_seqs.
+    # max_cudagraph_capture_size ends both ladders (as vLLM's), the piecewise one past max_num_seqs,
+    # and keeps the piecewise ladder's spacing.
     assert pieces(tiny_checkpoint, max_num_seqs=8, max_cudagraph_capture_size=40) == (1, 2, 4, 8, 16, 32, 40)
     assert sizes(tiny_checkpoint, max_num_seqs=8, max_cudagraph_capture_size=40) == (1, 2, 4, 8)
+    assert pieces(tiny_checkpoint, max_cudagraph_capture_size=2048) == ladder
+    assert pieces(tiny_checkpoint, max_cudagraph_capture_size=3000) == (*ladder, 2304, 2560, 2816, 3000)
+    # No step has more tokens than max_num_seqs rows of max_model_len.
+    assert pieces(tiny_checkpoint, max_num_seqs=2, max_model_len=100) == (1, 2, *range(16, 193, 16), 200)
 
 
 def test_no_graphs(tiny_checkpoint):
@@ -107,12 +112,18 @@ def test_torch_compile_settings_are_ignored_with_a_warning(tiny_checkpoint):
 
 
 def test_an_optimization_level_as_vllms_dash_o(tiny_checkpoint):
-    """vLLM's -O0 turns CUDA graphs off; -O1 to -O3 keep the default ones (what else they set is
-    torch.compile's)."""
+    """vLLM's -O0 turns CUDA graphs off, -O1 captures piecewise graphs only, -O2 and -O3 both kinds
+    (what else they set is torch.compile's)."""
+    given = dict(max_num_seqs=8, max_num_batched_tokens=16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert sizes(tiny_checkpoint, max_num_seqs=8, compilation_config=0) == ()
-        assert sizes(tiny_checkpoint, max_num_seqs=8, compilation_config=3) == (1, 2, 4, 8)
+        assert sizes(tiny_checkpoint, **given, compilation_config=0) == pieces(tiny_checkpoint, **given,
+                                                                                compilation_config=0) == ()
+        assert sizes(tiny_checkpoint, **given, compilation_config=1) == ()
+        assert pieces(tiny_checkpoint, **given, compilation_config=1) == (1, 2, 4, 8, 16)
+        for level in (2, 3):
+            assert sizes(tiny_checkpoint, **given, compilation_config=level) == (1, 2, 4, 8)
+            assert pieces(tiny_checkpoint, **given, compilation_config=level) == (1, 2, 4, 8, 16)
     with pytest.raises(ValueError, match="must be 0 to 3, got 4"):
         sizes(tiny_checkpoint, compilation_config=4)
 

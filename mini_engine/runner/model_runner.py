@@ -605,9 +605,11 @@ class ModelRunner:
 
     def piecewise_sized_step(self, block_table: list[int]) -> list[BatchRow]:
         """A step of prompt tokens as the largest piecewise graphs run it: its peak sizes their
-        pool's reserve (rows of at most max_model_len tokens, greedy, the last sampling)."""
+        pool's reserve (rows of at most max_model_len tokens, greedy, the last sampling; the
+        config caps the largest size at max_num_seqs such rows)."""
         num_tokens, per_row = self.piecewise_sizes[-1], self.config.max_model_len
         lengths = [per_row] * (num_tokens // per_row) + ([num_tokens % per_row] if num_tokens % per_row else [])
+        assert len(lengths) <= self.config.max_num_seqs and num_tokens <= self.config.max_num_batched_tokens
         return [BatchRow([0] * n, 0, block_table, i == len(lengths) - 1, GREEDY_ONE_TOKEN)
                 for i, n in enumerate(lengths)]
 
@@ -687,10 +689,11 @@ class ModelRunner:
 
     def enqueue(self, rows: list[BatchRow], turn: int) -> "StepHandle":
         graph_size = None
-        # A step with prompt log-probabilities or pooling runs eager: it needs its prompts' hidden states.
+        # A step with prompt log-probabilities or pooling takes no decode graph: it needs its prompts'
+        # hidden states (the piecewise graphs give them).
         prompt_rows = [r for r in rows if r.prompt_logprob_targets is not None]
         pooling_rows = any(r.pooling is not None for r in rows)
-        # A step with prompt embeddings runs eager too: a decode graph embeds token ids only.
+        # Nor does a step with prompt embeddings: a graph embeds token ids only.
         embeds = self.prompt_embeds(rows) if any(r.prompt_embeds is not None for r in rows) else None
         if self.graph_runner is not None and not prompt_rows and not pooling_rows and embeds is None:
             graph_size = self.graph_runner.graph_size(len(rows), max(len(r.token_ids) for r in rows))

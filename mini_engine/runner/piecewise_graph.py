@@ -38,7 +38,8 @@ class PiecewiseGraphRunner:
         self.hidden = torch.zeros(n, config.hidden_size, dtype=dtype, device=device)
         self.q = torch.zeros(n, qk.num_heads, qk.head_dim, dtype=dtype, device=device)
         # Attention writes only the rows of tokens that belong to a sequence: the padding rows keep
-        # what they hold, zeros from here on, so no NaN enters the pieces' products.
+        # what they hold (zeros, or an earlier step's rows), never uninitialised memory's NaN, and
+        # every piece works row by row, so they reach no real token.
         self.attn_out = torch.zeros_like(self.q)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (token count, piece)
 

@@ -309,7 +309,9 @@ def test_only_the_given_sizes_are_captured_and_larger_steps_run_eager(tiny_check
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 40))] for _ in range(12)]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(12)]
     options = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=16, max_model_len=256)
-    llm = LLM(tiny_checkpoint, **options, **capture)
+    # The decode graphs alone: with the piecewise ones (tests/runner/test_piecewise_graph.py) the
+    # larger steps would replay those instead.
+    llm = LLM(tiny_checkpoint, **options, **capture, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
     graphs = llm.engine.runner.graph_runner
     assert graphs.batch_sizes == captured and graphs.logits.shape[0] == captured[-1]
     assert set(graphs.graphs) == {(size, turn) for size in captured for turn in (0, 1)}
@@ -367,7 +369,7 @@ def test_the_graphs_reserve_covers_their_pool_and_follows_the_largest_size(tiny_
     reserves = {}
     for largest in (64, 8):
         llm = LLM(tiny_checkpoint, device="cuda", max_num_seqs=64, max_model_len=512, gpu_memory_utilization=0.5,
-                  max_cudagraph_capture_size=largest)
+                  max_cudagraph_capture_size=largest, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
         runner = llm.engine.runner
         assert runner.graph_runner.batch_sizes[-1] == largest
         assert 0 < runner.cuda_graph_pool_bytes <= runner.graph_reserve_bytes

@@ -29,8 +29,8 @@ class EagerPieces(PiecewiseGraphRunner):
 
 
 def _runner(checkpoint, **options) -> ModelRunner:
-    return ModelRunner(EngineConfig(checkpoint, device="cpu", num_kv_blocks=128, max_model_len=100, max_num_seqs=8,
-                                    block_size=4, **options))
+    return ModelRunner(EngineConfig(checkpoint, device="cpu", **(dict(num_kv_blocks=128, max_model_len=100,
+                                                                  max_num_seqs=8, block_size=4) | options)))
 
 
 def _mixed_rows() -> list[BatchRow]:
@@ -40,14 +40,29 @@ def _mixed_rows() -> list[BatchRow]:
                    BatchRow(list(range(50, 57)), 3, list(range(60, 64)), False)]
 
 
+# Checkpoints and kernels the cut is checked over: dense, attention bias, Qwen3-MoE (its Triton experts:
+# the PyTorch path's per-expert products change with the padding rows' routing), and the Triton
+# kernels whose out= the pieces use (under Triton's interpreter on the CPU).
+CUT_CASES = [("tied-gqa2", "none"), ("untied-bias-gqa4", "none"), ("moe-mixed", "fused_moe"),
+             ("tied-gqa2", "attention,rope_kv,rms_norm,silu_and_mul,linear")]
+
+
 @torch.inference_mode()
-def test_the_pieces_compute_the_forward(tiny_checkpoint):
+@pytest.mark.parametrize("name, kernels", CUT_CASES)
+# The whole forward's padding rows read attention's uninitialised output rows: the MoE router's exp
+# may overflow there under the interpreter (rows no token reads).
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+def test_the_pieces_compute_the_forward(checkpoint_factory, name, kernels):
     """A mixed step padded to 32 tokens: the pieces, with attention between them, give the whole
     forward's final hidden states bit for bit on the same staged inputs, and write the same K and
-    V; the padding tokens write none, and the unpadded step agrees with both."""
-    runner = _runner(tiny_checkpoint)
+    V; the padding tokens write none, whatever an earlier step left in the attention buffer's
+    padding rows; and the unpadded step agrees with both."""
+    if kernels != "none":
+        pytest.importorskip("triton")
+    runner = _runner(checkpoint_factory(name), kernels=kernels)
     pieces = PiecewiseGraphRunner(runner.model, (8, 32, 48), torch.device("cpu"))
     assert pieces.num_pieces == len(runner.model.layers) + 1
+    pieces.attn_out.copy_(torch.randn_like(pieces.attn_out))
     rows = _mixed_rows()
     t, meta = runner.prepare_inputs(rows, piece_size=pieces.size_for(22))
     assert t.input_ids.shape[0] == 32 and meta.query_start_loc[-1] == 22
@@ -62,8 +77,7 @@ def test_the_pieces_compute_the_forward(tiny_checkpoint):
     assert not torch.equal(kv_written, empty)
     runner.kv_cache.copy_(empty)
     t, meta = runner.prepare_inputs(rows)
-    assert t.input_ids.shape[0] == 22
-    torch.testing.assert_close(runner.model(t.input_ids, t.positions, meta), got[:22])
+    torch.testing.assert_close(runner.model(t.input_ids, t.positions, meta)[:22], got[:22])
 
 
 def test_a_step_pads_to_the_next_captured_count_and_a_larger_one_runs_eager(tiny_checkpoint):
@@ -79,6 +93,18 @@ def test_a_step_pads_to_the_next_captured_count_and_a_larger_one_runs_eager(tiny
     long = [BatchRow(list(range(60)), 0, list(range(70, 85)), True, GREEDY)]
     assert runner.execute(long) == eager.execute(long) and runner.piecewise.steps == [32, 8]
     assert runner.piecewise.size_for(48) == 48 and runner.piecewise.size_for(49) is None
+
+
+def test_the_reserve_step_fits_the_step_limits(tiny_checkpoint):
+    """The step that sizes the piecewise graphs' reserve has the largest captured count of tokens in
+    at most max_num_seqs rows of at most max_model_len tokens, and runs: the config caps the ladder
+    there (a budget of 2,048 tokens cannot be reached by 2 rows of 100)."""
+    runner = _runner(tiny_checkpoint, max_num_seqs=2, max_num_batched_tokens=2048)
+    assert runner.config.piecewise_graph_sizes[-1] == 200
+    runner.piecewise_sizes = runner.config.piecewise_graph_sizes       # (graphs are CUDA's: set by hand)
+    rows = runner.piecewise_sized_step(list(range(runner.max_blocks)))
+    assert [len(r.token_ids) for r in rows] == [100, 100] and [r.sample for r in rows] == [False, True]
+    assert len(runner.execute(rows)) == 1
 
 
 def test_prompt_embeddings_run_eager(tiny_checkpoint):
@@ -136,3 +162,24 @@ def test_piecewise_graphs_give_the_eager_tokens(tiny_checkpoint, mode):
     del llm, runner, pieces
     eager = LLM(tiny_checkpoint, **options, enforce_eager=True).generate(prompts, params, use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the KV pool is sized from GPU memory on CUDA only")
+def test_the_reserve_covers_both_pools(tiny_checkpoint):
+    """With piecewise graphs the memory set aside when the KV pool is sized adds their reserve (a
+    step of their largest token count, measured, and their static buffers) to the decode graphs':
+    it covers what both then take, and exceeds the decode graphs' alone."""
+    import gc
+    from mini_engine import LLM
+    reserves = {}
+    for mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        llm = LLM(tiny_checkpoint, device="cuda", max_num_seqs=64, max_model_len=512, gpu_memory_utilization=0.5,
+                  compilation_config={"cudagraph_mode": mode})
+        runner = llm.engine.runner
+        assert (runner.piecewise is not None) == (mode == "FULL_AND_PIECEWISE") and runner.graph_runner is not None
+        assert 0 < runner.cuda_graph_pool_bytes <= runner.graph_reserve_bytes
+        reserves[mode] = runner.graph_reserve_bytes
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert reserves["FULL_AND_PIECEWISE"] > reserves["FULL_DECODE_ONLY"]
