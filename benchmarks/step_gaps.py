@@ -60,7 +60,8 @@ def timed_steps(engine, num_steps: int) -> list[dict]:
         handle = launch(rows)
         t1 = time.perf_counter()
         current["enqueue_ms"] = (t1 - t0) * 1e3
-        # Host time each decoder layer took to enqueue (eager steps only: a replay runs no hooks),
+        # Host time each decoder layer took to enqueue (eager steps only: neither a decode graph's
+        # replay nor the piecewise graphs' run the hooks),
         # and what came after the last layer (final norm, logits, sampler).
         marks = current.pop("layer_t", [])
         current["layer_ms"] = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]

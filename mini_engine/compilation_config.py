@@ -1,7 +1,8 @@
 """vLLM's compilation_config, for the part of it that a mini_engine run has: its CUDA graphs.
 mini_engine compiles nothing with torch.compile, so vLLM's compile settings are read and ignored
-(with a warning), and its -O levels set only cudagraph_mode: -O0 none, -O1 PIECEWISE, -O2 and
--O3 FULL_AND_PIECEWISE (OPTIMIZATION_LEVEL_MODES).
+(with a warning), and its optimization levels (-O, EngineConfig.optimization_level) set only the
+default cudagraph_mode: -O0 none, -O1 PIECEWISE, -O2 and -O3 FULL_AND_PIECEWISE
+(OPTIMIZATION_LEVEL_MODES).
 
 cudagraph_mode, as vLLM's:
 - "FULL_AND_PIECEWISE" (the default, as vLLM's): each decode-only step replays a graph of its whole
@@ -109,22 +110,27 @@ class CompilationConfig:
     max_cudagraph_capture_size: int | None = None
 
     @classmethod
-    def resolve(cls, given: "dict | int | CompilationConfig | None") -> "CompilationConfig":
-        """given as vLLM takes it: a dict of its fields, a CompilationConfig, or an int, vLLM's -O
-        optimization level, which sets cudagraph_mode as vLLM's does (OPTIMIZATION_LEVEL_MODES; the
-        rest of what a level sets is torch.compile's). Checked here, so that a bad value fails
-        before the model loads."""
-        if given is None:
-            return cls()
+    def resolve(cls, given: "dict | int | CompilationConfig | None", level: int | None = None) -> "CompilationConfig":
+        """given as vLLM takes it: a dict of its fields, a CompilationConfig, or (as older vLLMs took
+        -O) an int, an optimization level. level: vLLM's optimization level (-O), which sets the
+        default cudagraph_mode as vLLM's does (OPTIMIZATION_LEVEL_MODES; the rest of what a level
+        sets is torch.compile's); a cudagraph_mode given in `given` wins. Checked here, so that a
+        bad value fails before the model loads."""
         if _is_int(given):
-            if not 0 <= given <= 3:
-                raise ValueError(f"compilation_config as an optimization level (-O) must be 0 to 3, got {given}")
-            return cls(OPTIMIZATION_LEVEL_MODES[given])
+            if level is not None:
+                raise ValueError("compilation_config is given as an optimization level and optimization_level too: "
+                                 "give the level once")
+            given, level = None, given
+        if level is not None and (not _is_int(level) or not 0 <= level <= 3):
+            raise ValueError(f"optimization_level (-O) must be 0 to 3, got {level!r}")
+        default_mode = DEFAULT_CUDAGRAPH_MODE if level is None else OPTIMIZATION_LEVEL_MODES[level]
+        if given is None:
+            return cls(default_mode)
         if isinstance(given, CompilationConfig):
             given = {f.name: getattr(given, f.name) for f in fields(cls)}
         if not isinstance(given, dict):
-            raise ValueError(f"compilation_config must be a dict of vLLM's fields (or an -O level, 0 to 3), "
-                             f"got {given!r}")
+            raise ValueError(f"compilation_config must be a dict of vLLM's fields (or an optimization level, 0 to "
+                             f"3), got {given!r}")
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(given) - set(known) - set(TORCH_COMPILE_FIELDS))
         if unknown:
@@ -135,7 +141,7 @@ class CompilationConfig:
             _warn(f"compilation_config: {ignored} are vLLM's torch.compile settings, which mini_engine does not "
                   "use (it has no torch.compile); ignored")
         mode = given.get("cudagraph_mode")
-        mode = DEFAULT_CUDAGRAPH_MODE if mode is None else str(mode).upper()
+        mode = default_mode if mode is None else str(mode).upper()
         if mode == "FULL":
             _warn("compilation_config: cudagraph_mode FULL also captures steps with prompt tokens whole in vLLM; "
                   "mini_engine captures those piecewise, attention eager (FULL_AND_PIECEWISE)")
@@ -171,28 +177,29 @@ class CompilationConfig:
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
         if sizes is None:
             return tuple(default_capture_sizes(min(max_size or max_num_seqs, max_num_seqs)))
+        kept = tuple(s for s in sizes if s <= max_num_seqs)
         dropped = [s for s in sizes if s > max_num_seqs]
-        # (In FULL_AND_PIECEWISE they are the piecewise graphs' token counts.)
-        if dropped and self.cudagraph_mode == "FULL_DECODE_ONLY":
+        # (In FULL_AND_PIECEWISE they are the piecewise graphs' token counts, unless none is left here.)
+        if dropped and (self.cudagraph_mode == "FULL_DECODE_ONLY" or not kept):
             _warn(f"cudagraph_capture_sizes {dropped} are above max_num_seqs={max_num_seqs}, the most rows a step "
-                  "has: not captured")
-        return tuple(s for s in sizes if s <= max_num_seqs)
+                  "has: no decode graph is captured at them" + ("" if kept else " (so none at all)"))
+        return kept
 
-    def piecewise_sizes(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
-        """The piecewise graphs' token counts, ascending; () for none. max_num_batched_tokens: the
-        most tokens a step can have."""
+    def piecewise_sizes(self, max_num_seqs: int, max_tokens: int,
+                        max_tokens_name: str = "max_num_batched_tokens") -> tuple[int, ...]:
+        """The piecewise graphs' token counts, ascending; () for none. max_tokens: the most tokens a
+        step can have (max_tokens_name: what sets it, for the warning)."""
         if self.cudagraph_mode not in WITH_PIECEWISE_GRAPHS:
             return ()
         self.check_agreement()
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
         if sizes is not None:
-            dropped = [s for s in sizes if s > max_num_batched_tokens]
+            dropped = [s for s in sizes if s > max_tokens]
             if dropped:
-                _warn(f"cudagraph_capture_sizes {dropped} are above max_num_batched_tokens={max_num_batched_tokens}, "
-                      "the most tokens a step has: not captured")
-            return tuple(s for s in sizes if s <= max_num_batched_tokens)
-        return tuple(default_piecewise_sizes(max_num_seqs, min(max_size or PIECEWISE_MAX_TOKENS,
-                                                               max_num_batched_tokens)))
+                _warn(f"cudagraph_capture_sizes {dropped} are above {max_tokens_name}={max_tokens}, the most tokens a "
+                      "step has: not captured")
+            return tuple(s for s in sizes if s <= max_tokens)
+        return tuple(default_piecewise_sizes(max_num_seqs, min(max_size or PIECEWISE_MAX_TOKENS, max_tokens)))
 
     def check_agreement(self) -> None:
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size

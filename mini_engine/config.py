@@ -266,6 +266,10 @@ class EngineConfig:
     # their own instead (vLLM's --cudagraph-capture-sizes and --max-cudagraph-capture-size). A step
     # larger than the largest captured size runs eager.
     compilation_config: dict | CompilationConfig | int | None = None
+    # vLLM's optimization level (-O0 to -O3), as far as it sets cudagraph_mode: 0 "NONE", 1
+    # "PIECEWISE", 2 and 3 "FULL_AND_PIECEWISE"; compilation_config's own cudagraph_mode wins over it.
+    # None: level 2's.
+    optimization_level: int | None = None
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     # Schedule step n+1 while the device runs step n (see LLMEngine.step). False: every step
@@ -358,7 +362,7 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
         if self.max_num_seqs > 65535:      # the decode attention kernel puts sequences on CUDA's grid z
             raise ValueError(f"max_num_seqs must be <= 65535, got {self.max_num_seqs}")
-        compilation = (CompilationConfig.resolve(self.compilation_config)
+        compilation = (CompilationConfig.resolve(self.compilation_config, self.optimization_level)
                        .merged(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size))
         self.cuda_graph_sizes = compilation.capture_sizes(self.max_num_seqs)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -423,8 +427,9 @@ class EngineConfig:
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this checkpoint, got {self.max_model_len}")
         # No step has more tokens than its budget, nor than max_num_seqs rows of max_model_len each.
-        self.piecewise_graph_sizes = compilation.piecewise_sizes(
-            self.max_num_seqs, min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len))
+        most_tokens = min((self.max_num_batched_tokens, "max_num_batched_tokens"),
+                          (self.max_num_seqs * self.max_model_len, "max_num_seqs x max_model_len"))
+        self.piecewise_graph_sizes = compilation.piecewise_sizes(self.max_num_seqs, *most_tokens)
         self.sampling_defaults = self.read_sampling_defaults()
         self.resolve_runner()
         if self.runner == "pooling":

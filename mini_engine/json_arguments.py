@@ -62,7 +62,7 @@ def expand_json_arguments(argv: list[str], flags: dict[str, str]) -> list[str]:
             break
         keyed = next((f for f in ordered if token.startswith(f + ".")), None)
         if keyed is None:
-            # A whole value: "--flag JSON", "--flag=JSON", or a short flag's attached "-O3".
+            # A whole value: "--flag JSON", "--flag=JSON", or a short flag's value attached to it.
             flag = next((f for f in ordered if token == f or token.startswith(f + "=")
                          or (not f.startswith("--") and token.startswith(f))), None)
             if flag is not None:

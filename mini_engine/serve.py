@@ -21,7 +21,7 @@ from mini_engine.server.serving_options import RESPONSE_ROLE, ServingOptions
 # --reasoning-parser is the server's own flag below, and sets the engine's field too.
 SKIPPED_FIELDS = {"model", "model_config", "reasoning_parser"}
 # vLLM's short forms
-SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "compilation_config": ("-O", "-cc")}
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "compilation_config": ("-cc",), "optimization_level": ("-O",)}
 
 
 def option_type(annotation) -> type:

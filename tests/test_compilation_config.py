@@ -59,6 +59,12 @@ def test_sizes_above_max_num_seqs_are_dropped_with_a_warning(tiny_checkpoint):
         assert pieces(tiny_checkpoint, **given) == (2, 16, 32, 64)
     with pytest.warns(UserWarning, match=r"\[64\] are above max_num_batched_tokens=40"):
         assert pieces(tiny_checkpoint, max_num_batched_tokens=40, **given) == (2, 16, 32)
+    # The bound named is the one that holds: 16 rows of 2 tokens here.
+    with pytest.warns(UserWarning, match=r"\[64\] are above max_num_seqs x max_model_len=32"):
+        assert pieces(tiny_checkpoint, max_model_len=2, **given) == (2, 16, 32)
+    # Where no given size is a decode batch, a warning says no decode graph is captured.
+    with pytest.warns(UserWarning, match=r"\[32, 64\] are above max_num_seqs=16.*so none at all"):
+        assert sizes(tiny_checkpoint, max_num_seqs=16, cudagraph_capture_sizes=[32, 64]) == ()
 
 
 def test_the_piecewise_ladder_goes_on_past_max_num_seqs(tiny_checkpoint):
@@ -111,21 +117,35 @@ def test_torch_compile_settings_are_ignored_with_a_warning(tiny_checkpoint):
     assert shown[0].filename == __file__         # the warning points at the caller's line, not at the engine's
 
 
-def test_an_optimization_level_as_vllms_dash_o(tiny_checkpoint):
+@pytest.mark.parametrize("as_level", ["optimization_level", "compilation_config"])
+def test_an_optimization_level_as_vllms_dash_o(tiny_checkpoint, as_level):
     """vLLM's -O0 turns CUDA graphs off, -O1 captures piecewise graphs only, -O2 and -O3 both kinds
-    (what else they set is torch.compile's)."""
+    (what else they set is torch.compile's): as optimization_level (vLLM's), or as compilation_config
+    given a number (older vLLMs' -O)."""
     given = dict(max_num_seqs=8, max_num_batched_tokens=16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert sizes(tiny_checkpoint, **given, compilation_config=0) == pieces(tiny_checkpoint, **given,
-                                                                                compilation_config=0) == ()
-        assert sizes(tiny_checkpoint, **given, compilation_config=1) == ()
-        assert pieces(tiny_checkpoint, **given, compilation_config=1) == (1, 2, 4, 8, 16)
+        assert sizes(tiny_checkpoint, **given, **{as_level: 0}) == pieces(tiny_checkpoint, **given,
+                                                                           **{as_level: 0}) == ()
+        assert sizes(tiny_checkpoint, **given, **{as_level: 1}) == ()
+        assert pieces(tiny_checkpoint, **given, **{as_level: 1}) == (1, 2, 4, 8, 16)
         for level in (2, 3):
-            assert sizes(tiny_checkpoint, **given, compilation_config=level) == (1, 2, 4, 8)
-            assert pieces(tiny_checkpoint, **given, compilation_config=level) == (1, 2, 4, 8, 16)
+            assert sizes(tiny_checkpoint, **given, **{as_level: level}) == (1, 2, 4, 8)
+            assert pieces(tiny_checkpoint, **given, **{as_level: level}) == (1, 2, 4, 8, 16)
     with pytest.raises(ValueError, match="must be 0 to 3, got 4"):
-        sizes(tiny_checkpoint, compilation_config=4)
+        sizes(tiny_checkpoint, **{as_level: 4})
+
+
+def test_a_levels_mode_is_a_default_that_compilation_config_overrides(tiny_checkpoint):
+    """As vLLM's: what the user sets wins over the level's defaults, and the level's mode holds for
+    what the user leaves (-O1 -cc.max_cudagraph_capture_size=8 is piecewise graphs up to 8)."""
+    given = dict(max_num_seqs=8, max_num_batched_tokens=16, optimization_level=1)
+    assert sizes(tiny_checkpoint, **given, compilation_config={"max_cudagraph_capture_size": 4}) == ()
+    assert pieces(tiny_checkpoint, **given, compilation_config={"max_cudagraph_capture_size": 4}) == (1, 2, 4)
+    both = dict(given, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+    assert sizes(tiny_checkpoint, **both) == (1, 2, 4, 8) and pieces(tiny_checkpoint, **both) == ()
+    with pytest.raises(ValueError, match="give the level once"):
+        sizes(tiny_checkpoint, **dict(given, compilation_config=2))
 
 
 def test_a_valid_config_warns_of_nothing(tiny_checkpoint):
@@ -169,7 +189,7 @@ def test_the_server_takes_vllms_flags():
                        "--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'])
     assert args.cudagraph_capture_sizes == [1, 2, 4] and args.max_cudagraph_capture_size == 4
     assert args.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY"}
-    assert parse_args(["-O3"]).compilation_config == 3
+    assert parse_args(["-O3"]).optimization_level == 3
     given = parse_args(["-cc", '{"max_cudagraph_capture_size": 8}']).compilation_config
     assert given == {"max_cudagraph_capture_size": 8}
     assert parse_args([]).cudagraph_capture_sizes is None

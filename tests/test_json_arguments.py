@@ -14,7 +14,7 @@ def test_keys_one_by_one_equal_the_whole_json():
                        "--max-num-seqs", "8"])
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4} and args.max_num_seqs == 8
     assert parse_args(["-cc.cudagraph_mode=NONE"]).compilation_config == {"cudagraph_mode": "NONE"}
-    assert parse_args(["-O.max_cudagraph_capture_size", "64"]).compilation_config == {"max_cudagraph_capture_size": 64}
+    assert parse_args(["-cc.max_cudagraph_capture_size", "64"]).compilation_config == {"max_cudagraph_capture_size": 64}
 
 
 def test_nested_keys_lists_and_json_values():
@@ -43,13 +43,17 @@ def test_keys_are_merged_over_the_whole_json_wherever_it_stands():
 def test_a_command_line_without_keys_is_left_as_it_is():
     argv = ["--compilation-config", '{"a": 1}', "-O3", "--model", "m.cc.x"]
     assert expand_json_arguments(argv, FLAGS) == argv
-    assert parse_args(["-O3"]).compilation_config == 3
+    assert parse_args(["-O3"]).optimization_level == 3 and parse_args(["-O3"]).compilation_config is None
+    # vLLM's -O is the optimization level, apart from compilation_config: a level and keys together.
+    args = parse_args(["-O1", "-cc.max_cudagraph_capture_size", "8"])
+    assert args.optimization_level == 1 and args.compilation_config == {"max_cudagraph_capture_size": 8}
 
 
 @pytest.mark.parametrize("argv, error", [
     (["--compilation-config.cudagraph_mode"], "expected a value after it"),
     (["--compilation-config..mode", "x"], "a key is empty"),
-    (["-O3", "--compilation-config.cudagraph_mode", "NONE"], "keys need a JSON object"),
+    (["--compilation-config", "3", "--compilation-config.cudagraph_mode", "NONE"], "keys need a JSON object"),
+    (["-O.cudagraph_mode=NONE"], "invalid int value"),      # as vLLM's: keys go to -cc
     (["--hf-overrides.a", "1", "--hf-overrides.a.b", "2"], "'a' is already given a value, not keys"),
     (["--hf-overrides.a", "1", "--hf-overrides.a+", "2"], "not a list"),
 ])
@@ -61,8 +65,8 @@ def test_bad_keys_are_the_parsers_errors(argv, error, capsys):
 
 def test_every_json_engine_option_takes_keys():
     flags = json_option_flags()
-    assert {"--compilation-config", "-cc", "-O", "--speculative-config", "--hf-overrides",
-            "--override-generation-config", "--pooler-config"} <= set(flags)
+    assert {"--compilation-config", "-cc", "--speculative-config", "--hf-overrides",
+            "--override-generation-config", "--pooler-config"} <= set(flags) and "-O" not in flags
     assert set(flags.values()) == {"--compilation-config", "--speculative-config", "--hf-overrides",
                                    "--override-generation-config", "--pooler-config"}
 

@@ -63,6 +63,21 @@ def token_column(values: list[int], chunks: list[np.ndarray], pad: int, fill: in
     return np.concatenate([np.asarray(values, dtype=np.int64), *chunks, np.full(pad, fill, dtype=np.int64)])
 
 
+def piecewise_sizes_for(config: EngineConfig, graphs: bool, tp: TensorParallel, lora: bool) -> tuple[int, ...]:
+    """The token counts the runner captures as piecewise graphs (runner/piecewise_graph.py): the
+    config's where graphs run at all, but none under tensor parallelism or LoRA, whose collectives
+    and adapter masks the pieces were neither built nor run with (rank 0 warns: those steps run eager)."""
+    if not graphs or not config.piecewise_graph_sizes:
+        return ()
+    if tp.size > 1 or lora:
+        if tp.rank == 0:
+            decode = "" if config.cuda_graph_sizes else " (and, in PIECEWISE mode, every decode step too)"
+            warnings.warn(f"no piecewise CUDA graphs under {'tensor parallelism' if tp.size > 1 else 'LoRA'}: steps "
+                          f"with prompt tokens run eager{decode}", stacklevel=2)
+        return ()
+    return config.piecewise_graph_sizes
+
+
 def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[list[int], list[int]]:
     """Every row count an eager step's cuBLAS products can have: (lm_head's, the projections').
     lm_head sees the rows a step samples, 1 to max_num_seqs; the projections see a step's tokens,
@@ -277,9 +292,7 @@ class ModelRunner:
         # An embedding model runs no decode steps, which are what the graphs serve.
         graphs = (self.device.type == "cuda" and not config.enforce_eager and "attention" in self.kernels
                   and not self.pooling)
-        # Piecewise graphs (runner/piecewise_graph.py) are not made for tensor parallelism's
-        # collectives or LoRA's adapter masks, which nothing has run them with: those steps run eager.
-        self.piecewise_sizes = config.piecewise_graph_sizes if graphs and tp.size == 1 and self.lora is None else ()
+        self.piecewise_sizes = piecewise_sizes_for(config, graphs, tp, self.lora is not None)
         self.use_cuda_graphs = graphs and bool(config.cuda_graph_sizes or self.piecewise_sizes)
         self.graph_runner = self.piecewise = None
         # The sizes an eager decode step reckons its attention's split count for (graph_size_for).

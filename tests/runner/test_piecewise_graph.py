@@ -3,13 +3,15 @@ the pieces run eager, as they are captured (PiecewiseGraphRunner.forward with re
 cut must compute what the whole forward computes, and a step must pad to the next captured token
 count. On CUDA the captured graphs must give the eager engine's tokens."""
 import random
+import warnings
 
 import pytest
 import torch
 
 from mini_engine.config import EngineConfig
 from mini_engine.runner.batch import BatchRow
-from mini_engine.runner.model_runner import ModelRunner
+from mini_engine.distributed import TensorParallel
+from mini_engine.runner.model_runner import ModelRunner, piecewise_sizes_for
 from mini_engine.runner.piecewise_graph import PiecewiseGraphRunner
 from mini_engine.sampling_params import SamplingParams
 
@@ -110,6 +112,41 @@ def test_the_reserve_step_fits_the_step_limits(tiny_checkpoint):
     assert len(runner.execute(rows)) == 1
 
 
+def test_pieces_only_where_they_were_built_for(tiny_checkpoint):
+    """The runner captures the config's piecewise sizes where graphs run at all, and none under
+    tensor parallelism or LoRA, with a warning (on rank 0) that their steps with prompt tokens then
+    run eager (in PIECEWISE mode, their decode steps too)."""
+    config = EngineConfig(tiny_checkpoint, device="cpu", max_num_seqs=8, max_num_batched_tokens=16)
+    assert piecewise_sizes_for(config, True, TensorParallel(), lora=False) == (1, 2, 4, 8, 16)
+    assert piecewise_sizes_for(config, False, TensorParallel(), lora=False) == ()      # enforce_eager, pooling, CPU
+    with pytest.warns(UserWarning, match="no piecewise CUDA graphs under LoRA: steps with prompt tokens run eager$"):
+        assert piecewise_sizes_for(config, True, TensorParallel(), lora=True) == ()
+    piecewise_only = EngineConfig(tiny_checkpoint, device="cpu", max_num_seqs=8, max_num_batched_tokens=16,
+                                  optimization_level=1)
+    with pytest.warns(UserWarning, match="under tensor parallelism.*every decode step too"):
+        assert piecewise_sizes_for(piecewise_only, True, TensorParallel(0, 2), lora=False) == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert piecewise_sizes_for(piecewise_only, True, TensorParallel(1, 2), lora=False) == ()
+
+
+def test_piecewise_decode_steps_take_their_graph_sizes_split(tiny_checkpoint):
+    """In PIECEWISE mode a decode step's attention runs eager between the pieces, launched as the
+    default ladder's graph of its size would launch it (the split count of the size it pads to), and
+    its tokens are an eager runner's (Triton's attention, under the interpreter on the CPU)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU tensors need the interpreter, which a GPU machine does not run")
+    options = dict(kernels="attention", max_model_len=400, num_kv_blocks=200,
+                   compilation_config={"cudagraph_mode": "PIECEWISE"})
+    runner, eager = _runner(tiny_checkpoint, **options), _runner(tiny_checkpoint, **options)
+    runner.piecewise = EagerPieces(runner.model, (4, 8), torch.device("cpu"))
+    rows = [BatchRow([100 + i], 150 + 40 * i, list(range(60 * i, 60 * i + 60)), True, GREEDY) for i in range(3)]
+    t, meta = runner.prepare_inputs(rows, piece_size=4)
+    assert meta.decode_splits == eager.prepare_inputs(rows)[1].decode_splits is not None
+    assert runner.execute(rows) == eager.execute(rows) and runner.piecewise.steps == [4]
+
+
 def test_prompt_embeddings_run_eager(tiny_checkpoint):
     """A step with a prompt given as embeddings replaces token rows after the embedding, which the
     first piece does not: it runs the eager forward."""
@@ -163,7 +200,9 @@ def test_piecewise_graphs_give_the_eager_tokens(tiny_checkpoint, mode):
     assert any(query_len == 1 for _, query_len in replayed) == (mode == "PIECEWISE")
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
     del llm, runner, pieces
-    eager = LLM(tiny_checkpoint, **options, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    eager_llm = LLM(tiny_checkpoint, **options, enforce_eager=True)
+    assert eager_llm.engine.runner.piecewise is None and eager_llm.engine.runner.graph_runner is None
+    eager = eager_llm.generate(prompts, params, use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in eager]
 
 
