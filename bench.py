@@ -87,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--kernels", default="auto", help='mini only: "auto", "none" or a comma list')
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--compilation-config", type=json.loads, help='mini only: JSON, as vLLM\'s, e.g. '
-                        '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' (steps with prompt tokens eager, no piecewise graphs) or '
+                        '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' (steps with prompt tokens eager, no piecewise '
+                        'graphs) or '
                         '\'{"max_cudagraph_capture_size": 64}\' (larger steps eager)')
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="mini and vllm: the KV cache's element type (auto: the model's)")

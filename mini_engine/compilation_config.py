@@ -19,9 +19,10 @@ Which sizes are captured, as vLLM's three ways of saying it:
 - neither: the default ladder up to max_num_seqs, and for the piecewise graphs on to
   PIECEWISE_MAX_TOKENS (mixed steps have more tokens than rows: default_piecewise_sizes).
 A step pads to the smallest captured size that holds it; a larger one runs eager. Decode graphs
-are captured at sizes up to max_num_seqs (no decode step has more rows), piecewise ones up to
-the most tokens a step can have (max_num_batched_tokens, and max_num_seqs rows of max_model_len). Fewer sizes take less start-up time and less memory
-(benchmarks/NOTES.md, entries 68 and 69, have what each costs on the H200)."""
+are captured at sizes up to max_num_seqs (no decode step has more rows), piecewise ones up to the
+most tokens a step can have (max_num_batched_tokens, and max_num_seqs rows of max_model_len).
+Fewer sizes take less start-up time and less memory (benchmarks/NOTES.md, entries 68 and 69, have
+what each costs on the H200)."""
 import numbers
 import os
 import sys
@@ -37,9 +38,9 @@ WITH_PIECEWISE_GRAPHS = ("FULL_AND_PIECEWISE", "PIECEWISE")
 # host time (~10 ms on the H200) only at several thousand tokens, but each size is
 # num_hidden_layers + 1 more graphs to capture.
 PIECEWISE_STEP = 256
+PIECEWISE_MAX_TOKENS = 2048
 # vLLM's -O levels, as far as they set cudagraph_mode (the rest of what they set is torch.compile's).
 OPTIMIZATION_LEVEL_MODES = {0: "NONE", 1: "PIECEWISE", 2: "FULL_AND_PIECEWISE", 3: "FULL_AND_PIECEWISE"}
-PIECEWISE_MAX_TOKENS = 2048
 # vLLM's torch.compile settings (and older spellings of its graph switches): accepted, not used.
 TORCH_COMPILE_FIELDS = ("level", "mode", "backend", "compile_sizes", "custom_ops", "splitting_ops", "use_inductor",
                         "inductor_compile_config", "inductor_passes", "pass_config", "compile_mm_encoder",
@@ -110,7 +111,8 @@ class CompilationConfig:
     max_cudagraph_capture_size: int | None = None
 
     @classmethod
-    def resolve(cls, given: "dict | int | CompilationConfig | None", level: int | None = None) -> "CompilationConfig":
+    def resolve(cls, given: "dict | int | CompilationConfig | None",
+                level: int | None = None) -> "CompilationConfig":
         """given as vLLM takes it: a dict of its fields, a CompilationConfig, or (as older vLLMs took
         -O) an int, an optimization level. level: vLLM's optimization level (-O), which sets the
         default cudagraph_mode as vLLM's does (OPTIMIZATION_LEVEL_MODES; the rest of what a level

@@ -35,8 +35,8 @@ from mini_engine.model.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from mini_engine.quantization import AwqConfig
 from mini_engine.runner.batch import BatchRow, StepHandle, StepInputBuffers, StepTensors
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
-from mini_engine.runner.piecewise_graph import PiecewiseGraphRunner
 from mini_engine.runner.lora_adapters import LoRAAdapters
+from mini_engine.runner.piecewise_graph import PiecewiseGraphRunner
 from mini_engine.runner.sleep_mode import SleepState, distinct_storages, release, restore
 from mini_engine.runner.tensor_parallel_workers import TensorParallelWorkers
 from mini_engine.runner.weight_updates import WeightUpdater, broadcast_tensor
@@ -507,7 +507,8 @@ class ModelRunner:
             if tag in self.sleep_state.released:        # (a wake-up called again after one that failed)
                 restore(self.sleep_state.released[tag])     # forgotten only once restored: restore can run again
                 del self.sleep_state.released[tag]
-        if not self.sleep_state.released and self.use_cuda_graphs and self.graph_runner is None and self.piecewise is None:
+        if (not self.sleep_state.released and self.use_cuda_graphs and self.graph_runner is None
+                and self.piecewise is None):
             self.capture_cuda_graphs()
         self.update_readiness()
 
@@ -591,7 +592,8 @@ class ModelRunner:
         # the piecewise ones. The eager steps measured (the last peaks) held their activations and
         # the decode graphs' logits (an eager step's own are as large); the piecewise graphs'
         # static buffers are added.
-        self.graph_reserve_bytes = sum(peaks[len(peaks) - len(graph_batches):]) + len(graph_batches) * GRAPH_POOL_SEGMENTS_BYTES
+        self.graph_reserve_bytes = (sum(peaks[len(peaks) - len(graph_batches):])
+                                    + len(graph_batches) * GRAPH_POOL_SEGMENTS_BYTES)
         if self.piecewise_sizes:
             mc = self.model_config
             self.graph_reserve_bytes += PiecewiseGraphRunner.buffer_bytes(

@@ -186,7 +186,8 @@ def test_piecewise_graphs_give_the_eager_tokens(tiny_checkpoint, mode):
     runner = llm.engine.runner
     pieces = runner.piecewise
     assert pieces.token_sizes == [1, 2, 4, 8, 16, 32, 48]
-    assert set(pieces.graphs) == {(n, k) for n in pieces.token_sizes for k in range(runner.model_config.num_hidden_layers + 1)}
+    num_pieces = runner.model_config.num_hidden_layers + 1
+    assert set(pieces.graphs) == {(n, k) for n in pieces.token_sizes for k in range(num_pieces)}
     assert (runner.graph_runner is None) == (mode == "PIECEWISE")
     replayed, forward = [], pieces.forward
 
