@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mini_engine.config import EngineConfig
-from mini_engine.runner.batch import BatchRow
 from mini_engine.distributed import TensorParallel
+from mini_engine.runner.batch import BatchRow
 from mini_engine.runner.model_runner import ModelRunner, piecewise_sizes_for
 from mini_engine.runner.piecewise_graph import PiecewiseGraphRunner
 from mini_engine.sampling_params import SamplingParams
