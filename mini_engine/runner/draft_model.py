@@ -45,10 +45,7 @@ from mini_engine.engine.sequence import Sequence
 from mini_engine.host_to_device import to_device
 from mini_engine.runner.batch import BatchRow, StepHandle
 from mini_engine.runner.cuda_graph import CUDAGraphRunner
-from mini_engine.runner.model_runner import ModelRunner
-from mini_engine.sampling_params import SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+from mini_engine.runner.model_runner import GREEDY_ONE_TOKEN, ModelRunner
 
 
 class DraftModel:
@@ -196,7 +193,7 @@ class DraftModel:
     @staticmethod
     def row(token_ids: list[int], start: int, seq: Sequence, sample: bool, prev_token_index: int = -1) -> BatchRow:
         """(With prev_token_index, token_ids' one token stands in for the sample the device fills in.)"""
-        return BatchRow(token_ids, start, seq.block_table, sample, GREEDY if sample else None,
+        return BatchRow(token_ids, start, seq.block_table, sample, GREEDY_ONE_TOKEN if sample else None,
                         block_table_array=seq.block_table_array, prev_token_index=prev_token_index)
 
 

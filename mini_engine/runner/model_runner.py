@@ -93,7 +93,8 @@ def gemm_row_counts(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[lis
 # (benchmarks/NOTES.md, entry 68). A floor, not a bound: the warning after capture is the check.
 GRAPH_POOL_SEGMENTS_BYTES = 22 * 2**20
 
-# The piecewise graphs' reserve step samples one token greedily (ModelRunner.piecewise_sized_step).
+# A row that samples one token greedily: the piecewise graphs' reserve step's
+# (ModelRunner.piecewise_sized_step) and a draft model's (runner/draft_model.py).
 GREEDY_ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 
 # The dtypes the model may run in, by name (torch's aliases included).

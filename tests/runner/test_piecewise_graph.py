@@ -35,6 +35,15 @@ def _runner(checkpoint, **options) -> ModelRunner:
                                                                   max_num_seqs=8, block_size=4) | options)))
 
 
+def _need_triton_interpreter() -> None:
+    """These runners are on the CPU: their Triton kernels need the interpreter, which a GPU machine
+    does not run (there test_piecewise_graphs_give_the_eager_tokens checks the kernels' graphs)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU tensors need the interpreter, which a GPU machine does not run; "
+                    "there test_piecewise_graphs_give_the_eager_tokens checks the kernels' graphs")
+
+
 def _mixed_rows() -> list[BatchRow]:
     """Two decode rows, then a prompt's first chunk (sampling) and another's later chunk (not): 22 tokens."""
     rows = [BatchRow([100 + i], 5 + 7 * i, list(range(10 * i, 10 * i + 4)), True, GREEDY) for i in range(2)]
@@ -60,10 +69,7 @@ def test_the_pieces_compute_the_forward(checkpoint_factory, name, kernels):
     V; the padding tokens write none, whatever an earlier step left in the attention buffer's
     padding rows; and the unpadded step agrees with both."""
     if kernels != "none":
-        pytest.importorskip("triton")
-        if torch.cuda.is_available():
-            pytest.skip("Triton kernels on CPU tensors need the interpreter, which a GPU machine does not run; "
-                        "there test_piecewise_graphs_give_the_eager_tokens checks the kernels' graphs")
+        _need_triton_interpreter()
     runner = _runner(checkpoint_factory(name), kernels=kernels)
     pieces = PiecewiseGraphRunner(runner.model, (8, 32, 48), torch.device("cpu"))
     assert pieces.num_pieces == len(runner.model.layers) + 1
@@ -134,9 +140,7 @@ def test_piecewise_decode_steps_take_their_graph_sizes_split(tiny_checkpoint):
     """In PIECEWISE mode a decode step's attention runs eager between the pieces, launched as the
     default ladder's graph of its size would launch it (the split count of the size it pads to), and
     its tokens are an eager runner's (Triton's attention, under the interpreter on the CPU)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("Triton kernels on CPU tensors need the interpreter, which a GPU machine does not run")
+    _need_triton_interpreter()
     options = dict(kernels="attention", max_model_len=400, num_kv_blocks=200,
                    compilation_config={"cudagraph_mode": "PIECEWISE"})
     runner, eager = _runner(tiny_checkpoint, **options), _runner(tiny_checkpoint, **options)
