@@ -77,14 +77,17 @@ def test_the_engine_process_logs_at_the_servers_level(tiny_model, tmp_path):
 
 def test_a_priority_server_takes_each_requests_priority(tiny_model, tmp_path):
     """--scheduling-policy priority (vLLM's), one sequence at a time: behind a long request, an
-    urgent one sent after a lax one finishes first; and the completions are LLM.generate's."""
+    urgent one sent after a lax one finishes first; and the completions are LLM.generate's.
+    The order is what the client sees, so the short requests take 64 steps each: a reply that one
+    busy CPU delays by a few steps (CI's, once) cannot pass the next request's. The long request is
+    not preempted (the counter), so it ran first."""
     import threading
     import time
 
     from mini_engine import LLM, SamplingParams
     from tests.server.conftest import NUM_KV_BLOCKS
     want = LLM(tiny_model, num_kv_blocks=NUM_KV_BLOCKS).generate(
-        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     finished = []
 
     def complete(name: str, priority: int, max_tokens: int):
@@ -103,7 +106,7 @@ def test_a_priority_server_takes_each_requests_priority(tiny_model, tmp_path):
     options = ("--scheduling-policy", "priority", "--max-num-seqs", "1")
     with launched_server(tiny_model, tmp_path, options=options) as server:
         threads = [threading.Thread(target=complete, args=args) for args in
-                   [("long", 0, 500), ("lax", 7, 5), ("urgent", -3, 5)]]
+                   [("long", 0, 500), ("lax", 7, 64), ("urgent", -3, 64)]]
         threads[0].start()
         wait_until(lambda m: m["mini_engine:num_requests_running"] == 1)
         threads[1].start()
@@ -113,6 +116,7 @@ def test_a_priority_server_takes_each_requests_priority(tiny_model, tmp_path):
         assert server.metrics()["mini_engine:num_requests_running"] == 1, "the long request ended too soon"
         for thread in threads:
             thread.join(120)
+        assert server.metrics()["mini_engine:num_preemptions_total"] == 0
     assert [name for name, _ in finished] == ["long", "urgent", "lax"]
     assert {text for name, text in finished if name != "long"} == {want[0].outputs[0].text}
 
