@@ -186,9 +186,9 @@ class AsyncLLM:
         return not self.stopped and (self.engine.is_alive if self.engine.reader is not None
                                      else self.engine.process.is_alive())
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         self.start()
-        return await self.engine.call("reset_prefix_cache")
+        return await self.engine.call("reset_prefix_cache", reset_connector)
 
     async def sleep(self, level: int = 1) -> None:
         """Sleep mode (enable_sleep_mode), as LLM.sleep: the weights' and the KV pool's memory

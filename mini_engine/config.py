@@ -250,6 +250,11 @@ class EngineConfig:
     cpu_kv_blocks: int = 1024
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # As vLLM's: GiB of host memory (pinned on CUDA) for a second tier of the prefix cache, where
+    # blocks the KV pool evicts are kept and loaded back from (engine/host_block_pool.py); summed
+    # over tensor-parallel ranks. None: no host tier. The backend: "native" alone (vLLM's own).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     # The KV cache's element type, as vLLM's kv_cache_dtype: "auto", the model's dtype; "bfloat16";
     # "fp8" (or "fp8_e4m3"), float8_e4m3fn; "fp8_e5m2", float8_e5m2 (one mantissa bit fewer, a
     # range to +-57344). fp8 is half the bytes a token: twice the tokens in the pool and half what
@@ -460,6 +465,27 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.resolve(self.speculative_config)
             if self.speculative_config.method == "draft_model":
                 self.check_draft_model()
+        self.check_kv_offloading()
+
+    def check_kv_offloading(self) -> None:
+        """The host tier keeps the prefix cache's blocks: there must be one, and K and V that only
+        the target model's pool holds (a draft model's own would not come back with them)."""
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend must be 'native' (vLLM's 'lmcache' needs LMCache, which this "
+                             f"engine does not run), got {self.kv_offloading_backend!r}")
+        size = self.kv_offloading_size
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0 (or None: no offloading), got {size!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size keeps the prefix cache's blocks in host memory: it needs "
+                             "enable_prefix_caching")
+        if self.runner == "pooling":
+            raise ValueError("kv_offloading_size: a pooling runner's prompts take nothing from the prefix cache")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ValueError("kv_offloading_size: not with a draft model, whose own K and V the host tier "
+                             "would not keep")
 
     def check_draft_model(self) -> None:
         """A draft model (speculative_config's "draft_model") drafts tokens the target reads by id,

@@ -129,12 +129,12 @@ class LLM:
         with nothing written; requests still unfinished, RuntimeError. Returns the tensors written."""
         return self.engine.load_weights(weights)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         """vLLM's: drops every cached prefix block, so that no later prompt reuses K and V computed
-        before (by older weights). False, with a warning and nothing dropped, while unfinished
-        requests hold blocks (never between two generate() calls). load_weights and sleep reset it
-        themselves."""
-        return self.engine.reset_prefix_cache()
+        before (by older weights); the host tier's (kv_offloading_size) only with reset_connector,
+        as vLLM's. False, with a warning and nothing dropped, while unfinished requests hold blocks
+        (never between two generate() calls). load_weights and sleep reset it themselves."""
+        return self.engine.reset_prefix_cache(reset_connector)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (LLM(..., enable_sleep_mode=True)): gives back the device memory of the

@@ -112,8 +112,15 @@ class LLMEngine:
         self.logits_processors = getattr(self.runner, "logits_processors", None)
         if self.logits_processors is not None:
             self.logits_processors.before_update = self.fill_in_flight_tokens
+        # (A test's stand-in runner keeps no host tier.)
+        num_host_blocks = getattr(self.runner, "num_host_kv_blocks", 0)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          max_blocks_per_seq=-(-config.max_model_len // config.block_size))
+                                          max_blocks_per_seq=-(-config.max_model_len // config.block_size),
+                                          num_host_blocks=num_host_blocks)
+        if num_host_blocks:
+            logger.info("KV offloading: %d blocks of %d tokens in host memory (%.2f GiB a rank), %.1fx the KV pool",
+                        num_host_blocks, config.block_size, self.runner.host_kv_cache.nbytes / 2**30,
+                        num_host_blocks / self.runner.num_kv_blocks)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len, config.scheduling_policy,
                                    config.max_loras if config.enable_lora else 0, config.long_prefill_token_threshold)
@@ -318,6 +325,7 @@ class LLMEngine:
                 early += self.wait_in_flight()
                 self.propose_drafts()
             batch = self.scheduler.schedule(with_drafts=speculating)
+            self.move_kv()
             if self.config.enable_lora:
                 early += self.read_adapters(batch)
             if speculating and self.draft is not None:
@@ -547,6 +555,14 @@ class LLMEngine:
         concurrent.futures.wait([self.requests[r].grammar_compiling for r in self.compiling], timeout=0.05,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
+    def move_kv(self) -> None:
+        """The host tier's copies that scheduling decided, queued at once: before anything that
+        could end the step's requests and free their blocks (whose loads must still come before a
+        later store of them)."""
+        stores, loads = self.block_manager.take_kv_transfers()
+        if stores or loads:
+            self.runner.move_kv(stores, loads)
+
     def wait_in_flight(self) -> list[StepOutput]:
         """Waits for the step in flight, if one is, and returns its outputs."""
         step, self.in_flight = self.in_flight, None
@@ -775,15 +791,17 @@ class LLMEngine:
 
     # ---- between generations: weights, the prefix cache, sleep mode ----
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         """vLLM's: forgets every cached prefix block, so that no later request reads K and V computed
-        before (by older weights). False, with a warning and nothing changed, while requests hold KV
-        blocks, as vLLM's block pool refuses then."""
+        before (by older weights); with reset_connector, the host tier's too (kv_offloading_size),
+        which vLLM's connector keeps otherwise. False, with a warning and nothing changed, while
+        requests hold KV blocks, as vLLM's block pool refuses then."""
         held = self.block_manager.num_blocks - self.block_manager.num_free_blocks
         if held or self.in_flight is not None:
             logger.warning("the prefix cache was not reset: unfinished requests hold %d KV blocks", held)
             return False
-        self.block_manager.reset_prefix_cache()
+        self.block_manager.reset_prefix_cache(host_tier=reset_connector)
+        self.move_kv()          # the host tier's stores of the blocks the pool forgot
         return True
 
     def check_no_requests(self, what: str) -> None:
@@ -818,7 +836,10 @@ class LLMEngine:
             logger.warning("the engine is already asleep")
             return
         self.check_no_requests("sleep")
-        self.block_manager.reset_prefix_cache()
+        # Level 1's weights come back as they were: the host tier keeps the pool's blocks, and
+        # takes them before the pool's memory goes.
+        self.block_manager.reset_prefix_cache(host_tier=level == 2)
+        self.move_kv()
         if self.draft is not None:
             self.draft.runner.sleep(1)
         try:

@@ -315,6 +315,8 @@ class ModelRunner:
         # Every rank holds its heads' share of the same blocks: the pool is the smallest rank's.
         self.num_kv_blocks = min_over_ranks(config.num_kv_blocks or self.profile_num_kv_blocks(), tp, self.device)
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
+        self.host_kv_cache = self.allocate_host_kv_cache()
+        self.num_host_kv_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.shape[0]
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
             # (A pool of num_kv_blocks given by the caller was not sized here: nothing to compare.)
@@ -542,6 +544,38 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = kv_cache[0, i]
             layer.self_attn.attn.v_cache = kv_cache[1, i]
         return kv_cache
+
+    def allocate_host_kv_cache(self) -> torch.Tensor | None:
+        """kv_offloading_size's host tier (engine/host_block_pool.py): slots of one block's K and V
+        across all layers, each slot contiguous, so that a block crosses in one copy; pinned on
+        CUDA, so that the copies queue on the step's stream without holding the host. This rank's
+        share of the size, as vLLM's."""
+        size = self.config.kv_offloading_size
+        if size is None:
+            return None
+        mc = self.model_config
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        num_slots = int(size * 2**30 / self.tp.size) // block_bytes
+        if num_slots < 1:
+            raise ValueError(f"kv_offloading_size={size} GiB holds no KV block: a block of {self.block_size} tokens "
+                             f"takes {block_bytes / 2**20:.2f} MiB on each of the {self.tp.size} ranks")
+        return torch.empty(num_slots, 2, mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim,
+                           dtype=self.kv_cache_dtype, pin_memory=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def move_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """The host tier's copies that the block manager scheduled (BlockManager.take_kv_transfers),
+        queued on the device's stream before the step that follows: the stores (device block to
+        host slot) of the blocks it evicted, then the loads (host slot to device block) of its
+        prefix hits. The stream orders them after the steps that wrote the evicted blocks, and
+        before the step that overwrites them or reads the loaded ones; on every rank."""
+        self.check_not_broken()
+        if self.workers is not None:
+            self.workers.call("move_kv", stores, loads)
+        for block, slot in stores:
+            self.host_kv_cache[slot].copy_(self.kv_cache[:, :, block], non_blocking=True)
+        for slot, block in loads:
+            self.kv_cache[:, :, block].copy_(self.host_kv_cache[slot], non_blocking=True)
 
     def release_kv_cache(self) -> None:
         """The layers let go of their views of the pool, whose memory goes back to the device once

@@ -1,5 +1,5 @@
 """vLLM's development routes, which RL trainers that serve their rollouts call between training
-steps: POST /reset_prefix_cache, POST /sleep?level=1|2, POST /wake_up[?tags=weights&tags=kv_cache],
+steps: POST /reset_prefix_cache[?reset_external=true] (the host tier's blocks too), POST /sleep?level=1|2, POST /wake_up[?tags=weights&tags=kv_cache],
 GET /is_sleeping (level 2, which discards the weights, is refused: no route here loads new
 ones). As in vLLM they exist only where the environment asks for them
 (VLLM_SERVER_DEV_MODE=1): they change what every client's next request finds. Each runs in the
@@ -40,8 +40,8 @@ async def engine_call(call, *args) -> tuple[object, JSONResponse | None]:
 
 def add_dev_routes(app: FastAPI, async_engine) -> None:
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        reset, error = await engine_call(async_engine.call, "reset_prefix_cache")
+    async def reset_prefix_cache(reset_external: bool = False):      # vLLM's: the host tier's too
+        reset, error = await engine_call(async_engine.call, "reset_prefix_cache", reset_external)
         if error is not None:
             return error
         if not reset:

@@ -66,6 +66,9 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     prefix_cache_queried_tokens: int
     num_preemptions: int
+    # The host tier's (kv_offloading_size) lookups and hits, in tokens: vLLM's "external" prefix cache.
+    external_prefix_cache_queried_tokens: int = 0
+    external_prefix_cache_hit_tokens: int = 0
     # Speculative decoding's totals since start (speculative.SpecDecodeStats), 0 without it.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -91,7 +94,7 @@ class EngineStats:
                                 for queue in (scheduler.running, scheduler.waiting))
         return cls(len(scheduler.running), len(scheduler.waiting), bm.num_blocks - bm.num_free_blocks,
                    bm.num_blocks, bm.prefix_cache_hit_tokens, bm.prefix_cache_queried_tokens, engine.num_preemptions,
-                   spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                   bm.host_cache_queried_tokens, bm.host_cache_hit_tokens, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                    tuple(spec.accepted_per_position), running, waiting, step_tokens, time.perf_counter())
 
 

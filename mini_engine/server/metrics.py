@@ -65,6 +65,10 @@ class ServerMetrics:
             registry=r)
         counter("prefix_cache_queries", "Prefix cache: prompt tokens looked up, at each admission.")
         counter("prefix_cache_hits", "Prefix cache: prompt tokens found, at each admission.")
+        counter("external_prefix_cache_queries", "KV offloading's host tier: prompt tokens looked up there (those "
+                "the KV pool did not hold), at each admission.")
+        counter("external_prefix_cache_hits", "KV offloading's host tier: prompt tokens loaded from there, at each "
+                "admission.")
         histogram("time_to_first_token_seconds", "Arrival to first generated token.")
         histogram("time_per_output_token_seconds", "Per request: (last token - first token) / (output tokens - 1).")
         histogram("e2e_request_latency_seconds", "Arrival to last token.", REQUEST_LATENCY_BUCKETS)
@@ -128,7 +132,8 @@ class EngineMetrics:
                 ("spec_accepted_tokens", "spec_decode_num_accepted_tokens"),
                 ("ttft", "time_to_first_token_seconds"), ("tpot", "time_per_output_token_seconds"),
                 ("e2e", "e2e_request_latency_seconds"), ("prefix_queries", "prefix_cache_queries"),
-                ("prefix_hits", "prefix_cache_hits"), ("queue_time", "request_queue_time_seconds"),
+                ("prefix_hits", "prefix_cache_hits"), ("external_queries", "external_prefix_cache_queries"),
+                ("external_hits", "external_prefix_cache_hits"), ("queue_time", "request_queue_time_seconds"),
                 ("prefill_time", "request_prefill_time_seconds"), ("decode_time", "request_decode_time_seconds"),
                 ("inference_time", "request_inference_time_seconds"), ("request_prompt_tokens", "request_prompt_tokens"),
                 ("request_generation_tokens", "request_generation_tokens"),
@@ -170,6 +175,8 @@ class EngineMetrics:
         for name, counter in (("num_preemptions", self.num_preemptions), ("spec_num_drafts", self.spec_drafts),
                               ("prefix_cache_queried_tokens", self.prefix_queries),
                               ("prefix_cache_hit_tokens", self.prefix_hits),
+                              ("external_prefix_cache_queried_tokens", self.external_queries),
+                              ("external_prefix_cache_hit_tokens", self.external_hits),
                               ("spec_num_draft_tokens", self.spec_draft_tokens),
                               ("spec_num_accepted_tokens", self.spec_accepted_tokens)):
             # The engine reports totals since start. Counters, as vLLM's, for rate() and increase():

@@ -60,10 +60,16 @@ class StatsLogger:
                 continue            # one line after the work stops, then quiet, as vLLM's
             self.was_idle[i] = idle
             queries, hits = self.value("prefix_cache_queries_total", labels), self.value("prefix_cache_hits_total", labels)
-            logger.info("Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                        "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                        i, prompt_rate, generation_rate, running, waiting,
-                        100 * self.value("kv_cache_usage_perc", labels), 100 * hits / queries if queries else 0.0)
+            line = ("Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%")
+            args = [i, prompt_rate, generation_rate, running, waiting,
+                    100 * self.value("kv_cache_usage_perc", labels), 100 * hits / queries if queries else 0.0]
+            # With a host tier that has been asked (kv_offloading_size), vLLM's connector's rate too.
+            external = self.value("external_prefix_cache_queries_total", labels)
+            if external:
+                line += ", External prefix cache hit rate: %.1f%%"
+                args.append(100 * self.value("external_prefix_cache_hits_total", labels) / external)
+            logger.info(line, *args)
 
     async def run(self, interval: float) -> None:
         while True:

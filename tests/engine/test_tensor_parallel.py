@@ -35,18 +35,26 @@ def test_split_model_matches_transformers(checkpoint_factory, split_llm):
     """Greedy tokens equal transformers' through chunked prefill and preemption (sampled ones are
     test_every_rank_samples_alike_whatever_the_row_asks's). (The tied checkpoint runs
     end to end in the shutdown test below, and the server's, whose vocabulary two ranks do not
-    divide, in tests/server/test_engine_process.py: each engine start costs CI seconds.)"""
+    divide, in tests/server/test_engine_process.py: each engine start costs CI seconds.)
+    Run twice with a host tier (kv_offloading_size): the second run's prefixes the pool lost come
+    back from each rank's own host copy of its heads."""
     name = "untied-bias-gqa4"
     path = checkpoint_factory(name)
     # 16 blocks of 4 slots, and 16 tokens a step: chunked prompts, and preemptions (the longest
-    # request alone needs 13 blocks).
-    llm = split_llm(name, num_kv_blocks=16, block_size=4, max_num_batched_tokens=16)
+    # request alone needs 13 blocks). A rank's block: 3 layers x K and V x 1 head x 8 x fp32 x 4
+    # tokens; 64 of them on each rank.
+    llm = split_llm(name, num_kv_blocks=16, block_size=4, max_num_batched_tokens=16,
+                    kv_offloading_size=2 * 64 * 768 / 2**30)
+    assert llm.engine.runner.num_host_kv_blocks == 64
     prompts = mixed_prompts()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected(path, prompts)
+    want = expected(path, prompts)
+    for _ in range(2):
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks, "KV blocks leaked"
     assert llm.engine.num_preemptions > 0
-    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks, "KV blocks leaked"
+    assert llm.engine.block_manager.host_cache_hit_tokens > 0
 
 
 def loaded_ranks(path: str, ranks: list[TensorParallel]) -> list[Qwen3ForCausalLM]:

@@ -111,3 +111,25 @@ def test_start_and_stop_profile_write_the_engines_trace(dev, profile_dir):
         names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
     assert any("linear" in name for name in names)
     assert completion_text(dev) == before
+
+
+def test_reset_external_forgets_the_host_tier(tiny_model, tmp_path):
+    """--kv-offloading-size (vLLM's flag): after a plain /reset_prefix_cache the host tier still
+    holds the prompt's blocks, which vLLM's counters vllm:external_prefix_cache_{queries,hits}
+    count as they are loaded; after ?reset_external=true it holds none."""
+    long_prompt = GREEDY | {"prompt": " ".join(["the quick brown fox jumps over the lazy dog"] * 8)}
+    options = ("--kv-offloading-size", "0.01", "--kv-offloading-backend", "native")
+    with launched_server(tiny_model, tmp_path, options=options, env={"VLLM_SERVER_DEV_MODE": "1"}) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as dev:
+        def external_hits() -> float:
+            return server.metrics()["mini_engine:external_prefix_cache_hits_total"]
+        first = dev.post("/v1/completions", json=long_prompt).json()["choices"][0]["text"]
+        assert dev.post("/reset_prefix_cache").json() == {"reset": True}
+        assert external_hits() == 0
+        assert dev.post("/v1/completions", json=long_prompt).json()["choices"][0]["text"] == first
+        hits = external_hits()
+        assert hits > 0 and server.metrics()["mini_engine:external_prefix_cache_queries_total"] >= hits
+        assert dev.post("/reset_prefix_cache", params={"reset_external": "true"}).json() == {"reset": True}
+        assert dev.post("/v1/completions", json=long_prompt).json()["choices"][0]["text"] == first
+        assert external_hits() == hits
+        server.check_idle_and_alive()
