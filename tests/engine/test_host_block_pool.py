@@ -29,6 +29,15 @@ def evict_all(bm: BlockManager, rid: str = "filler") -> None:
     bm.free(filler)
 
 
+def offload(bm: BlockManager, tokens) -> list[tuple[int, int]]:
+    """Computes a sequence of tokens, frees it and evicts every block: the stores of its full blocks."""
+    a = seq(tokens, "offloaded")
+    admit(bm, a)
+    bm.free(a)
+    evict_all(bm)
+    return bm.take_kv_transfers()[0]
+
+
 def test_an_evicted_prefix_is_stored_then_loaded_back_into_new_blocks():
     bm = BlockManager(num_blocks=4, block_size=4, num_host_blocks=8)
     a = seq(range(13), "a")                         # 3 full blocks, hashed
@@ -86,11 +95,7 @@ def test_a_chain_mixes_device_blocks_and_host_hits_in_order():
 
 def test_a_host_hit_that_does_not_fit_changes_nothing():
     bm = BlockManager(num_blocks=4, block_size=4, num_host_blocks=8)
-    a = seq(range(13), "a")
-    admit(bm, a)
-    bm.free(a)
-    evict_all(bm)
-    bm.take_kv_transfers()
+    offload(bm, range(13))
     holder = seq([300 + i for i in range(8)], "holder")
     assert bm.allocate_slots(holder, 8)              # 2 of the 4 blocks held
     b = seq(range(13), "b")
@@ -102,11 +107,7 @@ def test_a_host_hit_that_does_not_fit_changes_nothing():
 
 def test_a_load_is_never_overwritten_by_a_store_of_its_step():
     bm = BlockManager(num_blocks=2, block_size=2, num_host_blocks=1)
-    a = seq(range(3), "a")                          # one full block, hashed
-    admit(bm, a)
-    bm.free(a)
-    evict_all(bm)
-    (_, slot), = bm.take_kv_transfers()[0]
+    (_, slot), = offload(bm, range(3))              # one full block
     c = seq([60, 61, 62], "c")                      # a second cached block, on the device
     admit(bm, c)
     bm.free(c)
@@ -121,11 +122,7 @@ def test_a_load_is_never_overwritten_by_a_store_of_its_step():
 
 def test_reset_keeps_the_host_tier_unless_asked():
     bm = BlockManager(num_blocks=4, block_size=4, num_host_blocks=8)
-    a = seq(range(13), "a")
-    admit(bm, a)
-    bm.free(a)
-    evict_all(bm)
-    bm.take_kv_transfers()
+    offload(bm, range(13))
     bm.reset_prefix_cache(host_tier=False)
     assert len(bm.find_cached_prefix(seq(range(13), "b"))) == 3
     bm.reset_prefix_cache()
