@@ -1,4 +1,5 @@
 """Configuration: the model's shape (read from config.json) and the engine's knobs."""
+import math
 import numbers
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -476,8 +477,10 @@ class EngineConfig:
         size = self.kv_offloading_size
         if size is None:
             return
-        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
-            raise ValueError(f"kv_offloading_size must be a number of GiB > 0 (or None: no offloading), got {size!r}")
+        if isinstance(size, bool) or not isinstance(size, numbers.Real) or not 0 < size < math.inf:
+            raise ValueError(f"kv_offloading_size must be a finite number of GiB > 0 (or None: no offloading), "
+                             f"got {size!r}")
+        self.kv_offloading_size = float(size)
         if not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size keeps the prefix cache's blocks in host memory: it needs "
                              "enable_prefix_caching")

@@ -163,8 +163,9 @@ class BlockManager:
     def count_prefix_lookup(self, seq: Sequence, cached_prefix: list[int | HostHit]) -> None:
         """The hit-rate counters, for a lookup whose sequence was admitted: a request that waits for
         blocks is looked up again every step, and counting each attempt would make the rate
-        depend on the queue."""
-        if self.enable_prefix_caching:
+        depend on the queue. A preempted request's return is not counted either, as vLLM's
+        counters leave it out (its own blocks, often still cached, would inflate the rate)."""
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
             from_host = sum(isinstance(b, HostHit) for b in cached_prefix) * self.block_size
             on_device = len(cached_prefix) * self.block_size - from_host
             self.prefix_cache_queried_tokens += seq.num_tokens
@@ -285,9 +286,9 @@ class BlockManager:
         request holds any) are stored there first, least recently used first, as vLLM's
         connector keeps every block it has seen: take_kv_transfers then has their stores."""
         if self.host is not None and not host_tier:
-            for block in self.free_blocks:
-                if block.hash is not None and self.cached_blocks.get(block.hash) == block.block_id:
-                    self.offload(block)
+            cached = [b for b in self.free_blocks if b.hash is not None and self.cached_blocks.get(b.hash) == b.block_id]
+            for block in cached[-self.host.num_slots:]:      # what the tier holds of them: the newest
+                self.offload(block)
         for block in self.blocks:
             block.hash = block.key = None
         self.cached_blocks.clear()

@@ -119,7 +119,8 @@ class LLMEngine:
                                           num_host_blocks=num_host_blocks)
         if num_host_blocks:
             logger.info("KV offloading: %d blocks of %d tokens in host memory (%.2f GiB a rank), %.1fx the KV pool",
-                        num_host_blocks, config.block_size, self.runner.host_kv_cache.nbytes / 2**30,
+                        num_host_blocks, config.block_size,
+                        sum(slot.nbytes for slot in self.runner.host_kv_slots) / 2**30,
                         num_host_blocks / self.runner.num_kv_blocks)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    config.max_model_len, config.scheduling_policy,
@@ -559,9 +560,9 @@ class LLMEngine:
         """The host tier's copies that scheduling decided, queued at once: before anything that
         could end the step's requests and free their blocks (whose loads must still come before a
         later store of them)."""
-        stores, loads = self.block_manager.take_kv_transfers()
-        if stores or loads:
-            self.runner.move_kv(stores, loads)
+        bm = self.block_manager
+        if bm.kv_stores or bm.kv_loads:
+            self.runner.move_kv(*bm.take_kv_transfers())
 
     def wait_in_flight(self) -> list[StepOutput]:
         """Waits for the step in flight, if one is, and returns its outputs."""

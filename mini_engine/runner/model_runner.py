@@ -102,6 +102,21 @@ MODEL_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": to
                 "float16": torch.float16, "half": torch.float16, "float64": torch.float64, "double": torch.float64}
 
 
+def host_tier_chunks(num_bytes: int, slot_bytes: int, largest: int = 2**30) -> list[int]:
+    """The host tier's slots in chunks, each at most num_bytes' largest power of two still left,
+    and at most `largest` (or one slot, if larger): each chunk's allocation then pins what it asks,
+    all of them together at most num_bytes."""
+    largest = max(largest, 1 << (slot_bytes - 1).bit_length())
+    chunks = []
+    while num_bytes >= slot_bytes:
+        chunk = min(largest, 1 << (num_bytes.bit_length() - 1))
+        if chunk < slot_bytes:
+            break
+        chunks.append(chunk // slot_bytes)
+        num_bytes -= chunk
+    return chunks
+
+
 def resolve_device_dtype(config: EngineConfig, tp: TensorParallel = TensorParallel()) -> tuple[torch.device, torch.dtype]:
     device = config.resolved_device()
     if device.type == "cuda" and tp.size > 1:
@@ -315,8 +330,8 @@ class ModelRunner:
         # Every rank holds its heads' share of the same blocks: the pool is the smallest rank's.
         self.num_kv_blocks = min_over_ranks(config.num_kv_blocks or self.profile_num_kv_blocks(), tp, self.device)
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
-        self.host_kv_cache = self.allocate_host_kv_cache()
-        self.num_host_kv_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.shape[0]
+        self.host_kv_slots = self.allocate_host_kv_cache()
+        self.num_host_kv_blocks = len(self.host_kv_slots)
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
             # (A pool of num_kv_blocks given by the caller was not sized here: nothing to compare.)
@@ -545,22 +560,27 @@ class ModelRunner:
             layer.self_attn.attn.v_cache = kv_cache[1, i]
         return kv_cache
 
-    def allocate_host_kv_cache(self) -> torch.Tensor | None:
-        """kv_offloading_size's host tier (engine/host_block_pool.py): slots of one block's K and V
-        across all layers, each slot contiguous, so that a block crosses in one copy; pinned on
-        CUDA, so that the copies queue on the step's stream without holding the host. This rank's
-        share of the size, as vLLM's."""
+    def allocate_host_kv_cache(self) -> list[torch.Tensor]:
+        """kv_offloading_size's host tier (engine/host_block_pool.py), this rank's share of it (as
+        vLLM's): its slots, each one block's K and V across all layers, contiguous, so that a block
+        crosses in one copy. Pinned on CUDA, so that the copies queue on the step's stream without
+        holding the host; in chunks of host_tier_chunks' powers of two, since PyTorch's pinned
+        allocator rounds each allocation up to one (a tier of 12 GiB in one piece pins 16)."""
         size = self.config.kv_offloading_size
         if size is None:
-            return None
+            return []
         mc = self.model_config
-        block_bytes = self.kv_bytes_per_token * self.block_size
-        num_slots = int(size * 2**30 / self.tp.size) // block_bytes
-        if num_slots < 1:
+        slot_shape = (2, mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim)
+        slot_bytes = self.kv_bytes_per_token * self.block_size
+        slots = []
+        for num_slots in host_tier_chunks(int(size * 2**30 / self.tp.size), slot_bytes):
+            chunk = torch.empty(num_slots, *slot_shape, dtype=self.kv_cache_dtype,
+                                pin_memory=self.device.type == "cuda")
+            slots += chunk.unbind(0)
+        if not slots:
             raise ValueError(f"kv_offloading_size={size} GiB holds no KV block: a block of {self.block_size} tokens "
-                             f"takes {block_bytes / 2**20:.2f} MiB on each of the {self.tp.size} ranks")
-        return torch.empty(num_slots, 2, mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim,
-                           dtype=self.kv_cache_dtype, pin_memory=self.device.type == "cuda")
+                             f"takes {slot_bytes / 2**20:.2f} MiB on each of the {self.tp.size} ranks")
+        return slots
 
     @torch.inference_mode()
     def move_kv(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
@@ -573,9 +593,9 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.call("move_kv", stores, loads)
         for block, slot in stores:
-            self.host_kv_cache[slot].copy_(self.kv_cache[:, :, block], non_blocking=True)
+            self.host_kv_slots[slot].copy_(self.kv_cache[:, :, block], non_blocking=True)
         for slot, block in loads:
-            self.kv_cache[:, :, block].copy_(self.host_kv_cache[slot], non_blocking=True)
+            self.kv_cache[:, :, block].copy_(self.host_kv_slots[slot], non_blocking=True)
 
     def release_kv_cache(self) -> None:
         """The layers let go of their views of the pool, whose memory goes back to the device once

@@ -120,13 +120,33 @@ def test_a_load_is_never_overwritten_by_a_store_of_its_step():
     assert stores == [] and loads == [(slot, b.block_table[0])]
 
 
-def test_reset_keeps_the_host_tier_unless_asked():
-    bm = BlockManager(num_blocks=4, block_size=4, num_host_blocks=8)
-    offload(bm, range(13))
+def test_reset_moves_the_newest_cached_blocks_to_the_host_tier_unless_asked():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=2)
+    a = seq(range(13), "a")
+    admit(bm, a)
+    blocks = list(a.block_table)
+    bm.free(a)                                      # nothing evicted: the pool still caches 3 blocks
     bm.reset_prefix_cache(host_tier=False)
-    assert len(bm.find_cached_prefix(seq(range(13), "b"))) == 3
+    stores, _ = bm.take_kv_transfers()
+    # free() puts a's tail first, so its first two blocks are the newest: the tier's two slots take them.
+    assert sorted(b for b, _ in stores) == sorted(blocks[:2]) and not bm.cached_blocks
+    assert [type(h) for h in bm.find_cached_prefix(seq(range(13), "b"))] == [HostHit, HostHit]
     bm.reset_prefix_cache()
     assert bm.find_cached_prefix(seq(range(13), "b")) == []
+
+
+def test_a_preempted_requests_return_is_not_counted():
+    """As vLLM's counters: a preempted request's lookups (its own blocks, often) stay out of the rates."""
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=8)
+    a = seq(range(13), "a")
+    admit(bm, a)
+    counts = (bm.prefix_cache_queried_tokens, bm.host_cache_queried_tokens)
+    bm.free(a)
+    back = seq(range(13), "a")
+    back.num_preemptions = 1
+    assert len(admit(bm, back)) == 3
+    assert (bm.prefix_cache_queried_tokens, bm.host_cache_queried_tokens) == counts == (13, 13)
+    assert bm.prefix_cache_hit_tokens == bm.host_cache_hit_tokens == 0
 
 
 def test_no_host_tier_without_prefix_caching():

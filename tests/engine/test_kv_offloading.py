@@ -58,7 +58,8 @@ def test_what_a_hit_loads_is_what_the_model_reads(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, device="cpu", num_kv_blocks=16, block_size=4, max_num_seqs=1,
               kv_offloading_size=host_gib(64))
     first, _ = run(llm, prompts)
-    llm.engine.runner.host_kv_cache.normal_()
+    for slot in llm.engine.runner.host_kv_slots:
+        slot.normal_()
     second, _ = run(llm, prompts)
     assert sum(a != b for a, b in zip(first, second)) >= 5
 
@@ -124,8 +125,10 @@ def test_a_failed_step_forgets_the_host_tier(tiny_checkpoint, monkeypatch):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(kv_offloading_size=0), "kv_offloading_size must be a number of GiB > 0"),
-    (dict(kv_offloading_size="1"), "kv_offloading_size must be a number of GiB > 0"),
+    (dict(kv_offloading_size=0), "kv_offloading_size must be a finite number of GiB > 0"),
+    (dict(kv_offloading_size="1"), "kv_offloading_size must be a finite number of GiB > 0"),
+    (dict(kv_offloading_size=float("inf")), "kv_offloading_size must be a finite number of GiB > 0"),
+    (dict(kv_offloading_size=float("nan")), "kv_offloading_size must be a finite number of GiB > 0"),
     (dict(kv_offloading_size=1, kv_offloading_backend="lmcache"), "kv_offloading_backend must be 'native'"),
     (dict(kv_offloading_size=1, enable_prefix_caching=False), "needs enable_prefix_caching"),
     (dict(kv_offloading_size=1, runner="pooling"), "a pooling runner's prompts take nothing"),
