@@ -182,13 +182,13 @@ class BlockManager:
         bs = self.block_size
         total = seq.num_computed_tokens + len(cached_prefix) * bs + num_new_tokens
         num_before = len(seq.block_table)
-        on_device = [b for b in cached_prefix if not isinstance(b, HostHit)]
-        needed = self.blocks_for(total) - num_before - len(on_device)       # host hits' blocks too
-        if needed <= 0 and not cached_prefix:
+        if not cached_prefix and self.blocks_for(total) <= num_before:
             # The common decode step: the token fits in the last block. Hash it if it fills it.
             if total // bs > len(seq.block_hashes):
                 self.cache_full_blocks(seq, total)
             return True
+        on_device = [b for b in cached_prefix if not isinstance(b, HostHit)]
+        needed = self.blocks_for(total) - num_before - len(on_device)       # host hits' blocks too
         # Cached blocks that nobody holds are still in the free list: taking them shrinks it.
         revived = sum(1 for b in on_device if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - revived:
