@@ -171,20 +171,21 @@ class CompilationConfig:
                                  self.cudagraph_capture_sizes if capture_sizes is None else capture_sizes,
                                  self.max_cudagraph_capture_size if max_capture_size is None else max_capture_size)
 
-    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
-        """The decode graphs' batch sizes, ascending; () for none."""
+    def capture_sizes(self, max_rows: int, max_rows_name: str = "max_num_seqs") -> tuple[int, ...]:
+        """The decode graphs' batch sizes, ascending; () for none. max_rows: the most rows a decode
+        step can have (max_rows_name: what sets it, for the warning)."""
         if self.cudagraph_mode not in WITH_DECODE_GRAPHS:
             return ()
         self.check_agreement()
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
         if sizes is None:
-            return tuple(default_capture_sizes(min(max_size or max_num_seqs, max_num_seqs)))
-        kept = tuple(s for s in sizes if s <= max_num_seqs)
-        dropped = [s for s in sizes if s > max_num_seqs]
+            return tuple(default_capture_sizes(min(max_size or max_rows, max_rows)))
+        kept = tuple(s for s in sizes if s <= max_rows)
+        dropped = [s for s in sizes if s > max_rows]
         # (In FULL_AND_PIECEWISE they are the piecewise graphs' token counts, unless none is left here.)
         if dropped and (self.cudagraph_mode == "FULL_DECODE_ONLY" or not kept):
-            _warn(f"cudagraph_capture_sizes {dropped} are above max_num_seqs={max_num_seqs}, the most rows a step "
-                  "has: no decode graph is captured at them" + ("" if kept else " (so none at all)"))
+            _warn(f"cudagraph_capture_sizes {dropped} are above {max_rows_name}={max_rows}, the most rows a decode "
+                  "step has: no decode graph is captured at them" + ("" if kept else " (so none at all)"))
         return kept
 
     def piecewise_sizes(self, max_num_seqs: int, max_tokens: int,

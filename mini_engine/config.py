@@ -370,7 +370,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be <= 65535, got {self.max_num_seqs}")
         compilation = (CompilationConfig.resolve(self.compilation_config, self.optimization_level)
                        .merged(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size))
-        self.cuda_graph_sizes = compilation.capture_sizes(self.max_num_seqs)
+        # A decode step's rows are tokens too: no more than either bound, and no graph is captured
+        # above it (vLLM caps its sizes by both).
+        self.cuda_graph_sizes = compilation.capture_sizes(*min((self.max_num_seqs, "max_num_seqs"),
+                                                               (self.max_num_batched_tokens, "max_num_batched_tokens")))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -41,6 +41,16 @@ def test_max_capture_size_above_max_num_seqs_stops_there(tiny_checkpoint):
     assert sizes(tiny_checkpoint, max_num_seqs=24, max_cudagraph_capture_size=512) == (1, 2, 4, 8, 16, 24)
 
 
+def test_no_decode_graph_holds_more_rows_than_a_step_has_tokens(tiny_checkpoint):
+    """A decode row is a token: with max_num_batched_tokens under max_num_seqs, the ladder ends at
+    the budget (it went on to max_num_seqs, graphs no step could use), as vLLM's."""
+    assert sizes(tiny_checkpoint, max_num_seqs=64, max_num_batched_tokens=20) == (1, 2, 4, 8, 16, 20)
+    given = dict(max_num_seqs=64, max_num_batched_tokens=20, cudagraph_capture_sizes=[4, 32],
+                 compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+    with pytest.warns(UserWarning, match=r"\[32\] are above max_num_batched_tokens=20"):
+        assert sizes(tiny_checkpoint, **given) == (4,)
+
+
 @pytest.mark.parametrize("given", [dict(cudagraph_capture_sizes=[8, 1, 4, 4]),
                                    dict(compilation_config={"cudagraph_capture_sizes": (4, 8, 1)}),
                                    dict(cudagraph_capture_sizes=[1, 4, 8], max_cudagraph_capture_size=8)])
