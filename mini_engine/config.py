@@ -248,6 +248,9 @@ class EngineConfig:
     # -0.03 s (benchmarks/NOTES.md, entry 42). The CPU keeps vLLM's 16, which the tests' pools assume.
     block_size: int | None = None
     num_kv_blocks: int | None = None   # None: sized from GPU memory (CUDA) or cpu_kv_blocks
+    # As vLLM's: the KV pool's bytes on each GPU (each tensor-parallel rank: its heads' share), in
+    # place of what gpu_memory_utilization leaves; on the CPU too. A draft model's slots count in it.
+    kv_cache_memory_bytes: int | None = None
     cpu_kv_blocks: int = 1024
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -378,6 +381,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        memory = self.kv_cache_memory_bytes
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be an integer number of bytes >= 1, got {memory!r}")
+        if memory is not None and self.num_kv_blocks is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both: each sizes the KV pool")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -523,7 +531,7 @@ class EngineConfig:
         spec = self.speculative_config
         return replace(
             self, model=spec.model, model_config=model_config, hf_overrides=None, num_kv_blocks=1,
-            speculative_config=None,
+            kv_cache_memory_bytes=None, kv_offloading_size=None, speculative_config=None,
             quantization=spec.quantization, enable_lora=False, reasoning_parser=None, runner="generate",
             pooler_config=None, generation_config="none", override_generation_config=None, enforce_eager=True,
             logits_processors=None,

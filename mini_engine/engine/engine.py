@@ -135,9 +135,11 @@ class LLMEngine:
         if config.num_kv_blocks is None and self.limits.max_sequence_tokens() < config.max_model_len:
             # vLLM refuses to start here; requests that fit the pool still run, so this one warns,
             # and each request the pool can never hold is refused with its own error.
+            sized_by = ("kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None
+                        else "gpu_memory_utilization (cpu_kv_blocks on CPU)")
             warnings.warn(f"the KV pool holds {self.block_manager.num_blocks} blocks of {config.block_size} tokens, "
                           f"fewer than one max_model_len={config.max_model_len} sequence: longer requests will "
-                          "be refused. Raise gpu_memory_utilization (cpu_kv_blocks on CPU) or lower max_model_len")
+                          f"be refused. Raise {sized_by} or lower max_model_len")
         self.in_flight: InFlightStep | None = None
         self.grammar_compiler: GrammarCompiler | None = None     # made at the first structured request
         self.compiling: set[str] = set()        # the requests whose grammars are compiling

@@ -328,14 +328,16 @@ class ModelRunner:
         self.penalty_state = PenaltyState.allocate(0 if self.pooling else config.max_num_seqs, mc.vocab_size,
                                                    self.device)
         # Every rank holds its heads' share of the same blocks: the pool is the smallest rank's.
-        self.num_kv_blocks = min_over_ranks(config.num_kv_blocks or self.profile_num_kv_blocks(), tp, self.device)
+        self.num_kv_blocks = min_over_ranks(config.num_kv_blocks or self.kv_blocks_in(config.kv_cache_memory_bytes)
+                                            or self.profile_num_kv_blocks(), tp, self.device)
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
         self.host_kv_slots = self.allocate_host_kv_cache()
         self.num_host_kv_blocks = len(self.host_kv_slots)
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
-            # (A pool of num_kv_blocks given by the caller was not sized here: nothing to compare.)
-            if config.num_kv_blocks is None and self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
+            # (A pool the caller sized, in blocks or bytes, set nothing aside here: nothing to compare.)
+            sized_here = config.num_kv_blocks is None and config.kv_cache_memory_bytes is None
+            if sized_here and self.cuda_graph_pool_bytes > self.graph_reserve_bytes:
                 warnings.warn(f"CUDA graphs took {self.cuda_graph_pool_bytes / 2**20:.0f} MiB, more than the "
                               f"{self.graph_reserve_bytes / 2**20:.0f} MiB set aside when the KV pool was sized")
         self.gemm_warmup_s = None
@@ -615,6 +617,17 @@ class ModelRunner:
         self.kv_cache = self.allocate_kv_cache(num_blocks)
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
+
+    def kv_blocks_in(self, num_bytes: int | None) -> int | None:
+        """kv_cache_memory_bytes' blocks (None where it is not given): each slot's K and V, and what
+        it costs beside (a draft model's)."""
+        if num_bytes is None:
+            return None
+        block_bytes = (self.kv_bytes_per_token + self.kv_bytes_beside) * self.block_size
+        if num_bytes < block_bytes:
+            raise ValueError(f"kv_cache_memory_bytes={num_bytes} holds no KV block: a block of {self.block_size} "
+                             f"tokens takes {block_bytes} bytes")
+        return num_bytes // block_bytes
 
     def profile_num_kv_blocks(self) -> int:
         if self.device.type != "cuda":
