@@ -190,6 +190,24 @@ class AsyncLLM:
         self.start()
         return await self.engine.call("reset_prefix_cache", reset_connector)
 
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's, for weight updates between an RL trainer's steps: no engine step runs until
+        resume_generation(), and generate() calls made meanwhile wait for it. mode "abort" ends the
+        unfinished requests now (their outputs end with finish_reason "abort"), "wait" lets them
+        finish first, "keep" freezes them to go on after resume. clear_cache: no token after resume
+        reads K and V computed before (a kept request recomputes its prompt and output). Returns
+        once paused; load_weights may then run under kept requests."""
+        self.start()
+        await self.engine.call("pause_generation", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        self.start()
+        await self.engine.call("resume_generation")
+
+    async def is_paused(self) -> bool:
+        self.start()
+        return await self.engine.call("is_paused")
+
     async def sleep(self, level: int = 1) -> None:
         """Sleep mode (enable_sleep_mode), as LLM.sleep: the weights' and the KV pool's memory
         given back until wake_up; generate() is refused meanwhile."""
@@ -210,7 +228,8 @@ class AsyncLLM:
         tensors (a dict, named_parameters(), or pairs). They cross as torch's multiprocessing moves
         tensors (a CPU tensor through shared memory, a GPU's by CUDA IPC, held here until the engine
         has written them). Raises ValueError for a bad name, shape or value, with nothing written, and
-        RuntimeError while requests are unfinished; returns the tensors written."""
+        RuntimeError while requests are unfinished (unless generation is paused: pause_generation);
+        returns the tensors written."""
         self.start()
         pairs = [(name, tensor.detach()) for name, tensor in (weights.items() if isinstance(weights, dict) else weights)]
         try:

@@ -157,6 +157,9 @@ class LLMEngine:
         self.proposal: tuple[list[Sequence], Proposal] | None = None   # a draft model's, on the device
         self.draft_ahead: LaunchedAhead | None = None      # the next proposal's start, on a guess
         self.profiler, self.profile_dir = None, None       # start_profile's
+        # vLLM's pause_generation (server/engine_process.py EngineLoop): no step runs, and weights
+        # may change under the requests it froze.
+        self.paused = False
         self.draft_backoff = 0              # steps left that skip the proposer (MAX_DRAFT_BACKOFF_STEPS)
         self.next_draft_backoff = 1
         # Everything alive now (imported modules, the model, compiled kernels) lives as long as the
@@ -807,19 +810,35 @@ class LLMEngine:
         self.move_kv()          # the host tier's stores of the blocks the pool forgot
         return True
 
-    def check_no_requests(self, what: str) -> None:
+    def check_no_requests(self, what: str, frozen_ok: bool = False) -> None:
         """Weights change, and memory goes, only between generations: a request running across an
-        update would mix the two models' KV, and its blocks would keep the prefix cache from resetting."""
+        update would mix the two models' KV, and its blocks would keep the prefix cache from resetting.
+        frozen_ok: unless generation is paused (vLLM's pause_generation), whose frozen requests hold
+        no KV block, or are meant to keep theirs across new weights (its clear_cache=False)."""
+        if frozen_ok and self.paused and self.in_flight is None:
+            return
         if self.has_unfinished_requests():
-            raise RuntimeError(f"{what} while {len(self.requests)} requests are unfinished: let them finish or "
-                               "abort them first (LLM.generate returns with none left)")
+            raise RuntimeError(f"{what} while {len(self.requests)} requests are unfinished: let them finish, "
+                               "abort them or pause generation first (LLM.generate returns with none left)")
+
+    def preempt_running(self) -> list[StepOutput]:
+        """vLLM's reset_running_requests: every running request back to wait, its blocks freed, to
+        recompute its prompt and output when it runs again (after new weights, say). Waits for the
+        step in flight first; returns its outputs."""
+        outputs = self.wait_in_flight()
+        for seq in reversed(self.scheduler.running):      # the newest first: they wait in their order
+            self.scheduler.preempt(seq)
+        self.scheduler.running.clear()
+        self.proposal = self.draft_ahead = None
+        return outputs
 
     def load_weights(self, weights) -> int:
         """Checkpoint-named tensors written into the model in place (runner/weight_updates.py); then
         the prefix cache is reset. Returns how many tensors were written."""
-        self.check_no_requests("load_weights")
+        self.check_no_requests("load_weights", frozen_ok=True)
         num_written = self.runner.load_weights(weights)
-        self.block_manager.reset_prefix_cache()     # no request holds a block: it always resets
+        # Every cached block is stale now, a frozen request's too (paused generation's): it always resets.
+        self.block_manager.reset_prefix_cache()
         return num_written
 
     def sleep(self, level: int = 1) -> None:
@@ -838,7 +857,8 @@ class LLMEngine:
         if self.is_sleeping():
             logger.warning("the engine is already asleep")
             return
-        self.check_no_requests("sleep")
+        # Paused, requests may wait through a sleep if none holds K and V, which it would lose.
+        self.check_no_requests("sleep", frozen_ok=self.block_manager.num_free_blocks == self.block_manager.num_blocks)
         # Level 1's weights come back as they were: the host tier keeps the pool's blocks, and
         # takes them before the pool's memory goes.
         self.block_manager.reset_prefix_cache(host_tier=level == 2)

@@ -28,7 +28,7 @@ from mini_engine.server.metrics import ServerMetrics
 
 # How the engines' answers to a call become the server's: the prefix cache is reset only if every
 # engine's was; the server sleeps while any engine does; each engine writes a profile of its own.
-COMBINED_CALLS = {"reset_prefix_cache": all, "is_sleeping": any, "stop_profile": list}
+COMBINED_CALLS = {"reset_prefix_cache": all, "is_sleeping": any, "is_paused": any, "stop_profile": list}
 
 
 # How many more requests in flight than the least loaded engine an engine may hold and still be

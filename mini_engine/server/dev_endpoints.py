@@ -1,5 +1,7 @@
 """vLLM's development routes, which RL trainers that serve their rollouts call between training
-steps: POST /reset_prefix_cache[?reset_external=true] (the host tier's blocks too), POST /sleep?level=1|2, POST /wake_up[?tags=weights&tags=kv_cache],
+steps: POST /pause[?mode=abort|wait|keep&clear_cache=true], POST /resume, GET /is_paused (vLLM's
+pause_generation: while paused, requests wait), POST /reset_prefix_cache[?reset_external=true]
+(the host tier's blocks too), POST /sleep?level=1|2, POST /wake_up[?tags=weights&tags=kv_cache],
 GET /is_sleeping (level 2, which discards the weights, is refused: no route here loads new
 ones). As in vLLM they exist only where the environment asks for them
 (VLLM_SERVER_DEV_MODE=1): they change what every client's next request finds. Each runs in the
@@ -47,6 +49,23 @@ def add_dev_routes(app: FastAPI, async_engine) -> None:
         if not reset:
             return error_response("the prefix cache was not reset: requests are running", 409)
         return JSONResponse({"reset": True})
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True):
+        """vLLM's: no step runs until /resume, and requests sent meanwhile wait for it (mode: what
+        becomes of the unfinished ones; AsyncLLM.pause_generation)."""
+        _, error = await engine_call(async_engine.call, "pause_generation", mode, clear_cache)
+        return error or JSONResponse({"is_paused": True})
+
+    @app.post("/resume")
+    async def resume():
+        _, error = await engine_call(async_engine.call, "resume_generation")
+        return error or JSONResponse({"is_paused": False})
+
+    @app.get("/is_paused")
+    async def is_paused():
+        paused, error = await engine_call(async_engine.call, "is_paused")
+        return error or JSONResponse({"is_paused": paused})
 
     @app.post("/sleep")
     async def sleep(level: int = 1):

@@ -42,6 +42,9 @@ from mini_engine.pooling_params import PoolingParams
 
 logger = logging.getLogger("mini_engine.server")
 
+# What the API process may ask of the engine loop itself (EngineLoop's methods, by name): they
+# answer when they are done, which may be steps later.
+LOOP_CALLS = frozenset({"pause_generation", "resume_generation", "is_paused"})
 # What the API process may ask of the engine between two steps (AsyncEngine.call), by name. Each
 # raises ValueError (a bad argument) or RuntimeError (not now: e.g. sleep with requests running).
 ENGINE_CALLS = {
@@ -133,17 +136,30 @@ class RequestState:
     num_cached_tokens: int | None = None
 
 
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, outputs: multiprocessing.Queue):
         self.engine = engine
         self.outputs = outputs
         self.states: dict[str, RequestState] = {}
+        # vLLM's pause_generation: while paused (engine.paused) no step runs, and requests that
+        # arrive are held here until resume_generation; while a pause of mode "wait" waits for the
+        # running requests to end (pausing: its call's token and clear_cache), they are held too.
+        self.held: list[tuple] = []
+        self.pausing: tuple[int, bool] | None = None
+
+    def steps(self) -> bool:
+        return self.engine.has_unfinished_requests() and not self.engine.paused
 
     def run(self, commands: multiprocessing.Queue) -> None:
         self.send([])       # the pool's size and state, for /metrics before any request
         while True:
+            if self.pausing is not None and not self.engine.has_unfinished_requests():
+                self.paused(*self.pausing)          # a pause of mode "wait": the last request ended
             batch = []
-            if not self.engine.has_unfinished_requests():
+            if not self.steps():
                 try:        # idle: wait for work, and check each second that the server is still there
                     batch.append(commands.get(timeout=1.0))
                 except queue.Empty:
@@ -159,7 +175,7 @@ class EngineLoop:
                 return
             if batch:
                 self.send([delta for command in batch for delta in self.apply(command)])
-            if not self.engine.has_unfinished_requests():
+            if not self.steps():
                 continue
             try:
                 outputs = self.engine.step()
@@ -175,6 +191,9 @@ class EngineLoop:
         self.outputs.put(("step", [tuple(delta) for delta in deltas], EngineStats.of(self.engine, step_tokens)))
 
     def apply(self, command: tuple) -> list[EngineDelta]:
+        if command[0] == "add" and (self.engine.paused or self.pausing is not None):
+            self.held.append(command)
+            return []
         if command[0] == "add":
             _, request_id, prompt_token_ids, params, priority, lora_request, cache_salt, prompt_embeds = command
             if self.engine.is_sleeping():       # one sent as sleep() was: the API refuses the next ones
@@ -191,11 +210,22 @@ class EngineLoop:
             return []
         if command[0] == "abort":
             request_id = command[1]
+            held = [c for c in self.held if c[1] == request_id]
+            if held:                        # never added: it ends here
+                self.held.remove(held[0])
+                return [ended(request_id, "abort")]
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.engine.abort_request(request_id)
                 return [ended(request_id, "abort", state.num_output_tokens,
                               num_cached_tokens=state.num_cached_tokens or 0)]
+        if command[0] == "call" and command[2] in LOOP_CALLS:
+            _, token, name, args = command
+            try:
+                return getattr(self, name)(token, *args)
+            except (ValueError, RuntimeError) as e:
+                self.outputs.put(("called", token, None, (type(e).__name__, str(e))))
+                return []
         if command[0] == "call":
             _, token, name, args = command
             try:
@@ -203,6 +233,57 @@ class EngineLoop:
             except (ValueError, RuntimeError) as e:
                 result, error = None, (type(e).__name__, str(e))
             self.outputs.put(("called", token, result, error))
+        return []
+
+    # ---- vLLM's pause_generation, resume_generation, is_paused (calls that need the loop) ----
+
+    def pause_generation(self, token: int, mode: str = "abort", clear_cache: bool = True) -> list[EngineDelta]:
+        """No step runs until resume_generation, and requests that arrive wait for it. mode "abort":
+        the unfinished requests end now, as aborted (with what they have); "wait": they run to their
+        end first, and the call returns then; "keep": they stay, frozen, and go on after resume.
+        clear_cache: the prefix cache is reset once paused (a kept request's K and V too: it
+        recomputes its prompt and output after resume, under the weights of then), so that no
+        token after resume reads K and V of the weights before. The aborted requests' deltas, or
+        the step in flight's, are sent before the call's answer."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self.engine.paused or self.pausing is not None:
+            self.outputs.put(("called", token, True, None))
+            return []
+        deltas = []
+        if mode == "abort":
+            for request_id, state in self.states.items():
+                self.engine.abort_request(request_id)
+                deltas.append(ended(request_id, "abort", state.num_output_tokens,
+                                    num_cached_tokens=state.num_cached_tokens or 0))
+            self.states.clear()
+            self.engine.wait_in_flight()        # its tokens belong to the requests just ended
+        elif mode == "keep":
+            outputs = self.engine.preempt_running() if clear_cache else self.engine.wait_in_flight()
+            deltas = self.process(outputs)[0]
+        if deltas:
+            self.send(deltas)
+        self.pausing = (token, clear_cache)
+        if not self.engine.has_unfinished_requests() or mode == "keep":
+            self.paused(token, clear_cache)
+        return []
+
+    def paused(self, token: int, clear_cache: bool) -> None:
+        self.pausing = None
+        self.engine.paused = True
+        if clear_cache:
+            self.engine.reset_prefix_cache()
+        self.outputs.put(("called", token, True, None))
+
+    def resume_generation(self, token: int) -> list[EngineDelta]:
+        """Steps run again: the frozen requests go on, and those held start."""
+        self.engine.paused = False
+        held, self.held = self.held, []
+        self.outputs.put(("called", token, True, None))
+        return [delta for command in held for delta in self.apply(command)]
+
+    def is_paused(self, token: int) -> list[EngineDelta]:
+        self.outputs.put(("called", token, self.engine.paused, None))
         return []
 
     def process(self, outputs: list[StepOutput]) -> tuple[list[EngineDelta], int]:

@@ -83,6 +83,33 @@ def test_not_now_is_a_conflict_that_loses_nothing(dev):
     assert dev.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
+def test_pause_keep_freezes_a_stream_that_resume_continues(dev):
+    """vLLM's /pause?mode=keep&clear_cache=false, /is_paused, /resume: a streaming request stops
+    between tokens while paused and then ends as it would have; a request sent while paused waits
+    and runs after; a mode vLLM does not know is a 400."""
+    import threading
+    long_request = GREEDY | {"max_tokens": 200}
+    expected = dev.post("/v1/completions", json=long_request).json()["choices"][0]["text"]
+    assert dev.post("/pause", params={"mode": "drain"}).status_code == 400
+    late = {}
+    with dev.stream("POST", "/v1/completions", json=long_request | {"stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert dev.post("/pause", params={"mode": "keep", "clear_cache": "false"}).json() == {"is_paused": True}
+        assert dev.get("/is_paused").json() == {"is_paused": True}
+        waiter = threading.Thread(target=lambda: late.update(dev.post("/v1/completions", json=GREEDY).json()))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive(), "a request ran while paused"
+        assert dev.post("/resume").json() == {"is_paused": False}
+        rest = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    waiter.join(60)
+    text = "".join(json.loads(line[len("data: "):])["choices"][0]["text"] for line in [first, *rest])
+    assert text == expected
+    assert late["choices"][0]["text"] == completion_text(dev)
+    assert dev.get("/is_paused").json() == {"is_paused": False}
+
+
 def test_bad_requests(dev):
     assert dev.post("/sleep", params={"level": 2}).status_code == 400      # nothing here would load weights again
     assert dev.post("/sleep", params={"level": 7}).status_code == 400
@@ -93,9 +120,9 @@ def test_bad_requests(dev):
 
 def test_routes_exist_only_in_dev_mode(served):
     with httpx.Client(base_url=served.base_url, timeout=10) as client:
-        for route in ("/sleep", "/wake_up", "/reset_prefix_cache"):
+        for route in ("/sleep", "/wake_up", "/reset_prefix_cache", "/pause", "/resume"):
             assert client.post(route).status_code == 404
-        assert client.get("/is_sleeping").status_code == 404
+        assert client.get("/is_sleeping").status_code == 404 and client.get("/is_paused").status_code == 404
 
 
 def test_start_and_stop_profile_write_the_engines_trace(dev, profile_dir):
