@@ -190,15 +190,18 @@ class AsyncLLM:
         self.start()
         return await self.engine.call("reset_prefix_cache", reset_connector)
 
-    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+    async def pause_generation(self, *, mode: str = "abort", wait_for_inflight_requests: bool | None = None,
+                               clear_cache: bool = True) -> None:
         """vLLM's, for weight updates between an RL trainer's steps: no engine step runs until
         resume_generation(), and generate() calls made meanwhile wait for it. mode "abort" ends the
         unfinished requests now (their outputs end with finish_reason "abort"), "wait" lets them
         finish first, "keep" freezes them to go on after resume. clear_cache: no token after resume
         reads K and V computed before (a kept request recomputes its prompt and output). Returns
-        once paused; load_weights may then run under kept requests."""
+        once paused; load_weights may then run under kept requests. wait_for_inflight_requests:
+        vLLM's older form, True for "wait" and False for "abort"."""
+        from mini_engine.server.engine_process import pause_mode
         self.start()
-        await self.engine.call("pause_generation", mode, clear_cache)
+        await self.engine.call("pause_generation", pause_mode(mode, wait_for_inflight_requests), clear_cache)
 
     async def resume_generation(self) -> None:
         self.start()

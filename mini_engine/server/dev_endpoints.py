@@ -14,6 +14,7 @@ import os
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 
+from mini_engine.server.engine_process import pause_mode
 from mini_engine.server.protocol import error_response
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -51,9 +52,10 @@ def add_dev_routes(app: FastAPI, async_engine) -> None:
         return JSONResponse({"reset": True})
 
     @app.post("/pause")
-    async def pause(mode: str = "abort", clear_cache: bool = True):
+    async def pause(mode: str = "abort", clear_cache: bool = True, wait_for_inflight_requests: bool | None = None):
         """vLLM's: no step runs until /resume, and requests sent meanwhile wait for it (mode: what
         becomes of the unfinished ones; AsyncLLM.pause_generation)."""
+        mode = pause_mode(mode, wait_for_inflight_requests)
         _, error = await engine_call(async_engine.call, "pause_generation", mode, clear_cache)
         return error or JSONResponse({"is_paused": True})
 

@@ -139,6 +139,11 @@ class RequestState:
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+def pause_mode(mode: str, wait_for_inflight_requests: bool | None) -> str:
+    """pause_generation's mode, where vLLM's deprecated wait_for_inflight_requests may still give it."""
+    return mode if wait_for_inflight_requests is None else ("wait" if wait_for_inflight_requests else "abort")
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, outputs: multiprocessing.Queue):
         self.engine = engine
@@ -146,9 +151,11 @@ class EngineLoop:
         self.states: dict[str, RequestState] = {}
         # vLLM's pause_generation: while paused (engine.paused) no step runs, and requests that
         # arrive are held here until resume_generation; while a pause of mode "wait" waits for the
-        # running requests to end (pausing: its call's token and clear_cache), they are held too.
+        # running requests to end, they are held too, and the pause calls wait to be answered
+        # (pause_waiters, their tokens; pause_clears_cache, whether any asked for clear_cache).
         self.held: list[tuple] = []
-        self.pausing: tuple[int, bool] | None = None
+        self.pause_waiters: list[int] = []
+        self.pause_clears_cache = False
 
     def steps(self) -> bool:
         return self.engine.has_unfinished_requests() and not self.engine.paused
@@ -156,8 +163,8 @@ class EngineLoop:
     def run(self, commands: multiprocessing.Queue) -> None:
         self.send([])       # the pool's size and state, for /metrics before any request
         while True:
-            if self.pausing is not None and not self.engine.has_unfinished_requests():
-                self.paused(*self.pausing)          # a pause of mode "wait": the last request ended
+            if self.pause_waiters and not self.engine.has_unfinished_requests():
+                self.paused()                       # a pause of mode "wait": the last request ended
             batch = []
             if not self.steps():
                 try:        # idle: wait for work, and check each second that the server is still there
@@ -174,7 +181,13 @@ class EngineLoop:
             if any(command[0] == "shutdown" for command in batch):
                 return
             if batch:
-                self.send([delta for command in batch for delta in self.apply(command)])
+                deltas = []
+                for command in batch:
+                    if deltas and command[0] == "call" and command[2] in LOOP_CALLS:
+                        self.send(deltas)           # what came before it, before its answer
+                        deltas = []
+                    deltas += self.apply(command)
+                self.send(deltas)
             if not self.steps():
                 continue
             try:
@@ -191,7 +204,7 @@ class EngineLoop:
         self.outputs.put(("step", [tuple(delta) for delta in deltas], EngineStats.of(self.engine, step_tokens)))
 
     def apply(self, command: tuple) -> list[EngineDelta]:
-        if command[0] == "add" and (self.engine.paused or self.pausing is not None):
+        if command[0] == "add" and (self.engine.paused or self.pause_waiters):
             self.held.append(command)
             return []
         if command[0] == "add":
@@ -214,11 +227,8 @@ class EngineLoop:
             if held:                        # never added: it ends here
                 self.held.remove(held[0])
                 return [ended(request_id, "abort")]
-            state = self.states.pop(request_id, None)
-            if state is not None:
-                self.engine.abort_request(request_id)
-                return [ended(request_id, "abort", state.num_output_tokens,
-                              num_cached_tokens=state.num_cached_tokens or 0)]
+            if request_id in self.states:
+                return [self.end_aborted(request_id)]
         if command[0] == "call" and command[2] in LOOP_CALLS:
             _, token, name, args = command
             try:
@@ -240,50 +250,67 @@ class EngineLoop:
     def pause_generation(self, token: int, mode: str = "abort", clear_cache: bool = True) -> list[EngineDelta]:
         """No step runs until resume_generation, and requests that arrive wait for it. mode "abort":
         the unfinished requests end now, as aborted (with what they have); "wait": they run to their
-        end first, and the call returns then; "keep": they stay, frozen, and go on after resume.
-        clear_cache: the prefix cache is reset once paused (a kept request's K and V too: it
-        recomputes its prompt and output after resume, under the weights of then), so that no
-        token after resume reads K and V of the weights before. The aborted requests' deltas, or
-        the step in flight's, are sent before the call's answer."""
+        end first, and the call is answered then; "keep": they stay, frozen, and go on after
+        resume. clear_cache: the prefix cache is reset once paused (a kept request's K and V too:
+        it recomputes its prompt and output after resume, under the weights of then), so that no
+        token after resume reads K and V of the weights before. Already paused: answered at once.
+        The requests' last deltas are sent before the answer."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        if self.engine.paused or self.pausing is not None:
+        if self.engine.paused:
             self.outputs.put(("called", token, True, None))
             return []
-        deltas = []
-        if mode == "abort":
-            for request_id, state in self.states.items():
-                self.engine.abort_request(request_id)
-                deltas.append(ended(request_id, "abort", state.num_output_tokens,
-                                    num_cached_tokens=state.num_cached_tokens or 0))
-            self.states.clear()
-            self.engine.wait_in_flight()        # its tokens belong to the requests just ended
-        elif mode == "keep":
-            outputs = self.engine.preempt_running() if clear_cache else self.engine.wait_in_flight()
-            deltas = self.process(outputs)[0]
-        if deltas:
-            self.send(deltas)
-        self.pausing = (token, clear_cache)
-        if not self.engine.has_unfinished_requests() or mode == "keep":
-            self.paused(token, clear_cache)
+        self.pause_waiters.append(token)
+        self.pause_clears_cache |= clear_cache
+        try:
+            if mode == "abort":
+                self.send([self.end_aborted(request_id) for request_id in list(self.states)])
+                self.engine.wait_in_flight()        # its tokens belong to the requests just ended
+            elif mode == "keep":
+                outputs = self.engine.preempt_running() if clear_cache else self.engine.wait_in_flight()
+                self.send(*self.process(outputs))
+        except Exception:
+            # The step in flight failed (as a step of run's would): its requests fail, and what
+            # it hashed is forgotten.
+            logger.exception("the step in flight failed as generation paused; failing every request in flight")
+            self.engine.block_manager.reset_prefix_cache()
+            self.send(self.fail_all("the engine failed while running this request"))
+        if mode == "keep" or not self.engine.has_unfinished_requests():
+            self.paused()
         return []
 
-    def paused(self, token: int, clear_cache: bool) -> None:
-        self.pausing = None
+    def end_aborted(self, request_id: str) -> EngineDelta:
+        state = self.states.pop(request_id)
+        self.engine.abort_request(request_id)
+        return ended(request_id, "abort", state.num_output_tokens, num_cached_tokens=state.num_cached_tokens or 0)
+
+    def paused(self) -> None:
+        """The pause is done: its calls are answered."""
         self.engine.paused = True
-        if clear_cache:
+        if self.pause_clears_cache:
             self.engine.reset_prefix_cache()
-        self.outputs.put(("called", token, True, None))
+        for token in self.pause_waiters:
+            self.outputs.put(("called", token, True, None))
+        self.pause_waiters, self.pause_clears_cache = [], False
 
     def resume_generation(self, token: int) -> list[EngineDelta]:
-        """Steps run again: the frozen requests go on, and those held start."""
+        """Steps run again: the frozen requests go on, and those held start. A pause of mode "wait"
+        still waiting for its requests is called off (its calls answered with an error)."""
+        if self.engine.is_sleeping():
+            raise RuntimeError("the engine is asleep: wake_up before resume_generation (the requests would "
+                               "run on released memory)")
+        for waiter in self.pause_waiters:
+            self.outputs.put(("called", waiter, None, ("RuntimeError", "resume_generation was called before the "
+                                                        "running requests ended: not paused")))
+        self.pause_waiters, self.pause_clears_cache = [], False
         self.engine.paused = False
         held, self.held = self.held, []
         self.outputs.put(("called", token, True, None))
         return [delta for command in held for delta in self.apply(command)]
 
     def is_paused(self, token: int) -> list[EngineDelta]:
-        self.outputs.put(("called", token, self.engine.paused, None))
+        """Paused, or pausing (a pause of mode "wait", which holds new requests already)."""
+        self.outputs.put(("called", token, self.engine.paused or bool(self.pause_waiters), None))
         return []
 
     def process(self, outputs: list[StepOutput]) -> tuple[list[EngineDelta], int]:

@@ -158,3 +158,102 @@ def test_paused_requests_let_weights_change_and_a_sleep_only_without_kv(tiny_che
         outputs += engine.step()
     final = [o for o in outputs if o.finished][0].seq
     assert final.output_token_ids == greedy_tokens(tiny_checkpoint, PROMPT, 40)
+
+
+class Loop:
+    """The engine process's EngineLoop in this process: commands applied one by one, and what it
+    sends (deltas by request, and the calls' answers) read back."""
+
+    def __init__(self, path: str, **options):
+        import queue
+
+        from mini_engine.server.engine_process import EngineLoop
+        self.engine = LLM(path, num_kv_blocks=NUM_KV_BLOCKS, **options).engine
+        self.sent = queue.Queue()
+        self.loop = EngineLoop(self.engine, self.sent)
+        self.tokens = iter(range(1000))
+
+    def apply(self, *command) -> None:
+        deltas = self.loop.apply(command)
+        if deltas:
+            self.loop.send(deltas)
+
+    def add(self, request_id: str, max_tokens: int = 40) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.apply("add", request_id, PROMPT, params, 0, None, None, None)
+
+    def call(self, name: str, *args) -> int:
+        token = next(self.tokens)
+        self.apply("call", token, name, args)
+        return token
+
+    def read(self) -> tuple[dict, dict]:
+        """The finish reasons sent so far by request, and the answers by call token."""
+        reasons, answers = {}, {}
+        while not self.sent.empty():
+            message = self.sent.get()
+            if message[0] == "called":
+                answers[message[1]] = message[2:]
+            else:
+                for delta in message[1]:
+                    if delta[4] is not None:
+                        reasons[delta[0]] = delta[4]
+        return reasons, answers
+
+
+def test_what_a_pause_holds_and_what_it_answers(tiny_checkpoint):
+    loop = Loop(tiny_checkpoint)
+    engine = loop.engine
+    loop.add("frozen")
+    engine.step()
+    keep = loop.call("pause_generation", "keep", False)
+    assert loop.read()[1] == {keep: (True, None)} and engine.paused
+    loop.add("held")
+    loop.add("gone")
+    loop.apply("abort", "gone")                        # a client that left while paused
+    again = loop.call("pause_generation", "abort", True)   # already paused: nothing is aborted
+    assert loop.read() == ({"gone": "abort"}, {again: (True, None)})
+    assert set(engine.requests) == {"frozen"}
+    resume = loop.call("resume_generation")
+    assert loop.read()[1] == {resume: (True, None)} and set(engine.requests) == {"frozen", "held"}
+
+    # A pause of mode "wait" holds new requests at once, and answers once the running ones end;
+    # a resume before then calls it off.
+    wait = loop.call("pause_generation", "wait", True)
+    loop.add("late")
+    is_paused = loop.call("is_paused")
+    assert loop.read()[1] == {is_paused: (True, None)} and not engine.paused
+    resume = loop.call("resume_generation")
+    _, answers = loop.read()
+    assert answers[resume] == (True, None) and answers[wait][1][0] == "RuntimeError"
+    assert not engine.paused and "late" in engine.requests
+
+
+def test_clear_cache_resets_the_prefix_cache_and_a_failed_step_fails_its_requests(tiny_checkpoint, monkeypatch):
+    loop = Loop(tiny_checkpoint, enable_sleep_mode=True)
+    engine = loop.engine
+    loop.add("done", max_tokens=20)
+    while engine.has_unfinished_requests():
+        loop.loop.send(*loop.loop.process(engine.step()))
+    assert engine.block_manager.cached_blocks
+    loop.call("pause_generation", "wait", False)
+    assert engine.paused and engine.block_manager.cached_blocks
+    engine.sleep()
+    resume = loop.call("resume_generation")
+    assert loop.read()[1][resume][1][0] == "RuntimeError" and engine.paused     # asleep: wake_up first
+    engine.wake_up()
+    loop.call("resume_generation")
+    loop.call("pause_generation", "abort", True)
+    assert engine.paused and not engine.block_manager.cached_blocks
+    loop.call("resume_generation")
+
+    loop.add("failing")
+    engine.step()
+
+    def fail():
+        raise RuntimeError("the device is gone")
+    monkeypatch.setattr(engine.in_flight.handle, "result", fail)    # the step in flight fails
+    keep = loop.call("pause_generation", "keep", False)
+    reasons, answers = loop.read()
+    assert reasons["failing"] == "error" and answers[keep] == (True, None)
+    assert not engine.has_unfinished_requests() and not loop.loop.states
