@@ -101,6 +101,24 @@ def test_an_abort_goes_to_the_engine_that_runs_the_request():
     assert aborted == [(1, "r1")]
 
 
+def test_a_pause_holds_every_engine_until_resume(dp_server, cpu_llm):
+    """vLLM's /pause and /resume reach both engines: requests sent while paused wait, whichever
+    engine they go to, and then give the offline engine's tokens."""
+    import concurrent.futures
+    url = dp_server.base_url
+    assert httpx.post(url + "/pause", params={"mode": "wait"}, timeout=30).json() == {"is_paused": True}
+    assert httpx.get(url + "/is_paused", timeout=30).json() == {"is_paused": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(complete, dp_server, prompt, 4) for prompt in PROMPTS[:2]]
+        done, _ = concurrent.futures.wait(waiting, timeout=0.5)
+        assert not done, "a request ran while paused"
+        assert httpx.post(url + "/resume", timeout=30).json() == {"is_paused": False}
+        got = [future.result(timeout=60) for future in waiting]
+    expected = [out.outputs[0].token_ids for out in
+                cpu_llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)]
+    assert got == expected and httpx.get(url + "/is_paused", timeout=30).json() == {"is_paused": False}
+
+
 def test_calls_between_steps_reach_every_engine(dp_server):
     assert httpx.post(dp_server.base_url + "/reset_prefix_cache", timeout=30).json() == {"reset": True}
     assert httpx.get(dp_server.base_url + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
