@@ -950,10 +950,13 @@ class ModelRunner:
                 decode_splits = decode_num_splits(self.graph_size_for(num_rows), self.num_kv_heads, max_seq_len,
                                                   DECODE_TILE_N, num_sms(self.device), DECODE_STAGES)
             # Tokens past query_start_loc[-1]: no sequence's, so attention skips them. Only the
-            # products and elementwise kernels see them.
-            pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens if self.triton_attention else 0
+            # products and elementwise kernels see them (up to the piecewise graphs' count).
             if piece_size is not None:
                 pad = piece_size - num_tokens
+            elif self.triton_attention:
+                pad = padded_token_count(num_tokens, self.config.max_num_seqs) - num_tokens
+            else:
+                pad = 0
         else:
             width, max_seq_len, max_query_len, num_rows = self.max_blocks, self.config.max_model_len, 1, graph_size
             # Rows of one token each (num_tokens == len(rows) here), greedy, with a context of one.
